@@ -1,0 +1,202 @@
+"""Hand-built collectives with torch.distributed's names and in-place semantics.
+
+Each function checks its input, optionally checks that every rank passed the same shape, dtype and
+arguments (``debug=True`` or ``MINIDIST_DEBUG=1``: before any data moves), then runs one of the
+algorithms in ``minidist.comm`` — built only from point-to-point isend/irecv:
+
+=================  =========================  ============================================
+collective         algorithms                 torch.distributed equivalent
+=================  =========================  ============================================
+all_reduce         ring (default), naive,     ``dist.all_reduce``
+                   tree (recursive doubling)
+reduce_scatter     ring (default), naive      ``dist.reduce_scatter`` / ``reduce_scatter_tensor``
+all_gather         ring (default), naive      ``dist.all_gather`` / ``all_gather_into_tensor``
+broadcast          tree (default), naive,     ``dist.broadcast``
+                   ring (pipelined chain)
+reduce             tree (default), naive      ``dist.reduce``
+all_to_all         naive (pairwise)           ``dist.all_to_all``
+=================  =========================  ============================================
+
+Ops: ``sum``, ``avg`` (sum, then divide by the world size, on every backend), ``max``, ``min``
+(see ``minidist.comm.ops``). Ranks and roots are ranks inside ``group`` (default: the world).
+Non-contiguous tensors are worked on as a contiguous copy that is copied back, so the call is still
+in place. Every function returns the output tensor for convenience.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import naive, p2p, ring, tree
+from .comm.ops import (check_same_across_ranks, contiguous, debug_enabled, finish_avg_,
+                       normalize_op)
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
+           "ALGORITHMS"]
+
+ALGORITHMS = {
+    "all_reduce": {"ring": ring.all_reduce, "naive": naive.all_reduce, "tree": tree.all_reduce},
+    "reduce_scatter": {"ring": ring.reduce_scatter_chunks, "naive": naive.reduce_scatter_chunks},
+    "all_gather": {"ring": ring.all_gather_chunks, "naive": naive.all_gather_chunks},
+    "broadcast": {"tree": tree.broadcast, "naive": naive.broadcast, "ring": ring.broadcast},
+    "reduce": {"tree": tree.reduce, "naive": naive.reduce},
+}
+
+
+def _setup(opname: str, algorithm: str, tensor, group):
+    if not dist.is_initialized():
+        raise RuntimeError(f"{opname}: the process group is not initialised; run inside "
+                           "minidist.run(...) or call minidist.init() first")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{opname}: expected a torch.Tensor, got {type(tensor).__name__}")
+    table = ALGORITHMS.get(opname)
+    if table is not None and algorithm not in table:
+        raise ValueError(f"{opname}: algorithm must be one of {sorted(table)}, got {algorithm!r}")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_root(opname: str, root: int, world: int, rank: int) -> None:
+    if not isinstance(root, int) or not 0 <= root < world:
+        raise ValueError(f"{opname} (rank {rank}): root must be a rank in 0..{world - 1}, got {root!r}")
+
+
+def all_reduce(tensor: torch.Tensor, op="sum", algorithm: str = "ring", group=None,
+               debug: bool | None = None) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks, in place; every rank ends with the same values.
+
+    Shape: any (it is treated as flat). Every rank must pass the same shape and dtype.
+    Traffic per rank (ring): 2(W-1)/W · numel elements.
+    """
+    rank, world = _setup("all_reduce", algorithm, tensor, group)
+    op = normalize_op(op, tensor.dtype, f"all_reduce (rank {rank})")
+    if debug_enabled(debug):
+        check_same_across_ranks("all_reduce", group, shape=tuple(tensor.shape), dtype=tensor.dtype,
+                                op=op, algorithm=algorithm)
+    with contiguous(tensor) as t, p2p.collective(f"all_reduce/{algorithm}"):
+        if world > 1 and t.numel() > 0:
+            ALGORITHMS["all_reduce"][algorithm](t.view(-1), op, rank, world, group)
+        finish_avg_(t, op, world)
+    return tensor
+
+
+def _as_chunks(big: torch.Tensor | list, small: torch.Tensor, world: int, opname: str, rank: int,
+               role: str) -> list[torch.Tensor]:
+    """The W per-rank pieces of ``big``: a list of W tensors, or one tensor of W·small.numel()."""
+    if isinstance(big, (list, tuple)):
+        if len(big) != world:
+            raise ValueError(f"{opname} (rank {rank}): {role} list has {len(big)} tensors, "
+                             f"expected world size {world}")
+        for i, b in enumerate(big):
+            if not b.is_contiguous() or b.dtype != small.dtype:
+                raise ValueError(f"{opname} (rank {rank}): {role}[{i}] must be contiguous and "
+                                 f"{small.dtype}, got contiguous={b.is_contiguous()}, {b.dtype}")
+        if big[rank].numel() != small.numel():
+            raise ValueError(f"{opname} (rank {rank}): {role}[{rank}] has {big[rank].numel()} "
+                             f"elements, this rank's tensor {small.numel()}")
+        return list(big)
+    if not isinstance(big, torch.Tensor) or not big.is_contiguous():
+        raise ValueError(f"{opname} (rank {rank}): {role} must be a contiguous tensor or a list")
+    if big.numel() != world * small.numel() or big.dtype != small.dtype:
+        raise ValueError(f"{opname} (rank {rank}): {role} must hold world_size x {small.numel()} = "
+                         f"{world * small.numel()} elements of {small.dtype}, got "
+                         f"{big.numel()} of {big.dtype}")
+    return list(big.view(-1).split(small.numel())) if small.numel() else [big.view(-1)] * world
+
+
+def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring", group=None,
+                   debug: bool | None = None) -> torch.Tensor:
+    """Reduce ``input`` across ranks and leave piece ``rank`` of the result in ``output``.
+
+    ``input``: a list of W tensors (piece r is ``input[r]``, same numel as ``output`` on rank r)
+    or one tensor of W · output.numel() elements (piece r is the r-th slice along the flat order).
+    ``input`` is used as scratch space. Traffic per rank (ring): (W-1)/W of the input.
+    """
+    rank, world = _setup("reduce_scatter", algorithm, output, group)
+    op = normalize_op(op, output.dtype, f"reduce_scatter (rank {rank})")
+    with contiguous(output) as out:
+        chunks = _as_chunks(input, out, world, "reduce_scatter", rank, "input")
+        if debug_enabled(debug):
+            check_same_across_ranks("reduce_scatter", group, sizes=[c.numel() for c in chunks],
+                                    dtype=out.dtype, op=op, algorithm=algorithm)
+        chunks = [c.view(-1) for c in chunks]
+        with p2p.collective(f"reduce_scatter/{algorithm}"):
+            ALGORITHMS["reduce_scatter"][algorithm](chunks, op, rank, world, group)
+        out.view(-1).copy_(chunks[rank])
+        finish_avg_(out, op, world)
+    return output
+
+
+def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
+               debug: bool | None = None):
+    """Gather every rank's ``input`` into ``output`` on every rank.
+
+    ``output``: a list of W tensors (``output[r]`` receives rank r's input; sizes may differ by
+    rank) or one tensor of W · input.numel() elements (rank r's input is the r-th slice).
+    Traffic per rank (ring): (W-1) · input.numel() elements sent.
+    """
+    rank, world = _setup("all_gather", algorithm, input, group)
+    chunks = _as_chunks(output, input, world, "all_gather", rank, "output")
+    if debug_enabled(debug):
+        check_same_across_ranks("all_gather", group, sizes=[c.numel() for c in chunks],
+                                dtype=input.dtype, algorithm=algorithm)
+    chunks = [c.view(-1) for c in chunks]
+    chunks[rank].copy_(input.reshape(-1))
+    with p2p.collective(f"all_gather/{algorithm}"):
+        ALGORITHMS["all_gather"][algorithm](chunks, rank, world, group)
+    return output
+
+
+def broadcast(tensor: torch.Tensor, src: int, algorithm: str = "tree", group=None,
+              debug: bool | None = None) -> torch.Tensor:
+    """Copy ``tensor`` from rank ``src`` to every rank, in place."""
+    rank, world = _setup("broadcast", algorithm, tensor, group)
+    _check_root("broadcast", src, world, rank)
+    if debug_enabled(debug):
+        check_same_across_ranks("broadcast", group, shape=tuple(tensor.shape), dtype=tensor.dtype,
+                                src=src, algorithm=algorithm)
+    with contiguous(tensor) as t, p2p.collective(f"broadcast/{algorithm}"):
+        if world > 1 and t.numel() > 0:
+            ALGORITHMS["broadcast"][algorithm](t.view(-1), src, rank, world, group)
+    return tensor
+
+
+def reduce(tensor: torch.Tensor, dst: int, op="sum", algorithm: str = "tree", group=None,
+           debug: bool | None = None) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks into rank ``dst`` (in place there; others hold scratch)."""
+    rank, world = _setup("reduce", algorithm, tensor, group)
+    _check_root("reduce", dst, world, rank)
+    op = normalize_op(op, tensor.dtype, f"reduce (rank {rank})")
+    if debug_enabled(debug):
+        check_same_across_ranks("reduce", group, shape=tuple(tensor.shape), dtype=tensor.dtype,
+                                op=op, dst=dst, algorithm=algorithm)
+    with contiguous(tensor) as t, p2p.collective(f"reduce/{algorithm}"):
+        if world > 1 and t.numel() > 0:
+            ALGORITHMS["reduce"][algorithm](t.view(-1), op, dst, rank, world, group)
+        if rank == dst:
+            finish_avg_(t, op, world)
+    return tensor
+
+
+def all_to_all(output: list, input: list, group=None, debug: bool | None = None) -> list:
+    """Rank r sends ``input[j]`` to rank j, and receives rank j's ``input[r]`` into ``output[j]``."""
+    rank, world = _setup("all_to_all", "naive", input[0] if input else None, group)
+    if len(output) != world or len(input) != world:
+        raise ValueError(f"all_to_all (rank {rank}): need {world} input and output tensors, got "
+                         f"{len(input)} and {len(output)}")
+    if any(not t.is_contiguous() for t in list(output) + list(input)):
+        raise ValueError(f"all_to_all (rank {rank}): all tensors must be contiguous")
+    if debug_enabled(debug):
+        sizes = [(tuple(i.shape), str(i.dtype)) for i in input]
+        everyone = [None] * world
+        dist.all_gather_object(everyone, sizes, group=group)
+        for j in range(world):
+            want = everyone[j][rank]
+            if (tuple(output[j].shape), str(output[j].dtype)) != want:
+                from .comm.ops import CollectiveMismatchError
+                raise CollectiveMismatchError(
+                    f"all_to_all: rank {rank} expects output[{j}] {tuple(output[j].shape)} "
+                    f"{output[j].dtype} but rank {j} sends {want[0]} {want[1]}")
+    with p2p.collective("all_to_all/naive"):
+        naive.all_to_all(list(output), list(input), rank, world, group)
+    return output

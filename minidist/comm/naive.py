@@ -1,0 +1,77 @@
+"""Naive (linear) algorithms: one root talks to everyone. Simple, correct, and slow at scale.
+
+* all-reduce = reduce to rank 0, then broadcast from rank 0: rank 0 receives and sends
+  (W-1)·N elements, so its link is the bottleneck and the time grows linearly with W;
+* reduce: the root receives from every rank in rank order (a deterministic summation order);
+* broadcast: the root sends the whole tensor to each rank in turn;
+* all-gather / reduce-scatter: every rank sends directly to every other rank.
+
+These are the baselines the ring and the tree are measured against (``minidist bench``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import p2p
+from .ops import combine_
+
+
+def reduce(flat: torch.Tensor, op: str, dst: int, rank: int, world: int, group=None) -> None:
+    """Linear reduce to ``dst`` (in place on ``dst``; other ranks' tensors are unchanged)."""
+    if rank != dst:
+        p2p.send(flat, dst, group)
+        return
+    tmp = torch.empty_like(flat)
+    for src in range(world):
+        if src != dst:
+            p2p.recv(tmp, src, group)
+            combine_(flat, tmp, op)
+
+
+def broadcast(flat: torch.Tensor, src: int, rank: int, world: int, group=None) -> None:
+    """Linear broadcast: ``src`` sends the whole tensor to every other rank."""
+    if rank == src:
+        p2p.wait_all([p2p.isend(flat, dst, group) for dst in range(world) if dst != src])
+    else:
+        p2p.recv(flat, src, group)
+
+
+def all_reduce(flat: torch.Tensor, op: str, rank: int, world: int, group=None) -> None:
+    """Reduce to rank 0, then broadcast from rank 0 (in place, ``avg`` left to the caller)."""
+    reduce(flat, op, 0, rank, world, group)
+    broadcast(flat, 0, rank, world, group)
+
+
+def all_gather_chunks(chunks: list[torch.Tensor], rank: int, world: int, group=None) -> None:
+    """Every rank sends ``chunks[rank]`` to every other rank and receives theirs directly."""
+    works = [p2p.irecv(chunks[src], src, group) for src in range(world) if src != rank]
+    works += [p2p.isend(chunks[rank], dst, group) for dst in range(world) if dst != rank]
+    p2p.wait_all(works)
+
+
+def reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, rank: int, world: int,
+                          group=None) -> None:
+    """Every rank sends chunk j to rank j; rank r combines the W pieces in rank order."""
+    incoming = {src: torch.empty_like(chunks[rank]) for src in range(world) if src != rank}
+    works = [p2p.irecv(buf, src, group) for src, buf in incoming.items()]
+    works += [p2p.isend(chunks[dst], dst, group) for dst in range(world) if dst != rank]
+    p2p.wait_all(works)
+    mine = chunks[rank].clone()
+    first = True
+    for src in range(world):
+        piece = mine if src == rank else incoming[src]
+        if first:
+            chunks[rank].copy_(piece)
+            first = False
+        else:
+            combine_(chunks[rank], piece, op)
+
+
+def all_to_all(outputs: list[torch.Tensor], inputs: list[torch.Tensor], rank: int, world: int,
+               group=None) -> None:
+    """Rank r sends ``inputs[j]`` to rank j and receives rank j's ``inputs[r]`` into ``outputs[j]``."""
+    outputs[rank].copy_(inputs[rank])
+    works = [p2p.irecv(outputs[src], src, group) for src in range(world) if src != rank]
+    works += [p2p.isend(inputs[dst], dst, group) for dst in range(world) if dst != rank]
+    p2p.wait_all(works)

@@ -1,0 +1,95 @@
+"""Reduction operators, input checks and the cross-rank debug check shared by all algorithms.
+
+Rules (the same on every backend, unlike history: one backend once summed where it should average):
+
+* ``sum``, ``max``, ``min`` work for floating and integer dtypes; ``max``/``min`` also for bool;
+* ``avg`` is ``sum`` then a division by the world size, for floating dtypes only: an integer
+  average would silently truncate, so it raises ``TypeError`` (use ``sum`` and divide yourself);
+* torch's ``dist.ReduceOp.SUM`` etc. are accepted as well as the strings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["normalize_op", "combine_", "finish_avg_", "contiguous", "check_same_across_ranks",
+           "CollectiveMismatchError", "debug_enabled"]
+
+OPS = ("sum", "avg", "max", "min")
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks called a collective with different shapes, dtypes or arguments (debug mode)."""
+
+
+def normalize_op(op, dtype: torch.dtype, where: str) -> str:
+    """Return ``op`` as one of ``OPS``; raise ``ValueError``/``TypeError`` for unusable combinations."""
+    name = op if isinstance(op, str) else getattr(op, "name", None) or str(op).rsplit(".", 1)[-1]
+    name = name.lower()
+    if name not in OPS:
+        raise ValueError(f"{where}: op must be one of {OPS}, got {op!r}")
+    if name == "avg" and not dtype.is_floating_point:
+        raise TypeError(f"{where}: op='avg' on {dtype} would truncate; use op='sum' and divide, "
+                        "or convert to a floating dtype first")
+    if dtype == torch.bool and name in ("sum", "avg"):
+        raise TypeError(f"{where}: op={name!r} is undefined for bool; use 'max' (any) or 'min' (all)")
+    if dtype.is_complex:
+        raise TypeError(f"{where}: complex tensors are not supported; use torch.view_as_real")
+    return name
+
+
+def combine_(acc: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+    """``acc = acc (op) other`` in place. ``avg`` accumulates like ``sum``."""
+    if op in ("sum", "avg"):
+        return acc.add_(other)
+    if op == "max":
+        return torch.maximum(acc, other, out=acc)
+    return torch.minimum(acc, other, out=acc)
+
+
+def finish_avg_(tensor: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
+    """Divide by the world size when ``op`` is ``avg``: every algorithm averages the same way."""
+    if op == "avg":
+        tensor.div_(world_size)
+    return tensor
+
+
+@contextlib.contextmanager
+def contiguous(tensor: torch.Tensor, copy_back: bool = True):
+    """Yield a contiguous tensor to work on; if a copy was needed, copy the result back (in place)."""
+    if tensor.is_contiguous():
+        yield tensor
+        return
+    work = tensor.contiguous()
+    yield work
+    if copy_back:
+        tensor.copy_(work)
+
+
+def debug_enabled(debug: bool | None) -> bool:
+    if debug is not None:
+        return debug
+    return os.environ.get("MINIDIST_DEBUG", "0").lower() in ("1", "true", "yes", "on")
+
+
+def check_same_across_ranks(opname: str, group, **fields) -> None:
+    """Exchange ``fields`` (shape, dtype, op, root, ...) and raise on every rank if they differ.
+
+    Runs before any data moves, so a mismatch is an error that names every rank's values
+    instead of a gloo abort, an NCCL hang, or garbage.
+    """
+    world = dist.get_world_size(group)
+    mine = tuple(sorted((k, str(v)) for k, v in fields.items()))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    if any(e != everyone[0] for e in everyone):
+        rows = "\n".join(f"  rank {r}: " + ", ".join(f"{k}={v}" for k, v in e)
+                         for r, e in enumerate(everyone))
+        raise CollectiveMismatchError(
+            f"{opname}: ranks disagree before any data moved (rank {dist.get_rank(group)} "
+            f"reporting):\n{rows}\nEvery rank must call the same collective with the same "
+            "shape, dtype and arguments, in the same order.")

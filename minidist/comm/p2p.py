@@ -1,0 +1,206 @@
+"""Point-to-point send/recv: the only primitives minidist's collectives are built from.
+
+Every call is recorded, per process:
+
+* **traffic counters** — bytes and messages sent and received, keyed by the collective that is
+  running (``"all_reduce/ring"``, ``"broadcast/tree"``, ...; ``"p2p"`` outside any collective), so
+  a lesson can check that a ring all-reduce sends ``2(W-1)/W · N`` elements per rank;
+* **the current operation** — op, peer, bytes and a per-rank sequence number. When
+  :func:`minidist.run` is driving the ranks, this lives in shared memory, so that when a run times
+  out the launcher can say which rank was waiting, in which op, on which peer.
+
+Peers are *group* ranks (the rank inside ``group``), like every other minidist API; they are
+translated to global ranks before reaching ``torch.distributed``. Empty tensors are never sent:
+gloo cannot send zero bytes, and both sides of a pair always agree that the message is empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "send", "recv", "isend", "irecv", "wait_all", "exchange",
+    "traffic", "reset_traffic", "count_traffic", "collective", "current_op", "Traffic",
+]
+
+
+@dataclass
+class Traffic:
+    """Bytes and messages one rank sent and received (one row per collective name)."""
+
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    msgs_sent: int = 0
+    msgs_recv: int = 0
+
+    def __iadd__(self, other: "Traffic") -> "Traffic":
+        self.bytes_sent += other.bytes_sent
+        self.bytes_recv += other.bytes_recv
+        self.msgs_sent += other.msgs_sent
+        self.msgs_recv += other.msgs_recv
+        return self
+
+
+@dataclass
+class _State:
+    seq: int = 0
+    scope: list = field(default_factory=list)  # stack of collective names
+    traffic: dict = field(default_factory=lambda: defaultdict(Traffic))
+    shm: object = None  # multiprocessing.Array('c', N) installed by minidist.run
+    last: str = "none yet"
+
+
+_state = _State()
+
+
+def _install_shared_buffer(buf) -> None:
+    """Called by the launcher in each child: where to publish the current op."""
+    _state.shm = buf
+
+
+def _publish(text: str) -> None:
+    _state.last = text
+    if _state.shm is not None:
+        data = text.encode("utf-8", "replace")[: len(_state.shm) - 1]
+        _state.shm.raw = data + b"\0" * (len(_state.shm) - len(data))
+
+
+def current_op() -> str:
+    """Human-readable description of what this rank is doing (or did last) in minidist."""
+    return _state.last
+
+
+def _scope_name() -> str:
+    return _state.scope[-1] if _state.scope else "p2p"
+
+
+@contextlib.contextmanager
+def collective(name: str):
+    """Attribute the p2p calls inside the block to collective ``name`` (e.g. ``"all_reduce/ring"``)."""
+    _state.scope.append(name)
+    try:
+        yield
+    finally:
+        _state.scope.pop()
+        if not _state.scope:
+            _publish(f"idle after {name} (seq {_state.seq})")
+
+
+def _global(peer: int, group) -> int:
+    return peer if group is None else dist.get_global_rank(group, peer)
+
+
+def _record(kind: str, tensor: torch.Tensor, peer: int) -> None:
+    _state.seq += 1
+    nbytes = tensor.numel() * tensor.element_size()
+    t = _state.traffic[_scope_name()]
+    if kind in ("send", "isend"):
+        t.bytes_sent += nbytes
+        t.msgs_sent += 1
+        arrow = f"to rank {peer}"
+    else:
+        t.bytes_recv += nbytes
+        t.msgs_recv += 1
+        arrow = f"from rank {peer}"
+    _publish(f"{_scope_name()}: {kind} {arrow}, {nbytes} bytes, seq {_state.seq}")
+
+
+def _check(tensor: torch.Tensor, kind: str, peer: int, group) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{kind}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{kind} (rank {dist.get_rank()}, peer {peer}): tensor must be contiguous; "
+                         "call .contiguous() first")
+    size = dist.get_world_size(group)
+    if not 0 <= peer < size:
+        raise ValueError(f"{kind} (rank {dist.get_rank()}): peer {peer} is not in 0..{size - 1}")
+
+
+class _Done:
+    """Stands in for the Work of an empty message: nothing to wait for."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+    """Non-blocking send of ``tensor`` to group rank ``dst``. Returns a Work (``.wait()``)."""
+    _check(tensor, "isend", dst, group)
+    if tensor.numel() == 0:
+        return _Done()
+    _record("isend", tensor, dst)
+    return dist.isend(tensor, _global(dst, group), group=group, tag=tag)
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
+    """Non-blocking receive into ``tensor`` (contiguous, preallocated) from group rank ``src``."""
+    _check(tensor, "irecv", src, group)
+    if tensor.numel() == 0:
+        return _Done()
+    _record("irecv", tensor, src)
+    return dist.irecv(tensor, _global(src, group), group=group, tag=tag)
+
+
+def wait_all(works) -> None:
+    """Wait for every Work; what this rank waits on is published for the launcher's timeout report."""
+    works = list(works)
+    if works and _state.shm is not None:
+        _publish(_state.last + " (waiting)")
+    for w in works:
+        w.wait()
+
+
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+    """Blocking send. Two ranks that both ``send`` before they ``recv`` can deadlock (gloo)."""
+    wait_all([isend(tensor, dst, group, tag)])
+
+
+def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
+    """Blocking receive into ``tensor`` from group rank ``src``."""
+    wait_all([irecv(tensor, src, group, tag)])
+
+
+def exchange(send_tensor, dst: int, recv_tensor, src: int, group=None) -> None:
+    """Send to ``dst`` and receive from ``src`` at the same time, then wait for both.
+
+    Posting both before waiting is what keeps a ring from deadlocking: with blocking sends every
+    rank would wait for its right neighbour to receive while that neighbour is itself sending.
+    """
+    works = []
+    if recv_tensor is not None:
+        works.append(irecv(recv_tensor, src, group))
+    if send_tensor is not None:
+        works.append(isend(send_tensor, dst, group))
+    wait_all(works)
+
+
+def traffic(name: str | None = None) -> dict | Traffic:
+    """This rank's traffic so far: a dict ``{collective name: Traffic}``, or one row by name."""
+    if name is not None:
+        return Traffic(**vars(_state.traffic.get(name, Traffic())))
+    return {k: Traffic(**vars(v)) for k, v in _state.traffic.items()}
+
+
+def reset_traffic() -> None:
+    _state.traffic.clear()
+
+
+@contextlib.contextmanager
+def count_traffic():
+    """Count the traffic of the block: ``with count_traffic() as t: ...`` then ``t.bytes_sent``."""
+    before = traffic()
+    total = Traffic()
+    yield total
+    after = traffic()
+    for k, v in after.items():
+        b = before.get(k, Traffic())
+        total += Traffic(v.bytes_sent - b.bytes_sent, v.bytes_recv - b.bytes_recv,
+                         v.msgs_sent - b.msgs_sent, v.msgs_recv - b.msgs_recv)

@@ -1,0 +1,164 @@
+"""Who am I? Rank, local rank and world size from torchrun, Slurm or minidist.run; backend and device.
+
+Device and backend are chosen here and nowhere else:
+
+* the device of a rank is ``cuda:LOCAL_RANK`` — never ``RANK``, never ``rank % device_count``
+  (RANK=5, LOCAL_RANK=1 on a 4-GPU node is device 1);
+* the backend is ``nccl`` when every local rank can have its own GPU, else ``gloo``.
+
+Sources: torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK) and
+Slurm's (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_NODEID, SLURM_NNODES,
+SLURM_NTASKS_PER_NODE) — see the torchrun and srun manuals.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistEnv", "detect", "choose_backend", "device_for", "set_device", "init", "EnvError"]
+
+
+class EnvError(RuntimeError):
+    """The environment describes an impossible or dangerous launch; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job. ``launcher`` is torchrun, slurm, minidist or single."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    launcher: str
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def _int(environ, key, default=None):
+    value = environ.get(key)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value.split("(")[0])  # SLURM_NTASKS_PER_NODE may read "4(x2)"
+    except ValueError:
+        raise EnvError(f"{key}={value!r} is not an integer") from None
+
+
+def detect(environ=None) -> DistEnv:
+    """Read the launch environment (``os.environ`` by default); pure, so it can be tested.
+
+    Raises:
+        EnvError: RANK without LOCAL_RANK and no SLURM_LOCALID; srun with several tasks per node
+            plus torchrun with several processes each; a multi-node job whose MASTER_ADDR is
+            localhost; indices out of range.
+    """
+    environ = os.environ if environ is None else environ
+    slurm_tasks_per_node = _int(environ, "SLURM_NTASKS_PER_NODE")
+    slurm_nnodes = _int(environ, "SLURM_NNODES", 1)
+    under_torchrun = "TORCHELASTIC_RUN_ID" in environ or "GROUP_RANK" in environ
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        launcher = "torchrun" if under_torchrun else "minidist" if "MINIDIST_RUN" in environ else "env"
+        local_rank = _int(environ, "LOCAL_RANK")
+        if local_rank is None:
+            local_rank = _int(environ, "SLURM_LOCALID")
+        if local_rank is None:
+            raise EnvError("RANK is set but LOCAL_RANK is not (and no SLURM_LOCALID): the device "
+                           "cannot be chosen. Launch with torchrun, or export LOCAL_RANK.")
+        local_world = _int(environ, "LOCAL_WORLD_SIZE", 1)
+        if under_torchrun and slurm_tasks_per_node and slurm_tasks_per_node > 1 and local_world > 1:
+            total = slurm_tasks_per_node * local_world * slurm_nnodes
+            raise EnvError(
+                f"srun started {slurm_tasks_per_node} tasks per node and torchrun started "
+                f"{local_world} processes in each: {total} processes instead of "
+                f"{local_world * slurm_nnodes}. Use `#SBATCH --ntasks-per-node=1` with torchrun, "
+                "or drop torchrun and let srun start one task per GPU.")
+        rank, world = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+        node = _int(environ, "GROUP_RANK", _int(environ, "SLURM_NODEID", 0))
+    elif "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        launcher = "slurm"
+        rank, world = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_NTASKS")
+        local_rank = _int(environ, "SLURM_LOCALID", 0)
+        local_world = slurm_tasks_per_node or max(1, world // max(1, slurm_nnodes))
+        node = _int(environ, "SLURM_NODEID", 0)  # SLURM_PROCID is a task id, not a node index
+    else:
+        return DistEnv(0, 0, 1, 1, 0, "single")
+    if not 0 <= rank < world or not 0 <= local_rank < max(local_world, 1):
+        raise EnvError(f"inconsistent launch environment: rank={rank}, world_size={world}, "
+                       f"local_rank={local_rank}, local_world_size={local_world}")
+    addr = environ.get("MASTER_ADDR")
+    port = _int(environ, "MASTER_PORT")
+    nnodes = slurm_nnodes if launcher == "slurm" else max(1, world // max(local_world, 1))
+    if addr in ("localhost", "127.0.0.1", "::1") and nnodes > 1:
+        raise EnvError(f"MASTER_ADDR={addr} but the job spans {nnodes} nodes: the other nodes "
+                       "would connect to themselves. Set MASTER_ADDR to the first node's hostname "
+                       "(e.g. `scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1`).")
+    return DistEnv(rank, local_rank, world, local_world, node, launcher, addr, port)
+
+
+def choose_backend(backend: str = "auto", local_world_size: int = 1) -> str:
+    """``"nccl"`` when every local rank can have its own GPU, else ``"gloo"``; checks explicit choices."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    if backend == "auto":
+        gpus = torch.cuda.device_count() if dist.is_nccl_available() else 0
+        return "nccl" if gpus >= local_world_size > 0 else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() < local_world_size:
+        raise ValueError(f"backend 'nccl' needs one GPU per local rank: {local_world_size} ranks, "
+                         f"{torch.cuda.device_count()} GPUs visible. Use backend='gloo'.")
+    return backend
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    """The device a rank computes on: ``cuda:local_rank`` with nccl, the CPU with gloo."""
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+
+
+def set_device(backend: str, local_rank: int) -> torch.device:
+    device = device_for(backend, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def device() -> torch.device:
+    """The current rank's device (after the process group is initialised)."""
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    return device_for(backend, detect().local_rank)
+
+
+def init(backend: str = "auto", timeout: float = 300.0, check_hosts: bool = True) -> DistEnv:
+    """Initialise the process group for a script run by torchrun, srun or plain python.
+
+    Reads the environment (see :func:`detect`), picks the backend and the device, initialises the
+    process group (env://), then all-gathers ``(hostname, local_rank)`` and checks that no pair is
+    duplicated. Without a launcher it initialises a single-rank group. Returns the :class:`DistEnv`.
+    """
+    info = detect()
+    backend = choose_backend(backend, info.local_world_size)
+    set_device(backend, info.local_rank)
+    kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+    if info.launcher == "single":
+        store = dist.HashStore()
+        dist.init_process_group(store=store, rank=0, world_size=1, **kwargs)
+        return info
+    if info.master_addr is None or info.master_port is None:
+        raise EnvError("MASTER_ADDR and MASTER_PORT must be set (torchrun sets them; under srun "
+                       "export them in the sbatch script).")
+    dist.init_process_group(init_method="env://", rank=info.rank, world_size=info.world_size,
+                            **kwargs)
+    if check_hosts:
+        hosts = [None] * info.world_size
+        dist.all_gather_object(hosts, (socket.gethostname(), info.local_rank))
+        dup = {h for h in hosts if hosts.count(h) > 1}
+        if dup:
+            raise EnvError(f"rank {info.rank}: (hostname, local_rank) pairs {sorted(dup)} appear "
+                           "more than once: two processes share a device. Check LOCAL_RANK.")
+    return info
