@@ -17,6 +17,7 @@ gloo cannot send zero bytes, and both sides of a pair always agree that the mess
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -46,10 +47,15 @@ class Traffic:
         return self
 
 
+class _Scopes(threading.local):
+    def __init__(self):
+        self.stack = []  # collective names, innermost last; per thread (a DDP comm thread has its own)
+
+
 @dataclass
 class _State:
     seq: int = 0
-    scope: list = field(default_factory=list)  # stack of collective names
+    scopes: _Scopes = field(default_factory=_Scopes)
     traffic: dict = field(default_factory=lambda: defaultdict(Traffic))
     shm: object = None  # multiprocessing.Array('c', N) installed by minidist.run
     last: str = "none yet"
@@ -76,18 +82,18 @@ def current_op() -> str:
 
 
 def _scope_name() -> str:
-    return _state.scope[-1] if _state.scope else "p2p"
+    return _state.scopes.stack[-1] if _state.scopes.stack else "p2p"
 
 
 @contextlib.contextmanager
 def collective(name: str):
     """Attribute the p2p calls inside the block to collective ``name`` (e.g. ``"all_reduce/ring"``)."""
-    _state.scope.append(name)
+    _state.scopes.stack.append(name)
     try:
         yield
     finally:
-        _state.scope.pop()
-        if not _state.scope:
+        _state.scopes.stack.pop()
+        if not _state.scopes.stack:
             _publish(f"idle after {name} (seq {_state.seq})")
 
 
