@@ -4,8 +4,8 @@ What the launcher guarantees (each point is a real trap; see docs/ARCHITECTURE.m
 
 * Functions defined in a notebook cell work: ``fn`` and its arguments travel pickled by value
   (cloudpickle), so a spawned child never has to import the kernel's ``__main__``.
-* A free port every time: the parent binds a ``TCPStore`` on port 0 and keeps it for the whole run,
-  so two launches at the same moment cannot collide, and nothing listens on 29500.
+* A free port every time: rank 0 binds its ``TCPStore`` on port 0 and keeps it for the whole run,
+  so two launches at the same moment cannot collide, and nothing needs 29500 to be free.
 * Fork when it is safe (gloo, CUDA not initialised in the parent): 4 ranks start in well under a
   second. Otherwise a spawn context created here (never the global start method).
 * Each child sets one intra-op thread before anything else (a forked child of a process that
@@ -33,6 +33,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -116,22 +117,25 @@ def _to_cpu(obj):
     return obj
 
 
-def _child(rank, world_size, payload, port, backend, pg_timeout_s, q, shm, dump_path):
+def _child(rank, world_size, payload, rendezvous, backend, pg_timeout_s, q, shm, dump_path):
     torch.set_num_threads(1)  # first: see the module docstring
     _die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                      OMP_NUM_THREADS="1", MINIDIST_RUN="1")
     sys.stdout = _QueueWriter(q, rank, "stdout")
     sys.stderr = _QueueWriter(q, rank, "stderr")
     dump = open(dump_path, "w")
-    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=False)
+    dump.write(f"main thread 0x{threading.main_thread().ident:016x}\n")
+    dump.flush()
+    # all threads: a process-directed signal may land on a gloo thread with no Python frames
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     p2p._install_shared_buffer(shm)
     code = 0
     try:
         fn, args = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
         timeout = datetime.timedelta(seconds=pg_timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        store = _rendezvous(rank, world_size, rendezvous, timeout)
         _env.set_device(backend, local_rank=rank)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
@@ -148,6 +152,27 @@ def _child(rank, world_size, payload, port, backend, pg_timeout_s, q, shm, dump_
         if code == 0 and dist.is_initialized():
             dist.destroy_process_group()
     sys.exit(code)
+
+
+def _rendezvous(rank, world_size, rendezvous, timeout):
+    """Rank 0 binds a TCPStore on a free port (port 0) and publishes it; the others connect.
+
+    The parent holds no store: forking a process whose store-server thread holds a lock can
+    deadlock the child (seen here about once in 200 launches), so the parent stays thread-free.
+    """
+    port_value, ready = rendezvous
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        port_value.value = store.port
+        ready.set()
+    else:
+        if not ready.wait(timeout.total_seconds()):
+            raise TimeoutError(f"rank {rank}: rank 0 did not publish the store port in time")
+        store = dist.TCPStore("127.0.0.1", port_value.value, world_size, is_master=False,
+                              timeout=timeout)
+    os.environ["MASTER_PORT"] = str(port_value.value)
+    return store
 
 
 # --------------------------------------------------------------------------- parent side
@@ -202,9 +227,14 @@ def _stack_of(dump_path: str) -> str:
     """The user-visible part of a faulthandler dump (innermost call first, launcher frames cut)."""
     try:
         with open(dump_path) as f:
-            lines = [ln.rstrip() for ln in f if ln.strip().startswith("File")]
+            text = f.read()
     except OSError:
         return "    (no stack)"
+    head, _, text = text.partition("\n")
+    main = head.rsplit(" ", 1)[-1]
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
+    block = next((b for b in blocks if b.split("(", 1)[0].strip().endswith(main)), text)
+    lines = [ln.rstrip() for ln in block.splitlines() if ln.strip().startswith("File")]
     keep = []
     for ln in lines:
         if "minidist/launch.py" in ln or "multiprocessing/" in ln:
@@ -255,8 +285,7 @@ def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0
     ctx = mp.get_context(method)
     # a forked child already has fn in memory (real tracebacks, no pickling); spawn needs bytes
     payload = (fn, args) if method == "fork" else cloudpickle.dumps((fn, args))
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout),
-                          wait_for_workers=False)
+    rendezvous = (ctx.Value("i", 0, lock=False), ctx.Event())
     tmp = tempfile.mkdtemp(prefix="minidist-run-")
     q = ctx.Queue()
     shms = [ctx.Array("c", 256, lock=False) for _ in range(world_size)]
@@ -268,7 +297,7 @@ def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0
             warnings.simplefilter("ignore", DeprecationWarning)  # fork of a threaded parent
             for r in range(world_size):
                 p = ctx.Process(target=_child, daemon=True, name=f"minidist-rank-{r}",
-                                args=(r, world_size, payload, store.port, backend, timeout + 30,
+                                args=(r, world_size, payload, rendezvous, backend, timeout + 30,
                                       q, shms[r], dumps[r]))
                 p.start()
                 procs.append(p)
@@ -277,8 +306,7 @@ def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0
         _kill(procs)
         out.finish()
         q.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        del store
+        os.environ.get("MINIDIST_KEEP_TMP") or shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _supervise(procs, q, out, shms, dumps, timeout, world_size):
