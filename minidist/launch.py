@@ -366,12 +366,14 @@ def _raise_failure(procs, errors, exited, have):
             events.append((False, t, r, f"rank {r} {_describe_exit(code)}", ""))
     events.sort(key=lambda e: (e[0], e[1]))
     failures = [(r, s, d) for _, _, r, s, d in events]
+    secondary = {r for sec, _, r, _, _ in events if sec}
     stopped = [r for r in range(len(procs)) if r not in have and r not in errors and r not in exited]
     root_rank, root_summary, root_tb = failures[0]
     lines = [f"rank {root_rank} failed: {root_summary}", "",
              f"--- rank {root_rank} (root cause) ---", root_tb.rstrip() or root_summary]
     for r, s, d in failures[1:]:
-        lines += ["", f"--- rank {r} (probably a consequence) ---", s]
+        why = "probably a consequence" if r in secondary else "also failed"
+        lines += ["", f"--- rank {r} ({why}) ---", s]
     if stopped:
         lines += ["", f"ranks {stopped} were stopped by the launcher after rank {root_rank} failed."]
     raise RankError("\n".join(lines), failures)

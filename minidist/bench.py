@@ -1,0 +1,209 @@
+"""nccl-tests-style benchmark of minidist's collectives against torch's, measured in the same run.
+
+Definitions (nccl-tests, doc/PERFORMANCE.md):
+
+* ``size`` is the total buffer in bytes (for reduce-scatter the input, for all-gather the output;
+  each rank's piece is size / W);
+* ``algbw = size / time`` (GB/s, 1 GB = 1e9 bytes);
+* ``busbw = algbw × factor``: factor = 2(W-1)/W for all-reduce, (W-1)/W for reduce-scatter and
+  all-gather, 1 for broadcast and reduce. busbw is comparable across W: it is the bandwidth each
+  link must sustain, so an optimal algorithm's busbw approaches the link bandwidth.
+
+Each measurement: the input is refilled, ranks meet at a barrier, the op is timed; ``time_s`` is the
+median over iterations of the slowest rank's time. Every result is also checked (the ``wrong``
+column, as nccl-tests' ``#wrong``). The latency-bandwidth (alpha-beta) model
+``time = alpha + beta · bytes`` is fitted by least squares (Hockney 1994; Thakur et al. 2005).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import collectives as C
+from .launch import run
+
+__all__ = ["run_bench", "busbw_factor", "fit_alpha_beta", "plot_busbw", "format_table",
+           "ALGORITHMS", "OPS", "parse_size"]
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+ALGORITHMS = {
+    "all_reduce": ("torch", "ring", "naive", "tree"),
+    "reduce_scatter": ("torch", "ring", "naive"),
+    "all_gather": ("torch", "ring", "naive"),
+    "broadcast": ("torch", "tree", "ring", "naive"),
+}
+
+
+def busbw_factor(op: str, world_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor for ``op`` at ``world_size`` ranks."""
+    w = world_size
+    return {"all_reduce": 2 * (w - 1) / w, "reduce_scatter": (w - 1) / w,
+            "all_gather": (w - 1) / w, "broadcast": 1.0, "reduce": 1.0}[op]
+
+
+def parse_size(text: str) -> int:
+    """``"64M"`` -> 67108864; accepts K, M, G (binary) and plain integers (bytes)."""
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if mult > 1 else text) * mult)
+
+
+def _one_op(op: str, algorithm: str, nbytes: int, rank: int, world: int):
+    """Return (prepare, call, check) closures for one measurement (float32 buffers)."""
+    n = max(nbytes // 4 // world * world, world)  # elements, divisible by W
+    piece = n // world
+    if op == "all_reduce":
+        t = torch.empty(n)
+        prep = lambda: t.fill_(rank + 1)  # noqa: E731
+        call = (lambda: dist.all_reduce(t)) if algorithm == "torch" else \
+            (lambda: C.all_reduce(t, algorithm=algorithm))
+        check = lambda: (t - world * (world + 1) / 2).abs().max().item()  # noqa: E731
+    elif op == "reduce_scatter":
+        inp, out = torch.empty(n), torch.empty(piece)
+        src = torch.arange(n, dtype=torch.float32).remainder_(1000).add_(rank)
+        prep = lambda: inp.copy_(src)  # noqa: E731
+        if algorithm == "torch":
+            call = lambda: dist.reduce_scatter(out, list(inp.split(piece)))  # noqa: E731
+        else:
+            call = lambda: C.reduce_scatter(out, inp, algorithm=algorithm)  # noqa: E731
+        want = (torch.arange(n, dtype=torch.float32).remainder_(1000) * world
+                + world * (world - 1) / 2).split(piece)[rank]
+        check = lambda: (out - want).abs().max().item()  # noqa: E731
+    elif op == "all_gather":
+        inp, out = torch.full((piece,), float(rank)), torch.empty(n)
+        prep = lambda: out.zero_()  # noqa: E731
+        if algorithm == "torch":
+            call = lambda: dist.all_gather(list(out.split(piece)), inp)  # noqa: E731
+        else:
+            call = lambda: C.all_gather(out, inp, algorithm=algorithm)  # noqa: E731
+        want = torch.arange(world, dtype=torch.float32).repeat_interleave(piece)
+        check = lambda: (out - want).abs().max().item()  # noqa: E731
+    elif op == "broadcast":
+        t = torch.empty(n)
+        prep = lambda: t.fill_(7.0 if rank == 0 else -1.0)  # noqa: E731
+        call = (lambda: dist.broadcast(t, 0)) if algorithm == "torch" else \
+            (lambda: C.broadcast(t, 0, algorithm=algorithm))
+        check = lambda: (t - 7.0).abs().max().item()  # noqa: E731
+    else:
+        raise ValueError(f"unknown op {op!r}; choose from {OPS}")
+    return prep, call, check
+
+
+def _bench_rank(rank, world, plan, iters, warmup):
+    rows = []
+    for op, algorithm, nbytes in plan:
+        prep, call, check = _one_op(op, algorithm, nbytes, rank, world)
+        times = []
+        for i in range(warmup + iters):
+            prep()
+            dist.barrier()
+            t0 = time.perf_counter()
+            call()
+            elapsed = time.perf_counter() - t0
+            if i >= warmup:
+                times.append(elapsed)
+        err = check()
+        t = torch.tensor(times + [err], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # slowest rank per iteration, worst error
+        rows.append(dict(op=op, algorithm=algorithm, world_size=world, bytes=nbytes,
+                         time_s=statistics.median(t[:-1].tolist()), max_error=t[-1].item()))
+    return rows
+
+
+def run_bench(ops=OPS, algorithms=None, world_sizes=(2, 4), sizes=None, iters: int = 5,
+              warmup: int = 1, timeout: float = 600.0, progress: bool = True) -> list[dict]:
+    """Measure ``ops`` x ``algorithms`` x ``world_sizes`` x ``sizes`` (bytes) and return rows.
+
+    Each row: op, algorithm, world_size, bytes, time_s (median of the slowest rank), algbw_GBps,
+    busbw_GBps, ratio_to_torch (busbw / torch's busbw for the same op, W and size; 1.0 for torch),
+    max_error and wrong (max_error above 1e-3 relative, which would be a bug).
+    """
+    from tqdm.auto import tqdm
+
+    sizes = list(sizes or [1 << k for k in range(10, 27, 2)])  # 1 KiB .. 64 MiB
+    jobs = [(w, op) for w in world_sizes for op in ops]
+    rows = []
+    for w, op in tqdm(jobs, desc="bench", disable=not progress, leave=False):
+        algs = [a for a in (algorithms or ALGORITHMS[op]) if a in ALGORITHMS[op]]
+        plan = [(op, a, s) for s in sizes for a in algs]
+        rows += run(_bench_rank, w, plan, iters, warmup, timeout=timeout)[0]
+    torch_time = {(r["op"], r["world_size"], r["bytes"]): r["time_s"]
+                  for r in rows if r["algorithm"] == "torch"}
+    for r in rows:
+        r["algbw_GBps"] = r["bytes"] / r["time_s"] / 1e9
+        r["busbw_GBps"] = r["algbw_GBps"] * busbw_factor(r["op"], r["world_size"])
+        ref = torch_time.get((r["op"], r["world_size"], r["bytes"]))
+        r["ratio_to_torch"] = ref / r["time_s"] if ref else float("nan")
+        r["wrong"] = r["max_error"] > 1e-3 * max(1.0, r["world_size"] ** 2)
+    return rows
+
+
+def fit_alpha_beta(rows: list[dict]) -> tuple[float, float]:
+    """Least-squares fit of ``time_s = alpha + beta · bytes``; returns (alpha in s, beta in s/byte).
+
+    Pass the rows of one (op, algorithm, world size). 1/beta is the asymptotic algbw (bytes/s).
+    """
+    if len(rows) < 2:
+        raise ValueError("fit_alpha_beta needs at least two sizes")
+    x = torch.tensor([float(r["bytes"]) for r in rows], dtype=torch.float64)
+    y = torch.tensor([r["time_s"] for r in rows], dtype=torch.float64)
+    a = torch.stack([torch.ones_like(x), x], dim=1)
+    alpha, beta = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1).tolist()
+    return alpha, beta
+
+
+def _human(nbytes: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:g} {unit}"
+    return f"{nbytes} B"
+
+
+def format_table(rows: list[dict]) -> str:
+    """The nccl-tests-like table, one line per row, plus an alpha-beta line per group."""
+    head = f"{'op':<15}{'algorithm':<10}{'W':>3}{'size':>11}{'time ms':>10}{'algbw GB/s':>12}" \
+           f"{'busbw GB/s':>12}{'vs torch':>10}{'#wrong':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['op']:<15}{r['algorithm']:<10}{r['world_size']:>3}{_human(r['bytes']):>11}"
+                     f"{r['time_s'] * 1e3:>10.3f}{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}"
+                     f"{r['ratio_to_torch']:>9.2f}x{int(r['wrong']):>8}")
+    lines.append("")
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["algorithm"], r["world_size"]), []).append(r)
+    for (op, alg, w), g in groups.items():
+        if len(g) >= 2:
+            alpha, beta = fit_alpha_beta(g)
+            bw = f"{1 / beta / 1e9:.2f} GB/s" if beta > 0 else "n/a"
+            lines.append(f"alpha-beta fit {op}/{alg} W={w}: alpha = {alpha * 1e6:.1f} us, "
+                         f"1/beta = {bw}")
+    return "\n".join(lines)
+
+
+def plot_busbw(rows: list[dict], op: str | None = None):
+    """busbw against size (log scale), one line per (algorithm, world size). Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    op = op or rows[0]["op"]
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=80)
+    groups = {}
+    for r in rows:
+        if r["op"] == op:
+            groups.setdefault((r["algorithm"], r["world_size"]), []).append(r)
+    for (alg, w), g in sorted(groups.items()):
+        g = sorted(g, key=lambda r: r["bytes"])
+        ax.plot([r["bytes"] for r in g], [r["busbw_GBps"] for r in g], marker="o",
+                linestyle="--" if alg == "torch" else "-", label=f"{alg}, W={w}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(f"{op}: bus bandwidth (nccl-tests definition)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

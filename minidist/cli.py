@@ -1,0 +1,216 @@
+"""The ``minidist`` command: ``demo`` (the tour, exits non-zero on any wrong result), ``bench``
+(nccl-tests-style tables; ``bench ddp`` and ``bench pp`` for the strategies) and ``doctor``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+__all__ = ["main"]
+
+# (op, algorithms) the demo checks against torch's built-in
+_DEMO_OPS = {
+    "all_reduce": ("ring", "naive", "tree"),
+    "reduce_scatter": ("ring", "naive"),
+    "all_gather": ("ring", "naive"),
+    "broadcast": ("tree", "ring", "naive"),
+    "reduce": ("tree", "naive"),
+    "all_to_all": ("naive",),
+}
+_DEMO_SIZES = (0, 3, 10, 100_003)  # elements: empty, fewer than ranks, uneven, large-ish
+_SECTIONS = ("data_parallel", "tensor_parallel", "pipeline_parallel")
+
+
+def _broken_ring_all_reduce(flat, op, rank, world, group=None):
+    """A deliberately wrong ring (reduce-scatter only): proves the demo's checker can fail."""
+    from .comm import ring
+    ring.reduce_scatter_chunks(list(flat.tensor_split(world)), op, rank, world, group)
+
+
+def _demo_rank(rank, world, inject):
+    import torch
+    import torch.distributed as dist
+
+    from . import bench
+    from . import collectives as C
+
+    if inject:
+        op_name, alg = inject.split("/")
+        C.ALGORITHMS[op_name][alg] = _broken_ring_all_reduce
+    gen = torch.Generator().manual_seed(1234 + rank)
+    rows = []
+    for op, algs in _DEMO_OPS.items():
+        for alg in algs:
+            worst, timing_elems, t_ours, t_torch = 0.0, _DEMO_SIZES[-1], None, None
+            for n in _DEMO_SIZES:
+                x = torch.randn(n * world if op in ("reduce_scatter", "all_to_all") else n,
+                                generator=gen)
+                ours, ref, t_ours, t_torch = _demo_pair(op, alg, x, rank, world, C, dist)
+                if ours.numel():
+                    worst = max(worst, (ours - ref).abs().max().item())
+            bytes_ = timing_elems * 4 * (world if op in ("reduce_scatter", "all_to_all") else 1)
+            factor = bench.busbw_factor(op if op in bench.OPS else "broadcast", world) \
+                if op != "all_to_all" else (world - 1) / world
+            t = torch.tensor([worst, t_ours, t_torch], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            rows.append(dict(section="collectives", check=f"{op}/{alg}", world_size=world,
+                             max_error=t[0].item(), ok=t[0].item() <= 1e-4,
+                             busbw=bytes_ / t[1].item() / 1e9 * factor,
+                             ratio=t[2].item() / t[1].item(), size=timing_elems))
+    return rows
+
+
+def _demo_pair(op, alg, x, rank, world, C, dist):
+    """Run ``op`` with minidist (algorithm ``alg``) and with torch on the same input; time both."""
+    import torch
+
+    def timed(f):
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = f()
+        return out, time.perf_counter() - t0
+
+    if op == "all_reduce":
+        ours, t1 = timed(lambda: C.all_reduce(x.clone(), algorithm=alg))
+        ref, t2 = timed(lambda: (lambda y: (dist.all_reduce(y), y)[1])(x.clone()))
+    elif op == "reduce_scatter":
+        n = x.numel() // world
+        ours, t1 = timed(lambda: C.reduce_scatter(torch.empty(n), x.clone(), algorithm=alg))
+        ref = torch.empty(n)
+        _, t2 = timed(lambda: dist.reduce_scatter(ref, list(x.clone().split(n))) if n else None)
+        if n == 0:
+            ref = ours
+    elif op == "all_gather":
+        ours, t1 = timed(lambda: C.all_gather(torch.empty(x.numel() * world), x, algorithm=alg))
+        parts = [torch.empty_like(x) for _ in range(world)]
+        _, t2 = timed(lambda: dist.all_gather(parts, x))
+        ref = torch.cat(parts)
+    elif op == "broadcast":
+        ours, t1 = timed(lambda: C.broadcast(x.clone(), src=world - 1, algorithm=alg))
+        ref, t2 = timed(lambda: (lambda y: (dist.broadcast(y, world - 1), y)[1])(x.clone()))
+    elif op == "reduce":
+        ours, t1 = timed(lambda: C.reduce(x.clone(), dst=0, algorithm=alg))
+        ref, t2 = timed(lambda: (lambda y: (dist.reduce(y, 0), y)[1])(x.clone()))
+        if rank != 0:  # only the destination's result is defined
+            ours = ref
+    else:  # all_to_all
+        n = x.numel() // world
+        outs = [torch.empty(n) for _ in range(world)]
+        _, t1 = timed(lambda: C.all_to_all(outs, list(x.tensor_split(world))))
+        refs = [torch.empty(n) for _ in range(world)]
+        _, t2 = timed(lambda: dist.all_to_all(refs, [p.clone() for p in x.tensor_split(world)]) if n else None)
+        ours, ref = torch.cat(outs), torch.cat(refs) if n else torch.cat(outs)
+    return ours, ref, t1, t2
+
+
+def demo(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="minidist demo", description="Run every hand-built collective "
+                                "(and the DDP/TP/PP sections) against torch's reference; exit 1 if "
+                                "any result is wrong.")
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--sections", nargs="*", default=["collectives", *_SECTIONS],
+                   help="which sections to run (default: all that are installed)")
+    p.add_argument("--inject-bug", default="", metavar="OP/ALG", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    from . import launch
+
+    start = time.perf_counter()
+    rows = []
+    if "collectives" in args.sections:
+        print(f"minidist demo: hand-built collectives against torch.distributed, "
+              f"world size {args.world_size} (gloo on CPU unless GPUs are available)\n")
+        rows = launch.run(_demo_rank, args.world_size, args.inject_bug, timeout=300)[0]
+        head = f"{'op/algorithm':<24}{'W':>3}{'max error':>12}{'busbw GB/s':>12}{'vs torch':>10}  ok"
+        print(head + "\n" + "-" * len(head))
+        for r in rows:
+            print(f"{r['check']:<24}{r['world_size']:>3}{r['max_error']:>12.2e}{r['busbw']:>12.3f}"
+                  f"{r['ratio']:>9.2f}x  {'✓' if r['ok'] else '✗ WRONG'}")
+        print(f"(sizes checked: {', '.join(map(str, _DEMO_SIZES))} elements per rank; busbw and "
+              f"ratio measured at {_DEMO_SIZES[-1]} elements, one call each: see `minidist bench`)")
+    for section in _SECTIONS:
+        if section not in args.sections:
+            continue
+        try:
+            mod = importlib.import_module(f"minidist.{section}.demo")
+        except ModuleNotFoundError:
+            continue
+        print(f"\n== {section.replace('_', ' ')} ==")
+        extra = mod.demo_rows()
+        for r in extra:
+            print(f"{r['check']:<48} W={r['world_size']:<2} max error {r['max_error']:.2e}  "
+                  f"{'✓' if r['ok'] else '✗ WRONG'}  {r.get('detail', '')}")
+        rows += extra
+    bad = [r for r in rows if not r["ok"]]
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} checks correct in {time.perf_counter() - start:.1f} s")
+    if bad:
+        print("WRONG: " + ", ".join(f"{r['section']}:{r['check']}" for r in bad), file=sys.stderr)
+        return 1
+    return 0
+
+
+def bench(argv=None) -> int:
+    from . import bench as B
+
+    p = argparse.ArgumentParser(prog="minidist bench", description="nccl-tests-style benchmark; "
+                                "'ddp' and 'pp' benchmark the strategies.")
+    p.add_argument("what", nargs="?", default="collectives", choices=["collectives", "ddp", "pp"])
+    p.add_argument("--ops", nargs="*", default=list(B.OPS), choices=B.OPS)
+    p.add_argument("--algorithms", nargs="*", default=None,
+                   help="torch ring naive tree (default: all that apply to each op)")
+    p.add_argument("--world-sizes", nargs="*", type=int, default=[2, 4])
+    p.add_argument("--min-bytes", default="1K")
+    p.add_argument("--max-bytes", default="64M")
+    p.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--plot", metavar="FILE.png", help="draw busbw against size")
+    args = p.parse_args(argv)
+    if args.what in ("ddp", "pp"):
+        pkg = {"ddp": "data_parallel", "pp": "pipeline_parallel"}[args.what]
+        try:
+            mod = importlib.import_module(f"minidist.{pkg}.bench")
+        except ModuleNotFoundError:
+            print(f"minidist bench {args.what}: minidist.{pkg} is not available", file=sys.stderr)
+            return 2
+        (mod.bench_ddp if args.what == "ddp" else mod.bench_bubble)()
+        return 0
+    sizes, s = [], B.parse_size(args.min_bytes)
+    while s <= B.parse_size(args.max_bytes):
+        sizes.append(s)
+        s *= args.factor
+    rows = B.run_bench(args.ops, args.algorithms, args.world_sizes, sizes, iters=args.iters)
+    print(B.format_table(rows))
+    if args.plot:
+        for op in args.ops:
+            fig = B.plot_busbw(rows, op)
+            path = args.plot if len(args.ops) == 1 else args.plot.replace(".png", f"-{op}.png")
+            fig.savefig(path)
+            print(f"wrote {path}")
+    return 1 if any(r["wrong"] for r in rows) else 0
+
+
+def doctor(argv=None) -> int:
+    try:
+        mod = importlib.import_module("minidist.doctor")
+    except ModuleNotFoundError:
+        print("minidist doctor is not available in this version", file=sys.stderr)
+        return 2
+    return mod.main(argv)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"demo": demo, "bench": bench, "doctor": doctor}
+    if not argv or argv[0] not in commands:
+        print("usage: minidist {demo,bench,doctor} [options]\n"
+              "  demo    run every hand-built collective (and DDP/TP/PP) against torch; exit 1 if wrong\n"
+              "  bench   nccl-tests-style table (algbw, busbw, ratio to torch); bench ddp | bench pp\n"
+              "  doctor  what this machine offers: torch, backends, devices, network, launch variables",
+              file=sys.stderr if argv else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
