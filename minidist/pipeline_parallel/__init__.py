@@ -1,0 +1,15 @@
+"""Pipeline parallelism from scratch: schedules as data, one engine, a simulator, timelines.
+
+* ``schedules``  — GPipe, 1F1B, interleaved 1F1B as per-rank lists of (op, micro-batch, stage)
+* ``simulator``  — the timeline, bubble and peak activations of a schedule, no processes
+* ``partition``  — cut an ``nn.Sequential`` into stages (by layers, parameters or measured time)
+* ``microbatch`` — ``tensor_split`` a batch; each micro-batch's loss weighted by its size
+* ``transport``  — activations forward, gradients backward, with a shape/dtype header
+* ``engine``     — runs any schedule on the ranks of a pipeline group; records a timeline
+* ``timeline``   — events, the bubble fraction, a Gantt chart
+"""
+
+from .schedules import (Op, Schedule, ScheduleError, gpipe, interleaved_one_f_one_b,  # noqa: F401
+                        make_schedule, one_f_one_b, validate)
+from .simulator import PipelineDeadlock, SimResult, bubble_formula, peak_inflight, simulate  # noqa: F401
+from .timeline import Event, bubble_fraction, plot_timeline  # noqa: F401

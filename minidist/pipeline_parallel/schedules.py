@@ -1,0 +1,190 @@
+"""Pipeline schedules as data: for every rank, the ordered list of (op, micro-batch, stage).
+
+A schedule is nothing but lists. One engine (``engine.py``) executes any of them, and one
+simulator (``simulator.py``) predicts their timeline, so a new schedule is a new function here
+and nothing else.
+
+Vocabulary: ``P`` ranks (pipeline stages in hardware), ``M`` micro-batches, ``v`` virtual stages
+(model chunks) per rank. The model is cut into ``P·v`` stages; stage ``s`` lives on rank
+``s % P`` (chunk ``s // P`` of that rank), so an activation leaving the last rank wraps around to
+rank 0 for the next chunk. ``F`` is a forward of one micro-batch through one stage, ``B`` its
+backward. The sends and receives are implied by the stage numbers: ``F(m, s)`` needs the
+activation of ``F(m, s-1)``, ``B(m, s)`` needs the gradient of ``B(m, s+1)``.
+
+* :func:`gpipe` — all forwards, then all backwards (GPipe, Huang et al. 2019). Holds ``M``
+  micro-batches of activations on every stage.
+* :func:`one_f_one_b` — ``P-1-r`` warm-up forwards, then one forward / one backward, then the
+  cool-down backwards (PipeDream-Flush, Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel
+  DNN Training"). Same bubble as GPipe, at most ``min(P-r, M)`` micro-batches in flight.
+* :func:`interleaved_one_f_one_b` — 1F1B over ``v`` chunks per rank (Narayanan et al. 2021,
+  "Efficient Large-Scale Language Model Training on GPU Clusters", §2.2; the order of
+  Megatron-LM's ``forward_backward_pipelining_with_interleaving``). Bubble shrinks by ``v``;
+  needs ``M % P == 0``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+__all__ = ["Op", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "SCHEDULES",
+           "make_schedule", "validate", "ScheduleError"]
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be run (bad P/M/v, or a list that misses or repeats an op)."""
+
+
+class Op(NamedTuple):
+    """One unit of work on one rank: ``kind`` is ``"F"`` or ``"B"``; ``mb`` and ``stage`` are indices."""
+
+    kind: str
+    mb: int
+    stage: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.mb}@s{self.stage}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """``ops[r]`` is the ordered op list of rank ``r``. ``P`` ranks, ``M`` micro-batches, ``v`` chunks."""
+
+    name: str
+    P: int
+    M: int
+    v: int
+    ops: tuple
+
+    @property
+    def n_stages(self) -> int:
+        return self.P * self.v
+
+    def owner(self, stage: int) -> int:
+        """The rank that holds ``stage``."""
+        return stage % self.P
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages rank ``rank`` holds, chunk order."""
+        return [c * self.P + rank for c in range(self.v)]
+
+    def __getitem__(self, rank: int) -> list[Op]:
+        return list(self.ops[rank])
+
+    def __repr__(self) -> str:
+        rows = "\n".join(f"  rank {r}: {' '.join(map(repr, ops))}" for r, ops in enumerate(self.ops))
+        return f"Schedule({self.name}, P={self.P}, M={self.M}, v={self.v})\n{rows}"
+
+
+def _check_args(name: str, P: int, M: int, v: int = 1) -> None:
+    for key, val in (("P", P), ("M", M), ("v", v)):
+        if not isinstance(val, int) or val < 1:
+            raise ScheduleError(f"{name}: {key} must be an int >= 1, got {val!r}")
+
+
+def gpipe(P: int, M: int) -> Schedule:
+    """GPipe: every rank runs F for micro-batches 0..M-1, then B for 0..M-1. Any M >= 1 works."""
+    _check_args("gpipe", P, M)
+    ops = tuple(tuple([Op("F", m, r) for m in range(M)] + [Op("B", m, r) for m in range(M)])
+                for r in range(P))
+    return validate(Schedule("gpipe", P, M, 1, ops))
+
+
+def one_f_one_b(P: int, M: int) -> Schedule:
+    """1F1B: warm-up of ``min(P-1-r, M)`` forwards, steady 1F+1B pairs, cool-down backwards.
+
+    Rank ``r`` never holds more than ``min(P-r, M)`` micro-batches of activations. Any M >= 1
+    works (M < P just shortens the warm-up).
+    """
+    _check_args("1f1b", P, M)
+    ops = []
+    for r in range(P):
+        warmup = min(P - 1 - r, M)
+        row = [Op("F", m, r) for m in range(warmup)]
+        for i in range(M - warmup):  # steady state: one forward, one backward
+            row += [Op("F", warmup + i, r), Op("B", i, r)]
+        row += [Op("B", m, r) for m in range(M - warmup, M)]  # cool-down
+        ops.append(tuple(row))
+    return validate(Schedule("1f1b", P, M, 1, tuple(ops)))
+
+
+def interleaved_one_f_one_b(P: int, M: int, v: int = 2) -> Schedule:
+    """Interleaved 1F1B with ``v`` model chunks per rank (Megatron-LM's virtual pipeline).
+
+    Micro-batches go through the chunks in groups of ``P``: the k-th forward of a rank is chunk
+    ``(k // P) % v`` of micro-batch ``(k // (P·v))·P + k % P``; backwards walk the chunks in the
+    reverse order. Warm-up: ``2(P-1-r) + (v-1)P`` forwards (capped at ``M·v``).
+
+    Raises:
+        ScheduleError: ``M % P != 0`` (the micro-batch groups would be ragged; use 1F1B, or pick
+            M as a multiple of P).
+    """
+    _check_args("interleaved", P, M, v)
+    if M % P != 0:
+        raise ScheduleError(f"interleaved 1F1B needs the number of micro-batches M to be a multiple "
+                            f"of the pipeline size P (micro-batches go round in groups of P): got "
+                            f"M={M}, P={P}. Use M={max(P, M // P * P)} or {(M // P + 1) * P}, or "
+                            f"the plain 1F1B schedule.")
+    total = M * v
+
+    def op(kind: str, k: int, r: int) -> Op:
+        chunk = (k % (P * v)) // P
+        if kind == "B":
+            chunk = v - 1 - chunk
+        return Op(kind, (k // (P * v)) * P + k % P, chunk * P + r)
+
+    ops = []
+    for r in range(P):
+        warmup = min((P - 1 - r) * 2 + (v - 1) * P, total)
+        row = [op("F", k, r) for k in range(warmup)]
+        for k in range(total - warmup):
+            row += [op("F", k + warmup, r), op("B", k, r)]
+        row += [op("B", k, r) for k in range(total - warmup, total)]
+        ops.append(tuple(row))
+    return validate(Schedule(f"interleaved(v={v})", P, M, v, tuple(ops)))
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b}
+
+
+def make_schedule(name: str, P: int, M: int, v: int = 2) -> Schedule:
+    """``make_schedule("gpipe" | "1f1b" | "interleaved", P, M, v)``; ``v`` is used by interleaved only."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    return interleaved_one_f_one_b(P, M, v) if name == "interleaved" else SCHEDULES[name](P, M)
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Check that each rank runs F then B exactly once for every (micro-batch, own stage).
+
+    This catches lists that miss, repeat or misplace an op. Whether the ranks' orders fit together
+    (no circular wait between stages) is a property of all ranks at once: the simulator finds it.
+
+    Raises:
+        ScheduleError: naming the rank and the op.
+    """
+    P, M, v = schedule.P, schedule.M, schedule.v
+    if len(schedule.ops) != P:
+        raise ScheduleError(f"{schedule.name}: {len(schedule.ops)} op lists for P={P} ranks")
+    for r, row in enumerate(schedule.ops):
+        own = set(schedule.stages_of(r))
+        seen = set()
+        for op in row:
+            if not isinstance(op, Op) or op.kind not in ("F", "B"):
+                raise ScheduleError(f"{schedule.name}, rank {r}: {op!r} is not an Op('F'|'B', mb, stage)")
+            if op.stage not in own:
+                raise ScheduleError(f"{schedule.name}, rank {r}: {op!r} is for stage {op.stage}, "
+                                    f"but rank {r} holds stages {sorted(own)}")
+            if not 0 <= op.mb < M:
+                raise ScheduleError(f"{schedule.name}, rank {r}: {op!r}: micro-batch not in 0..{M - 1}")
+            if op in seen:
+                raise ScheduleError(f"{schedule.name}, rank {r}: {op!r} appears twice")
+            if op.kind == "B" and Op("F", op.mb, op.stage) not in seen:
+                raise ScheduleError(f"{schedule.name}, rank {r}: {op!r} comes before its forward")
+            seen.add(op)
+        missing = [Op(k, m, s) for s in sorted(own) for m in range(M) for k in "FB"
+                   if Op(k, m, s) not in seen]
+        if missing:
+            raise ScheduleError(f"{schedule.name}, rank {r}: missing ops {missing[:6]}"
+                                f"{' ...' if len(missing) > 6 else ''}")
+    return schedule
