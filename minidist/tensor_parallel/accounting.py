@@ -1,0 +1,105 @@
+"""Communication accounting for tensor parallelism: which collective ran where, in which pass.
+
+Every region operator (:mod:`minidist.tensor_parallel.regions`) reports its collective here while a
+:func:`comm_log` is open. The *scope* is the layer that ran it (``"block0.attn"``): set with
+:func:`scope` in the forward pass and remembered by the autograd node, so the backward's collective
+is filed under the same layer. Bytes are the payload (the tensor handed to the collective) and the
+bytes this rank actually sent, counted by :mod:`minidist.comm.p2p`.
+
+The formula the lesson checks (Megatron-LM, Shoeybi et al. 2019, §3; Korthikanti et al. 2022, §4):
+per transformer block and per pass, plain TP runs 2 all-reduces of the activation ``b·s·h``; a ring
+all-reduce sends ``2(W-1)/W`` of its payload per rank. Sequence parallelism replaces each all-reduce
+by an all-gather plus a reduce-scatter, each sending ``(W-1)/W`` of the full activation: the same
+bytes, but activations between them are 1/W the size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+__all__ = ["CommEvent", "comm_log", "scope", "current_scope", "record", "summarize",
+           "block_formula"]
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One collective run by a region operator on this rank."""
+
+    scope: str        # layer that ran it, e.g. "block0.mlp"
+    op: str           # all_reduce | all_gather | reduce_scatter
+    phase: str        # forward | backward
+    payload_bytes: int  # the full tensor the collective is about (all-gather: the gathered output)
+    bytes_sent: int   # what this rank sent for it (p2p counters)
+
+
+class _Local(threading.local):
+    def __init__(self):
+        self.scopes = []
+
+
+_local = _Local()
+_logs: list[list] = []
+
+
+@contextlib.contextmanager
+def comm_log():
+    """Collect the :class:`CommEvent` of every region collective in the block (this process)."""
+    log: list[CommEvent] = []
+    _logs.append(log)
+    try:
+        yield log
+    finally:
+        _logs.remove(log)
+
+
+@contextlib.contextmanager
+def scope(name: str):
+    """Name the layer running inside the block (nested scopes join with '.')."""
+    _local.scopes.append(name)
+    try:
+        yield
+    finally:
+        _local.scopes.pop()
+
+
+def current_scope() -> str:
+    return ".".join(_local.scopes) or "-"
+
+
+def record(scope_name: str, op: str, phase: str, payload_bytes: int, bytes_sent: int) -> None:
+    if _logs:
+        event = CommEvent(scope_name, op, phase, int(payload_bytes), int(bytes_sent))
+        for log in _logs:
+            log.append(event)
+
+
+def summarize(log, by=("scope", "phase", "op")) -> dict:
+    """``{key: {"count", "payload_bytes", "bytes_sent"}}`` with key the tuple of the ``by`` fields."""
+    out = defaultdict(lambda: {"count": 0, "payload_bytes": 0, "bytes_sent": 0})
+    for e in log:
+        row = out[tuple(getattr(e, f) for f in by)]
+        row["count"] += 1
+        row["payload_bytes"] += e.payload_bytes
+        row["bytes_sent"] += e.bytes_sent
+    return dict(out)
+
+
+def block_formula(batch: int, seq: int, hidden: int, tp: int, bytes_per_element: int = 4,
+                  sequence_parallel: bool = False) -> dict:
+    """Expected communication of one transformer block, per pass (forward or backward), per rank.
+
+    Returns ``{"ops": {op: count}, "payload_bytes": ..., "bytes_sent": ...}``: with TP = 1 there is
+    nothing to do; plain TP runs 2 all-reduces of ``b·s·h`` elements (ring: ``2(W-1)/W`` of it sent
+    each); sequence parallelism runs 2 all-gathers and 2 reduce-scatters (``(W-1)/W`` each).
+    """
+    act = batch * seq * hidden * bytes_per_element
+    if tp == 1:
+        return {"ops": {}, "payload_bytes": 0, "bytes_sent": 0}
+    if sequence_parallel:
+        return {"ops": {"all_gather": 2, "reduce_scatter": 2}, "payload_bytes": 4 * act,
+                "bytes_sent": 4 * act * (tp - 1) // tp}
+    return {"ops": {"all_reduce": 2}, "payload_bytes": 2 * act,
+            "bytes_sent": 2 * 2 * act * (tp - 1) // tp}
