@@ -1,0 +1,172 @@
+"""Data-parallel training on the digits, the same script on one machine, two torchrun trees, or Slurm.
+
+Run it with any launcher; ``minidist.init()`` reads the launcher's variables (RANK / LOCAL_RANK /
+WORLD_SIZE from torchrun, SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS from srun)::
+
+    python -m torch.distributed.run --nproc_per_node=4 course/multinode/train.py      # one machine
+    torchrun --nnodes=2 --nproc_per_node=2 --rdzv_backend=c10d \\
+             --rdzv_endpoint=HEAD:29500 --rdzv_id=job1 course/multinode/train.py      # on each node
+    sbatch course/multinode/sbatch_torchrun_cpu.sh                                   # Slurm
+
+Every rank writes ``OUT/rank{r}.json`` (rank, local rank, node, hostname, a SHA-256 of its
+parameters, final accuracy): a test compares those files, not interleaved log text. Rank 0 saves
+``CKPT/checkpoint.pt`` (the unwrapped model, so keys have no ``module.`` prefix) after every epoch
+and every rank resumes from it, so ``torchrun --max-restarts=N`` continues where a crash stopped.
+
+Fault injection for the troubleshooting lab: ``--crash-rank R --crash-epoch E`` (raises once, on
+the first attempt only: TORCHELASTIC_RESTART_COUNT=0); ``--slow-rank R --slow-seconds S`` (sleeps
+before the first collective while the others wait in it; with a short ``--timeout`` they fail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import minidist
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds a collective may wait before the process group gives up")
+    p.add_argument("--out", default=None, help="folder for rank{r}.json (a shared filesystem)")
+    p.add_argument("--ckpt", default=None, help="folder for checkpoint.pt (a shared filesystem)")
+    p.add_argument("--no-host-check", action="store_true",
+                   help="allow several ranks with the same (hostname, local rank): two torchrun "
+                        "trees simulating two nodes on one machine")
+    p.add_argument("--crash-rank", type=int, default=None)
+    p.add_argument("--crash-epoch", type=int, default=1)
+    p.add_argument("--slow-rank", type=int, default=None)
+    p.add_argument("--slow-seconds", type=float, default=0.0)
+    return p.parse_args(argv)
+
+
+def digits(seed: int = 0):
+    """The 1797 8x8 digits shipped with scikit-learn (no download): standardised, 80/20 split."""
+    from sklearn.datasets import load_digits
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32) / 16.0
+    y = torch.tensor(y, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    x, y = x[perm], y[perm]
+    n_train = int(0.8 * len(x))
+    mean, std = x[:n_train].mean(0), x[:n_train].std(0) + 1e-3
+    x = (x - mean) / std
+    return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)  # same init on every rank (DDP also broadcasts rank 0's values)
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def param_digest(model: nn.Module) -> str:
+    """SHA-256 of every parameter's bytes: equal digests mean bit-identical replicas."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def evaluate(model, data, device) -> float:
+    """Accuracy over the whole test set: each rank scores a disjoint shard, counts are summed."""
+    info_rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = data.tensors
+    idx = torch.arange(info_rank, len(x), world)  # disjoint, covers every sample once
+    correct = (model(x[idx].to(device)).argmax(1) == y[idx].to(device)).sum()
+    counts = torch.stack([correct.double(), torch.tensor(float(len(idx)), device=device).double()])
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    info = minidist.init(backend=args.backend, timeout=args.timeout,
+                         check_hosts=not args.no_host_check)
+    rank, world = info.rank, info.world_size
+    device = minidist.env.device()
+    host = socket.gethostname()
+    hosts = [None] * world
+    dist.all_gather_object(hosts, host)
+    if rank == 0:
+        print(f"world_size={world} backend={dist.get_backend()} hosts={sorted(set(hosts))} "
+              f"launcher={info.launcher}", flush=True)
+
+    train_set, test_set = digits()
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    model = make_model().to(device)
+    start_epoch = 0
+    ckpt_path = os.path.join(args.ckpt, "checkpoint.pt") if args.ckpt else None
+    if ckpt_path and rank == 0:
+        os.makedirs(args.ckpt, exist_ok=True)
+    if ckpt_path and os.path.exists(ckpt_path):
+        state = torch.load(ckpt_path, map_location=device)
+        model.load_state_dict(state["model"])
+        start_epoch = state["epoch"] + 1
+        if rank == 0:
+            print(f"resumed from {ckpt_path} at epoch {start_epoch}", flush=True)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.0)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        if rank == args.slow_rank and epoch == start_epoch:
+            print(f"rank {rank}: doing {args.slow_seconds:.0f} s of extra work", flush=True)
+            time.sleep(args.slow_seconds)
+        if rank == args.crash_rank and epoch == args.crash_epoch and attempt == 0:
+            raise RuntimeError(f"rank {rank}: injected crash in epoch {epoch}")
+        total = torch.zeros(2, device=device, dtype=torch.float64)
+        for x, y in loader:
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(ddp(x.to(device)), y.to(device))
+            loss.backward()  # DDP averages gradients over ranks here
+            opt.step()
+            total += torch.stack([loss.detach().double() * len(y), torch.tensor(len(y), device=device).double()])
+        dist.all_reduce(total)
+        acc = evaluate(model, test_set, device)
+        if rank == 0:
+            print(f"epoch {epoch}: loss {total[0].item() / total[1].item():.4f}  "
+                  f"test accuracy {acc:.4f}", flush=True)
+            if ckpt_path:  # save the unwrapped model; write then rename, so a crash never leaves half a file
+                torch.save({"model": model.state_dict(), "epoch": epoch}, ckpt_path + ".tmp")
+                os.replace(ckpt_path + ".tmp", ckpt_path)
+        dist.barrier()  # nobody starts the next epoch (or resumes) before the checkpoint exists
+
+    acc = evaluate(model, test_set, device) if args.epochs > 0 else float("nan")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        record = dict(rank=rank, local_rank=info.local_rank, world_size=world,
+                      node_rank=info.node_rank, launcher=info.launcher, hostname=host,
+                      hosts=hosts, pid=os.getpid(), params_sha256=param_digest(model),
+                      accuracy=acc, backend=dist.get_backend(), attempt=attempt)
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+            json.dump(record, f)
+    dist.barrier()
+    del ddp  # release DDP's reducer before the process group (a clean teardown)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
