@@ -1,0 +1,164 @@
+"""One engine runs every schedule: walk this rank's op list, receive, compute, send.
+
+For each op of ``schedule[rank]`` (see ``schedules.py``):
+
+* ``F(m, s)``: take micro-batch ``m`` of the input (stage 0) or receive the activation from stage
+  ``s-1``; run stage ``s``; on the last stage compute ``(n_m/N) · loss_fn(y, target_m)``, else
+  send ``y`` to stage ``s+1``. Keep ``(x, y)`` for the backward.
+* ``B(m, s)``: receive ``∂L/∂y`` from stage ``s+1`` (the last stage starts from its loss),
+  backpropagate through stage ``s`` (parameter gradients accumulate across micro-batches), send
+  ``∂L/∂x`` to stage ``s-1``.
+
+Because each micro-batch's mean loss is weighted by its share of the batch, the summed loss and
+the accumulated gradients equal one process on the whole batch (to fp32 rounding), for any batch
+size N >= M. With data parallelism (``dp_group``), each stage's gradients are averaged over its DP
+replicas once, right after the rank's last backward — the point where they are final
+(Narayanan et al. 2021 do the same for PipeDream-Flush).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import collectives as C
+from . import microbatch
+from .memory import ActivationMeter
+from .schedules import Schedule
+from .timeline import Event
+from .transport import Transport
+
+__all__ = ["pipeline_step", "StepResult", "local_stages", "sync_gradients"]
+
+
+@dataclass
+class StepResult:
+    """``loss``: the full-batch loss (a float) on the rank holding the last stage, None elsewhere.
+    ``events``: this rank's timeline (empty unless ``record=True``), times in seconds from a barrier.
+    ``peak_inflight`` / ``peak_activation_bytes``: {stage: peak micro-batches / bytes saved for
+    backward}, measured."""
+
+    loss: float | None
+    events: list = field(default_factory=list)
+    peak_inflight: dict = field(default_factory=dict)
+    peak_activation_bytes: dict = field(default_factory=dict)
+
+
+def local_stages(stages: list[nn.Module], schedule: Schedule, rank: int) -> dict[int, nn.Module]:
+    """{stage index: module} of the stages ``rank`` holds (``stages`` has all ``P·v`` of them)."""
+    if len(stages) != schedule.n_stages:
+        raise ValueError(f"schedule {schedule.name} has {schedule.n_stages} stages (P={schedule.P} x "
+                         f"v={schedule.v}), but the model was split into {len(stages)}")
+    return {s: stages[s] for s in schedule.stages_of(rank)}
+
+
+def sync_gradients(modules: dict[int, nn.Module], dp_group, algorithm: str = "ring") -> None:
+    """Average every parameter gradient of ``modules`` over ``dp_group``, as one flat buffer.
+
+    A parameter with no gradient counts as zero (so replicas stay in step).
+    """
+    params = [p for s in sorted(modules) for p in modules[s].parameters() if p.requires_grad]
+    if not params or dist.get_world_size(dp_group) == 1:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
+    C.all_reduce(flat, op="avg", algorithm=algorithm, group=dp_group)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+
+
+def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
+                  group=None, dp_group=None, record: bool = False, device=None) -> StepResult:
+    """Run one training step's forwards and backwards of ``schedule`` on this rank.
+
+    Args:
+        schedule: a :class:`Schedule` whose ``P`` equals the size of ``group``.
+        modules: {stage: module} for exactly the stages this rank holds (:func:`local_stages`).
+        inputs: the whole batch ``[N, ...]`` — used on the rank holding stage 0 (None elsewhere).
+        targets: the whole batch's targets ``[N, ...]`` — used on the rank holding the last stage.
+        loss_fn: ``loss_fn(output, target) -> scalar``, a *mean* over the micro-batch.
+        group: the pipeline process group (ranks inside it are pipeline ranks); default: world.
+        dp_group: if given, gradients are averaged over it once, after this rank's last backward.
+        record: keep a timeline of compute and communication events.
+
+    Gradients accumulate into ``.grad`` (zero them before the step). The optimizer step is yours.
+
+    Raises:
+        ValueError: the schedule does not fit the group, the modules are not this rank's stages,
+            or the batch has fewer than M samples.
+    """
+    rank = dist.get_rank(group)
+    P = dist.get_world_size(group)
+    if schedule.P != P:
+        raise ValueError(f"pipeline_step (rank {rank}): schedule {schedule.name} is for P={schedule.P} "
+                         f"ranks, the pipeline group has {P}")
+    if sorted(modules) != schedule.stages_of(rank):
+        raise ValueError(f"pipeline_step (rank {rank}): got modules for stages {sorted(modules)}, "
+                         f"this rank holds stages {schedule.stages_of(rank)} (use local_stages)")
+    M, last = schedule.M, schedule.n_stages - 1
+    device = device or torch.device("cpu")
+    mb_inputs = microbatch.split(inputs, M, "input batch") if 0 in modules else None
+    if last in modules:
+        mb_targets = microbatch.split(targets, M, "target batch")
+        weights = microbatch.loss_weights(targets.shape[0], M)
+    if record:
+        dist.barrier(group=group)
+    t0 = time.perf_counter()
+
+    def clock():
+        return time.perf_counter() - t0
+
+    transport = Transport(group, device, clock if record else None)
+    meter = ActivationMeter(modules)
+    events, saved, total = [], {}, None
+    for op in schedule[rank]:
+        m, s = op.mb, op.stage
+        if op.kind == "F":
+            if s == 0:
+                x = mb_inputs[m].to(device)
+            else:
+                x = transport.recv(schedule.owner(s - 1), "act", m, s - 1, s)
+                if x.is_floating_point():
+                    x.requires_grad_()
+            start = clock()
+            with meter.forward(s, m):
+                y = modules[s](x)
+                if s == last:
+                    y = loss_fn(y, mb_targets[m].to(device)) * weights[m]
+            events.append(Event(rank, "F", m, s, start, clock()))
+            if s == last:
+                total = y.detach() if total is None else total + y.detach()
+            else:
+                transport.send(y, schedule.owner(s + 1), "act", m, s, s + 1)
+            saved[(m, s)] = (x, y)
+        else:
+            x, y = saved.pop((m, s))
+            grad = None if s == last else transport.recv(schedule.owner(s + 1), "grad", m, s + 1, s)
+            start = clock()
+            if y.requires_grad:
+                torch.autograd.backward(y, grad)
+            meter.backward(s, m)
+            events.append(Event(rank, "B", m, s, start, clock()))
+            if s > 0:
+                gx = x.grad if x.grad is not None else torch.zeros_like(x)
+                transport.send(gx, schedule.owner(s - 1), "grad", m, s, s - 1)
+    transport.finish()
+    if dp_group is not None:
+        start = clock()
+        sync_gradients(modules, dp_group)
+        if record:
+            events.append(Event(rank, "dp_sync", -1, -1, start, clock()))
+    if record:
+        events += [Event(rank, k, mb, st, a, b) for k, mb, st, a, b in transport.events]
+        events.sort(key=lambda e: e.start)
+    else:
+        events = []
+    return StepResult(None if total is None else float(total), events, dict(meter.peak_inflight),
+                      dict(meter.peak_bytes))

@@ -1,0 +1,46 @@
+"""Cut a batch into micro-batches, and weight each micro-batch's loss so the sum is the full-batch loss.
+
+``torch.tensor_split`` always gives exactly ``M`` pieces whose sizes differ by at most one (10 into
+4 is [3, 3, 2, 2]); ``torch.chunk`` can give fewer (6 into 4 gives 3 pieces of 2). With a mean
+loss, micro-batch ``m`` of ``n_m`` samples contributes ``(n_m / N) · loss_m``: the sum over
+micro-batches is exactly the full-batch mean, and so are the gradients, for any ``N >= M``
+(failure case P2). Compare torchgpipe's ``microbatch.py`` (Kim et al. 2020).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["split", "sizes", "loss_weights"]
+
+
+def sizes(batch_size: int, M: int) -> list[int]:
+    """Micro-batch sizes ``tensor_split`` gives: ``batch_size`` into ``M`` near-equal parts."""
+    _check(batch_size, M)
+    return [batch_size // M + (1 if m < batch_size % M else 0) for m in range(M)]
+
+
+def _check(batch_size: int, M: int, what: str = "batch") -> None:
+    if not isinstance(M, int) or M < 1:
+        raise ValueError(f"number of micro-batches M must be an int >= 1, got {M!r}")
+    if batch_size < M:
+        raise ValueError(f"cannot cut the {what} ({batch_size} samples) into M={M} micro-batches: "
+                         f"{M - batch_size} would be empty. Use M <= {batch_size} or a larger batch.")
+
+
+def split(x: torch.Tensor, M: int, what: str = "batch") -> list[torch.Tensor]:
+    """``M`` micro-batches of ``x`` along dim 0 (shape ``[N, ...]`` -> ``[n_m, ...]``, Σ n_m = N).
+
+    Raises:
+        ValueError: ``M < 1`` or ``N < M`` (a micro-batch would be empty).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError(f"split: the {what} must be a tensor with a batch dimension, got "
+                         f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of 0 dims'}")
+    _check(x.shape[0], M, what)
+    return list(torch.tensor_split(x, M, dim=0))
+
+
+def loss_weights(batch_size: int, M: int) -> list[float]:
+    """``n_m / N`` per micro-batch: multiply each micro-batch's *mean* loss by it."""
+    return [n / batch_size for n in sizes(batch_size, M)]

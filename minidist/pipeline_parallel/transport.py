@@ -1,0 +1,133 @@
+"""Activations forward, gradients backward: point-to-point with a small header, on ``minidist.comm.p2p``.
+
+Every message is two sends: a header of ``HEADER_LEN`` int64 —
+``[kind, micro-batch, from-stage, dtype code, ndim, *shape]`` — then the payload. The receiver
+allocates from the header, so no stage relies on a preallocated shape (the last micro-batch of a
+ragged batch is smaller), and it checks that the header is the message it expected: a schedule
+bug shows up as an error naming both stages, not as a silently wrong tensor.
+
+Why the engine cannot deadlock on sends: every send is non-blocking (``isend``) and is only waited
+for at the end of the step, so a rank blocks only in a *receive* of something its schedule needs
+next. Two neighbours that both block in a send (failure case P1) cannot happen; what is left is a
+circular wait between the ranks' orders, which ``simulator.simulate`` detects ahead of time and
+which :func:`minidist.run`'s timeout reports at run time (each transport call is labelled
+``pp/recv act mb 3 stage 1->2`` etc., which the timeout message prints).
+
+Tags: each message carries a tag unique to (kind, micro-batch, stage), so on gloo messages between
+two ranks match by tag, not by arrival order (interleaving sends activations and gradients between
+the same pair of ranks). NCCL ignores tags and matches in issue order; the header check turns a
+mismatch into a clear error.
+
+A stage sending to itself (one rank holding consecutive stages: ``P = 1`` with ``v > 1``) uses a
+local mailbox; nothing goes through the process group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import p2p
+
+__all__ = ["Transport", "HEADER_LEN", "TransportError"]
+
+HEADER_LEN = 12
+_MAX_DIMS = HEADER_LEN - 5
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
+_KINDS = {"act": 0, "grad": 1}
+
+
+class TransportError(RuntimeError):
+    """A received header is not the message this stage expected (or a tensor cannot be sent)."""
+
+
+def _tag(kind: str, mb: int, from_stage: int) -> int:
+    return 1 + (mb * 1024 + from_stage) * 2 + _KINDS[kind]
+
+
+class Transport:
+    """Sends and receives pipeline messages for one rank of a pipeline ``group``.
+
+    ``send`` is non-blocking (the tensor is kept alive until :meth:`finish`); ``recv`` blocks.
+    Records ``(kind, start, end)`` for the timeline when ``clock`` is given.
+    """
+
+    def __init__(self, group=None, device=None, clock=None):
+        self.group = group
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.device = device or torch.device("cpu")
+        self.pending = []  # (works, tensors) until finish()
+        self.mailbox = {}  # local hand-offs
+        self.clock = clock
+        self.events = []  # (kind, mb, stage, start, end)
+
+    def _label(self, what: str, kind: str, mb: int, a: int, b: int) -> str:
+        return f"pp/{what} {kind} mb {mb} stage {a}->{b}"
+
+    def send(self, tensor: torch.Tensor, peer: int, kind: str, mb: int, from_stage: int,
+             to_stage: int) -> None:
+        """Post ``tensor`` (activation or gradient of micro-batch ``mb``) to group rank ``peer``."""
+        t0 = self.clock() if self.clock else 0.0
+        tensor = tensor.detach()
+        if peer == self.rank:
+            self.mailbox[(kind, mb, from_stage)] = tensor
+            return
+        if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
+            raise TransportError(f"pipeline send (rank {self.rank}, stage {from_stage}->{to_stage}): "
+                                 f"cannot send a {tensor.dim()}-d {tensor.dtype} tensor (at most "
+                                 f"{_MAX_DIMS} dims, dtypes {_DTYPES})")
+        tensor = tensor.contiguous()
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[:5] = torch.tensor([_KINDS[kind], mb, from_stage, _DTYPES.index(tensor.dtype),
+                                   tensor.dim()])
+        header[5:5 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        header = header.to(self.device)
+        tag = _tag(kind, mb, from_stage)
+        with p2p.collective(self._label("send", kind, mb, from_stage, to_stage)):
+            works = [p2p.isend(header, peer, self.group, tag=tag),
+                     p2p.isend(tensor, peer, self.group, tag=tag)]
+        self.pending.append((works, (header, tensor)))
+        if self.clock:
+            self.events.append(("send", mb, from_stage, t0, self.clock()))
+
+    def recv(self, peer: int, kind: str, mb: int, from_stage: int, to_stage: int) -> torch.Tensor:
+        """Block until the ``kind`` message of micro-batch ``mb`` from ``from_stage`` arrives."""
+        t0 = self.clock() if self.clock else 0.0
+        if peer == self.rank:
+            key = (kind, mb, from_stage)
+            if key not in self.mailbox:
+                raise TransportError(f"pipeline recv (rank {self.rank}, stage {to_stage}): {kind} of "
+                                     f"micro-batch {mb} from stage {from_stage} (same rank) was "
+                                     "never produced: the schedule runs this op too early")
+            return self.mailbox.pop(key)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        tag = _tag(kind, mb, from_stage)
+        with p2p.collective(self._label("recv", kind, mb, from_stage, to_stage)):
+            p2p.recv(header, peer, self.group, tag=tag)
+            h = header.cpu().tolist()
+            want = [_KINDS[kind], mb, from_stage]
+            if h[:3] != want:
+                names = {v: k for k, v in _KINDS.items()}
+                raise TransportError(
+                    f"pipeline recv (rank {self.rank}, stage {to_stage}): expected {kind} of "
+                    f"micro-batch {mb} from stage {from_stage}, got {names.get(h[0], h[0])} of "
+                    f"micro-batch {h[1]} from stage {h[2]}: the two stages' schedules disagree")
+            shape = h[5:5 + h[4]]
+            out = torch.empty(shape, dtype=_DTYPES[h[3]], device=self.device)
+            p2p.recv(out, peer, self.group, tag=tag)
+        if self.clock:
+            self.events.append(("recv", mb, to_stage, t0, self.clock()))
+        return out
+
+    def finish(self) -> None:
+        """Wait for every posted send (call at the end of a step)."""
+        t0 = self.clock() if self.clock else 0.0
+        with p2p.collective("pp/finish sends"):
+            p2p.wait_all(w for works, _ in self.pending for w in works)
+        self.pending.clear()
+        if self.mailbox:
+            raise TransportError(f"pipeline (rank {self.rank}): messages never consumed: "
+                                 f"{sorted(self.mailbox)}")
+        if self.clock and self.events:
+            self.events.append(("wait", -1, -1, t0, self.clock()))
