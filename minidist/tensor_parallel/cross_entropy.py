@@ -1,0 +1,107 @@
+"""Cross-entropy over logits whose vocabulary is split across the TP group (Megatron-LM,
+``vocab_parallel_cross_entropy``; Shoeybi et al. 2019, §3).
+
+The full logits ``[..., V]`` never exist on one rank: rank r holds columns
+``[r·Vp/W, (r+1)·Vp/W)`` of the vocabulary padded to ``Vp`` (a multiple of W). Per token:
+
+1. ``m = max_j z_j`` over the *real* columns of every shard — an all-reduce(max); subtracting it
+   keeps ``exp`` finite even for logits of 1e4 (log-sum-exp trick);
+2. ``S = Σ_j exp(z_j - m)``, ``z_t - m`` (only the rank owning target t has it, the others
+   add 0) and, for label smoothing, ``Σ_j (z_j - m)``: one all-reduce(sum) of the three;
+3. ``loss = log S - (z_t - m)``; with label smoothing ε (as ``F.cross_entropy``):
+   ``(1-ε)·loss + ε·(log S - Σ_j (z_j - m) / V)``.
+
+Backward needs no communication: ``dL/dz_j = softmax_j - (1-ε)·[j = t] - ε/V`` on real columns,
+0 on padding columns. Every rank ends with the same loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import collectives as C
+from . import regions as R
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_size, label_smoothing, group):
+        world, rank = R.tp_world(group)
+        local = logits.shape[-1]
+        start = rank * local
+        cols = torch.arange(start, start + local, device=logits.device)
+        real = cols < vocab_size                                   # padding columns are False
+        z = logits.float().masked_fill(~real, float("-inf"))
+        m = z.max(dim=-1).values
+        if world > 1:
+            C.all_reduce(m, "max", group=group)
+        shifted = (z - m.unsqueeze(-1)).masked_fill(~real, 0.0)
+        exp = shifted.exp().masked_fill(~real, 0.0)
+        mine = (target >= start) & (target < start + local)
+        idx = (target - start).masked_fill(~mine, 0).unsqueeze(-1)
+        picked = shifted.gather(-1, idx).squeeze(-1).masked_fill(~mine, 0.0)
+        sums = torch.stack([exp.sum(-1), picked, shifted.sum(-1)])
+        if world > 1:
+            C.all_reduce(sums, "sum", group=group)
+        sum_exp, target_logit, sum_shifted = sums
+        log_z = sum_exp.log()
+        loss = log_z - target_logit
+        eps = label_smoothing
+        if eps > 0:
+            loss = (1 - eps) * loss + eps * (log_z - sum_shifted / vocab_size)
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, idx, mine, real)
+        ctx.eps, ctx.vocab_size, ctx.dtype = eps, vocab_size, logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, idx, mine, real = ctx.saved_tensors
+        grad = softmax.clone()
+        onehot = torch.zeros_like(grad).scatter_(-1, idx, 1.0) * mine.unsqueeze(-1)
+        grad -= (1 - ctx.eps) * onehot
+        if ctx.eps > 0:
+            grad -= ctx.eps / ctx.vocab_size
+        grad = grad.masked_fill(~real, 0.0) * grad_loss.unsqueeze(-1)
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                                 label_smoothing: float = 0.0, reduction: str = "mean",
+                                 group=None) -> torch.Tensor:
+    """Cross-entropy of vocabulary-sharded logits; equals ``F.cross_entropy`` on the full logits.
+
+    Args:
+        logits: ``[..., Vp/W]`` this rank's columns of the padded vocabulary (the output of a
+            ColumnParallelLinear with ``padded_out_features=Vp``).
+        target: ``[...]`` int64 class ids in ``[0, vocab_size)`` (the same on every rank).
+        vocab_size: the real vocabulary size V (columns ``>= V`` are padding and ignored).
+        label_smoothing: ε in ``[0, 1)``, with ``F.cross_entropy``'s definition.
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (per-token losses ``[...]``).
+
+    Raises ``ValueError`` (naming the rank) for targets out of range, a shape mismatch, or a
+    vocabulary that does not fit ``W x`` the local columns.
+    """
+    world, rank = R.tp_world(group)
+    where = f"vocab_parallel_cross_entropy (rank {rank})"
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"{where}: logits {tuple(logits.shape)} and target {tuple(target.shape)} "
+                         "must agree on every dimension but the last")
+    if not 1 <= vocab_size <= world * logits.shape[-1]:
+        raise ValueError(f"{where}: {world} shards of {logits.shape[-1]} columns cannot hold a "
+                         f"vocabulary of {vocab_size}")
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab_size):
+        raise ValueError(f"{where}: targets must be in [0, {vocab_size}), got min "
+                         f"{int(target.min())}, max {int(target.max())}")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"{where}: label_smoothing must be in [0, 1), got {label_smoothing}")
+    loss = _VocabParallelCE.apply(logits, target, vocab_size, float(label_smoothing), group)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.mean()
+    raise ValueError(f"{where}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
