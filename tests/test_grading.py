@@ -1,0 +1,157 @@
+"""minidist.grading: a correct collective scores full marks; each kind of wrong one fails, and says
+what was wrong (rank, index, expected, got). A grader that cannot fail is a defect."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minidist import collectives as C
+from minidist import grading
+from minidist.comm import p2p, ring
+
+
+def ring_all_reduce(t, rank, world):
+    C.all_reduce(t, algorithm="ring")
+
+
+def torch_all_reduce(t, rank, world):
+    dist.all_reduce(t)
+
+
+def chunk_ring(t, rank, world):  # failure case C1: torch.chunk can return fewer than W chunks
+    chunks = list(t.chunk(world)) if t.numel() else []
+    if len(chunks) != world:
+        raise IndexError(f"torch.chunk gave {len(chunks)} chunks for {world} ranks")
+    ring.reduce_scatter_chunks(chunks, "sum", rank, world)
+    ring.all_gather_chunks(chunks, rank, world)
+
+
+def off_by_one(t, rank, world):
+    C.all_reduce(t)
+    if rank == world - 1 and t.numel() > 2:
+        t[2] += 1
+
+
+def todo(t, rank, world):
+    raise NotImplementedError()
+
+
+def deadlock(t, rank, world):
+    if world > 1 and t.numel():
+        p2p.recv(t, (rank + 1) % world)
+
+
+def test_correct_ring_scores_full_marks_on_all_sizes():
+    report = grading.grade_collective(ring_all_reduce, "all_reduce", traffic="ring")
+    assert report.passed and report.score == report.max_score == 20, str(report)
+    assert "✓ world size 3, 1 element" in str(report)
+    report.assert_passed(show=False)
+
+
+@pytest.mark.parametrize("reference,fn", [
+    ("reduce_scatter", lambda ch, r, w: ring.reduce_scatter_chunks(ch, "sum", r, w)),
+    ("all_gather", lambda ch, r, w: ring.all_gather_chunks(ch, r, w)),
+])
+def test_chunk_collectives_pass(reference, fn):
+    report = grading.grade_collective(fn, reference, world_sizes=(1, 3, 4), sizes=(0, 2, 11),
+                                      traffic="ring")
+    assert report.passed, str(report)
+
+
+def test_wrong_value_names_rank_index_expected_got():
+    report = grading.grade_collective(off_by_one, world_sizes=(3,), sizes=(1, 10))
+    assert [r.passed for r in report.results] == [True, False]
+    msg = report.results[1].message
+    assert msg.startswith("rank 2: result[2]: expected ") and ", got " in msg
+    assert "(1 of 10 elements wrong)" in msg
+    with pytest.raises(AssertionError, match="1 of 2 checks failed"):
+        report.assert_passed(show=False)
+
+
+def test_fewer_elements_than_ranks_is_caught():
+    report = grading.grade_collective(chunk_ring, world_sizes=(4,), sizes=(3, 8))
+    assert [r.passed for r in report.results] == [False, True], str(report)
+    assert "IndexError" in report.results[0].message
+
+
+def test_all_gather_slot_never_received_is_caught():
+    def lazy(chunks, rank, world):  # only talks to the right neighbour once
+        pass
+    report = grading.grade_collective(lazy, "all_gather", world_sizes=(2,), sizes=(4,))
+    assert not report.passed and "expected" in report.results[0].message and "got nan" in \
+        report.results[0].message
+
+
+def test_not_implemented_and_score():
+    report = grading.grade_collective(todo, world_sizes=(1, 2), sizes=(3,))
+    assert report.score == 0 and report.max_score == 2
+    assert "NotImplementedError" in report.results[1].message
+
+
+def test_deadlock_becomes_a_failed_check_not_a_hang():
+    t0 = time.monotonic()
+    report = grading.grade_collective(deadlock, world_sizes=(2,), sizes=(5, 6), timeout=3)
+    assert time.monotonic() - t0 < 15
+    first, second = report.results
+    assert not first.passed and "timed out" in first.message
+    assert "rank 0" in first.message and "rank 1" in first.message
+    assert second.message.startswith("skipped")
+
+
+def test_traffic_check_rejects_torch_shortcut():
+    report = grading.grade_collective(torch_all_reduce, world_sizes=(2,), sizes=(4,),
+                                      traffic="ring")
+    assert not report.passed and "minidist.comm.p2p" in report.results[0].message
+    assert grading.grade_collective(torch_all_reduce, world_sizes=(2,), sizes=(4,)).passed
+
+
+def test_traffic_check_rejects_naive_all_reduce():
+    def naive(t, rank, world):
+        C.all_reduce(t, algorithm="naive")
+    report = grading.grade_collective(naive, world_sizes=(4,), sizes=(8,), traffic="ring")
+    assert not report.passed and "not a ring's" in report.results[0].message
+
+
+def test_check_and_report_generic():
+    rep = grading.Report("demo")
+    rep.check("fine", lambda: None)
+    rep.check("true", lambda: True, points=2)
+    rep.check("message", lambda: "rank 1: wrong")
+    rep.check("false", lambda: False)
+    rep.check("assert", lambda: (_ for _ in ()).throw(AssertionError("x != y")))
+    rep.check("todo", lambda: (_ for _ in ()).throw(NotImplementedError()))
+    assert rep.score == 3 and rep.max_score == 7
+    text = str(rep)
+    assert "✓ fine" in text and "✗ message: rank 1: wrong" in text and "✗ assert: x != y" in text
+    assert "not written yet" in text and text.endswith("score: 3/7")
+    with pytest.raises(AssertionError, match="no checks ran"):
+        grading.Report("empty").assert_passed(show=False)
+
+
+def test_compare():
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert grading.compare(a.clone(), a) is None
+    b = a.clone()
+    b[1, 0] = 5
+    assert grading.compare(b, a, rank=3) == \
+        "rank 3: result[(1, 0)]: expected 3, got 5 (1 of 4 elements wrong)"
+    assert "shape (4,)" in grading.compare(a.view(-1), a)
+    assert grading.compare(a + 1e-7, a, atol=1e-6) is None
+    assert grading.compare(torch.tensor([float("nan")]), torch.tensor([1.0])) is not None
+
+
+def _rank_check(rank, world, bad_rank):
+    return "values differ" if rank == bad_rank else None
+
+
+def test_check_on_ranks():
+    rep = grading.check_on_ranks("demo", _rank_check, (1, 2, 3), 2, timeout=20)
+    assert [r.passed for r in rep.results] == [True, True, False]
+    assert rep.results[2].message == "rank 2: values differ"
+
+
+def test_unknown_reference():
+    with pytest.raises(ValueError, match="reference must be one of"):
+        grading.grade_collective(todo, "all_to_some")
