@@ -1,0 +1,165 @@
+"""What every minidist DDP shares: wrapping, the replica checks, no_sync, and unused parameters.
+
+The three versions (:mod:`.naive`, :mod:`.flat`, :mod:`.bucketed`) differ only in *how* the
+gradients are averaged. Everything else lives here:
+
+* **construction** checks that every rank holds the same structure and broadcasts rank 0's
+  parameters and buffers (:mod:`.replicas`, failure case D8);
+* **forward** broadcasts buffers from rank 0 (``broadcast_buffers=True``, like torch's DDP) and
+  **takes the sync decision**: a backward synchronises iff its forward ran outside
+  :meth:`no_sync`. Entering or leaving ``no_sync()`` between a forward and its backward is rejected
+  with :class:`SyncDecisionError` (failure case D2: the sync must happen on the last micro-batch);
+* **unused parameters** (failure case D1): a parameter that got no gradient is an
+  :class:`UnusedParametersError` naming it — or, with ``find_unused_parameters=True``, it counts as
+  a zero gradient, so a parameter used on some ranks only gets (g + 0 + ...)/W, and one used on no
+  rank keeps ``grad=None`` (as in torch's DDP; a usage mask is all-reduced to know).
+
+Loss convention (failure case D6): each rank averages its loss over its own micro-batch and DDP
+averages the gradients over ranks, which equals the gradient of the global-batch mean loss when
+every rank has the same batch size. With unequal batches it weights every *rank* equally; to weight
+every *sample* equally, scale each rank's loss by W·n_rank/n_global before backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .replicas import all_reduce_, broadcast_module, check_same_structure
+
+__all__ = ["DataParallelBase", "UnusedParametersError", "SyncDecisionError", "Communicator"]
+
+
+class UnusedParametersError(RuntimeError):
+    """Parameters that require a gradient received none in a synchronised backward."""
+
+
+class SyncDecisionError(RuntimeError):
+    """``no_sync()`` was entered or left between a forward and its backward (or a misuse like it)."""
+
+
+class Communicator:
+    """The collectives a gradient hook may use, bound to one process group and implementation.
+
+    ``comm="minidist"`` uses minidist's hand-built ring; ``"torch"`` uses ``torch.distributed``.
+    """
+
+    def __init__(self, comm: str, group=None):
+        if comm not in ("minidist", "torch"):
+            raise ValueError(f"comm must be 'minidist' or 'torch', got {comm!r}")
+        self.comm, self.group = comm, group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def all_reduce_(self, tensor: torch.Tensor, op: str = "avg") -> torch.Tensor:
+        return all_reduce_(tensor, op, self.comm, self.group)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (same shape on all ranks), stacked: [W, *tensor.shape]."""
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        if self.comm == "minidist":
+            from .. import collectives as C
+            C.all_gather(out, tensor.contiguous(), group=self.group)
+        else:
+            dist.all_gather_into_tensor(out, tensor.contiguous(), group=self.group)
+        return out
+
+
+class DataParallelBase(nn.Module):
+    """Base of the minidist DDP wrappers. See the module docstring for the rules it enforces.
+
+    Args:
+        module: the model, identical in structure on every rank.
+        comm: ``"minidist"`` (hand-built collectives) or ``"torch"`` (``torch.distributed``).
+        group: process group of the data-parallel ranks (default: the world).
+        find_unused_parameters: treat a missing gradient as zero instead of raising.
+        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm running stats) at every forward.
+        reduce_dtype: dtype gradients are averaged in (fp32: bf16 gradients are upcast first).
+    """
+
+    def __init__(self, module: nn.Module, comm: str = "minidist", group=None,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 reduce_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__}: the process group is not initialised; run "
+                               "inside minidist.run(...) or call minidist.init() first")
+        self.module = module
+        self.communicator = Communicator(comm, group)
+        self.comm, self.group = comm, group
+        self.rank, self.world_size = self.communicator.rank, self.communicator.world_size
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.reduce_dtype = reduce_dtype
+        check_same_structure(module, group, what=f"{type(self).__name__} construction")
+        broadcast_module(module, comm, group)
+        self.param_names = {p: n for n, p in module.named_parameters() if p.requires_grad}
+        self.params = list(self.param_names)  # registration order
+        self._sync_enabled = True         # False inside no_sync()
+        self._sync_this_backward = None   # the decision taken by the last forward
+
+    # ------------------------------------------------------------------ forward & the sync decision
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self.world_size > 1 and any(True for _ in self.module.buffers()):
+            broadcast_module(self.module, self.comm, self.group, buffers_only=True)
+        self._sync_this_backward = self._sync_enabled
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip gradient synchronisation for the forward+backward passes run inside the block.
+
+        Gradients accumulate locally in ``p.grad``; the first backward whose forward ran outside
+        the block averages the accumulated sums. Gradient accumulation over k micro-batches::
+
+            for i, (x, y) in enumerate(micro_batches):
+                ctx = model.no_sync() if i < k - 1 else contextlib.nullcontext()
+                with ctx:
+                    (loss_fn(model(x), y) / k).backward()
+            optimizer.step()  # every rank: mean over ranks of the sum over micro-batches
+        """
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def _check_decision(self, where: str) -> bool:
+        """The decision taken at forward; raises if there was no forward or no_sync changed since."""
+        if self._sync_this_backward is None:
+            raise SyncDecisionError(f"{type(self).__name__} (rank {self.rank}): {where} without a "
+                                    "forward through the wrapper (call model(x), not model.module(x))")
+        if self._sync_this_backward != self._sync_enabled:
+            state = "inside" if not self._sync_this_backward else "outside"
+            raise SyncDecisionError(
+                f"{type(self).__name__} (rank {self.rank}): the forward ran {state} no_sync() but "
+                f"{where} runs {'outside' if state == 'inside' else 'inside'} it. The decision to "
+                "synchronise is taken in forward; run each micro-batch's forward and backward in "
+                "the same no_sync() state.")
+        return self._sync_this_backward
+
+    # ------------------------------------------------------------------ unused parameters
+    def _unused_error(self, params) -> UnusedParametersError:
+        names = [self.param_names[p] for p in params]
+        return UnusedParametersError(
+            f"{type(self).__name__} (rank {self.rank}): {len(names)} parameter(s) received no "
+            f"gradient in this backward: {', '.join(names)}. Every rank must produce a gradient "
+            "for every parameter that requires one. Use them in the loss, freeze them "
+            "(requires_grad=False before wrapping), or pass find_unused_parameters=True.")
+
+    def _global_used(self, locally_used: list[bool]) -> list[bool]:
+        """Which parameters got a gradient on at least one rank (one small all-reduce)."""
+        mask = torch.tensor([1.0 if u else 0.0 for u in locally_used])
+        self.communicator.all_reduce_(mask, "sum")
+        return [bool(m > 0) for m in mask]
+
+    def sync_gradients(self) -> None:
+        """Average the gradients over ranks (after backward, before ``optimizer.step()``)."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"comm={self.comm!r}, world_size={self.world_size}"

@@ -1,0 +1,246 @@
+"""DDP, version 3: buckets filled by gradient hooks, each all-reduced while backward continues.
+
+Backward produces gradients from the last layer to the first. Waiting for all of them (versions 1
+and 2) leaves the network idle during backward and the CPU/GPU idle during communication. Here:
+
+1. **Buckets.** At construction the parameters, in *reverse registration order* (≈ the order
+   their gradients become ready), are packed into buckets of at most ``bucket_cap_mb`` MiB
+   (in ``reduce_dtype``). No parameter is split; one bigger than the cap gets a bucket of its own
+   (failure case D9). :meth:`BucketedDDP.bucket_layout` shows the layout.
+2. **Hooks.** ``Tensor.register_post_accumulate_grad_hook`` runs right after a parameter's
+   ``.grad`` is final for this backward: the hook copies it into its bucket's slot. When a bucket's
+   last slot is filled the bucket is *ready*.
+3. **Overlap.** Ready buckets are launched strictly in bucket order (so every rank issues the same
+   collectives in the same order, even if readiness differs) onto a queue served by a dedicated
+   communication thread, which all-reduces them with minidist's blocking ring (the GIL is released
+   while gloo waits) — or ``torch.distributed`` with ``comm="torch"`` — while backward continues on
+   the main thread. The thread talks on its own process group, so nothing on the main thread
+   (SyncBatchNorm, a metric) can interleave with it on the wire.
+4. **Wait.** At the end of backward (an autograd-engine callback, as in torch's DDP) the main
+   thread waits for every bucket and copies the averages back into ``p.grad``. So when
+   ``loss.backward()`` returns, gradients are synchronised and ``optimizer.step()`` may run;
+   :meth:`sync_gradients` exists only so that one training loop fits all three versions.
+
+A communication hook (:meth:`register_comm_hook`, see :mod:`.compression`) replaces step 3's
+average, e.g. with fp16 or top-k compression. Reference: Li et al. 2020, "PyTorch Distributed:
+Experiences on Accelerating Data Parallel Training", VLDB 13(12), §3.2.3 and §4.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..trace import Timeline
+from .base import Communicator, DataParallelBase
+
+__all__ = ["BucketedDDP", "Bucket", "build_buckets", "allreduce_hook"]
+
+
+@dataclass
+class Bucket:
+    """One group of parameters whose gradients travel in one all-reduce."""
+
+    index: int
+    params: list              # in the order their gradients are expected (reverse registration)
+    names: list[str]
+    offsets: list[int]        # start of each parameter's slot in ``buffer``
+    numel: int
+    buffer: torch.Tensor      # flat, reduce_dtype
+    filled: int = 0
+    seen: set = field(default_factory=set)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.filled == len(self.params)
+
+    def slot(self, i: int) -> torch.Tensor:
+        return self.buffer[self.offsets[i]: self.offsets[i] + self.params[i].numel()]
+
+
+def build_buckets(params: list, names: dict, cap_bytes: int, dtype: torch.dtype) -> list[Bucket]:
+    """Pack ``params`` (reversed) into buckets of at most ``cap_bytes``; never split a parameter."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    groups, current, size = [], [], 0
+    for p in reversed(params):
+        nbytes = p.numel() * itemsize
+        if current and size + nbytes > cap_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        groups.append(current)
+    buckets = []
+    for i, group in enumerate(groups):
+        offsets, n = [], 0
+        for p in group:
+            offsets.append(n)
+            n += p.numel()
+        buf = torch.zeros(n, dtype=dtype, device=group[0].device)
+        buckets.append(Bucket(i, group, [names[p] for p in group], offsets, n, buf))
+    return buckets
+
+
+def allreduce_hook(state, bucket: Bucket, comm: Communicator) -> None:
+    """The default communication hook: average ``bucket.buffer`` over ranks, in place."""
+    comm.all_reduce_(bucket.buffer, "avg")
+
+
+class BucketedDDP(DataParallelBase):
+    """Bucketed DDP with communication overlapped with backward.
+
+    Args (besides :class:`DataParallelBase`'s): ``bucket_cap_mb`` (MiB per bucket, default 25 as
+    in torch's DDP), ``timeline`` (a :class:`minidist.trace.Timeline` that records, per bucket,
+    when it became ready and its all-reduce on the "comm" lane, and the final "wait" on "main").
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, timeline: Timeline | None = None,
+                 **kwargs):
+        super().__init__(module, **kwargs)
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.bucket_cap_mb = bucket_cap_mb
+        self.timeline = timeline
+        self.buckets = build_buckets(self.params, self.param_names, int(bucket_cap_mb * 2**20),
+                                     self.reduce_dtype)
+        self._where = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[p] = (b, i)
+        self._hook, self._hook_state = allreduce_hook, None
+        # own group: the comm thread never shares a wire with collectives on the main thread
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+        self._comm_group = dist.new_group(ranks=ranks)
+        self._thread_comm = Communicator(self.comm, self._comm_group)
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="comm", daemon=True)
+        self._thread.start()
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                         for p in self.params]
+        self._in_backward = False
+        self._next_launch = 0
+        self.ready_order: list[str] = []  # names, in the order the last backward produced them
+
+    # ------------------------------------------------------------------ inspection
+    def bucket_layout(self) -> list[dict]:
+        """One row per bucket: index, parameter names (in bucket order), elements and bytes."""
+        return [{"bucket": b.index, "params": list(b.names), "numel": b.numel,
+                 "bytes": b.numel * b.buffer.element_size()} for b in self.buckets]
+
+    def register_comm_hook(self, state, hook) -> None:
+        """Replace the bucket average by ``hook(state, bucket, communicator)`` (runs on the comm
+        thread; it must leave the averaged gradient in ``bucket.buffer``)."""
+        if self._in_backward:
+            raise RuntimeError("register_comm_hook during backward")
+        self._hook, self._hook_state = hook, state
+
+    # ------------------------------------------------------------------ backward
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._check_decision("backward"):
+            return  # inside no_sync(): p.grad accumulates locally
+        if not self._in_backward:
+            self._start_backward()
+        bucket, i = self._where[p]
+        if i in bucket.seen:
+            raise RuntimeError(f"BucketedDDP (rank {self.rank}): gradient of "
+                               f"{bucket.names[i]} produced twice in one backward")
+        bucket.slot(i).copy_(p.grad.reshape(-1))
+        bucket.seen.add(i)
+        bucket.filled += 1
+        self.ready_order.append(bucket.names[i])
+        if bucket.ready:
+            if self.timeline is not None:
+                t = self.timeline.now()
+                self.timeline.add(f"ready b{bucket.index}", t, t, lane="main")
+            self._launch_in_order()
+
+    def _start_backward(self) -> None:
+        self._in_backward = True
+        self._next_launch = 0
+        self.ready_order = []
+        for b in self.buckets:
+            b.filled, b.error = 0, None
+            b.seen.clear()
+            b.done.clear()
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _launch_in_order(self) -> None:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
+            self._queue.put(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _serve(self) -> None:
+        while True:
+            bucket = self._queue.get()
+            if bucket is None:
+                return
+            try:
+                if self.timeline is not None:
+                    with self.timeline.record(f"all-reduce b{bucket.index}", lane="comm"):
+                        self._hook(self._hook_state, bucket, self._thread_comm)
+                else:
+                    self._hook(self._hook_state, bucket, self._thread_comm)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+                bucket.error = e
+            finally:
+                bucket.done.set()
+
+    def _finish_backward(self) -> None:
+        """End of backward: handle missing gradients, wait for every bucket, copy averages back."""
+        self._in_backward = False
+        missing = [(b, i) for b in self.buckets for i in range(len(b.params)) if i not in b.seen]
+        if missing and not self.find_unused_parameters:
+            raise self._unused_error([b.params[i] for b, i in missing])
+        for b, i in missing:  # find_unused_parameters: a zero contribution
+            b.slot(i).zero_()
+            b.filled += 1
+        self._launch_in_order()
+        wait = self.timeline.record("wait", lane="main") if self.timeline is not None else None
+        if wait is not None:
+            wait.__enter__()
+        for b in self.buckets:
+            b.done.wait()
+        if wait is not None:
+            wait.__exit__(None, None, None)
+        for b in self.buckets:
+            if b.error is not None:
+                raise RuntimeError(f"BucketedDDP (rank {self.rank}): all-reduce of bucket "
+                                   f"{b.index} failed: {b.error}") from b.error
+        unused_everywhere = set()
+        if missing:  # which of them did no rank use? (all-reduce of a usage mask)
+            used = [i in b.seen for b in self.buckets for i in range(len(b.params))]
+            anywhere = self._global_used(used)
+            flat = [(b, i) for b in self.buckets for i in range(len(b.params))]
+            unused_everywhere = {id(b.params[i]) for (b, i), a in zip(flat, anywhere) if not a}
+        with torch.no_grad():
+            for b in self.buckets:
+                for i, p in enumerate(b.params):
+                    if id(p) in unused_everywhere:
+                        continue
+                    avg = b.slot(i).view_as(p)
+                    if p.grad is None:
+                        p.grad = avg.to(p.dtype).clone()
+                    else:
+                        p.grad.copy_(avg)
+
+    def sync_gradients(self) -> None:
+        """Nothing left to do: backward already waited for every bucket (kept for a uniform loop)."""
+        if self._in_backward:
+            raise RuntimeError("sync_gradients() called during backward")
+
+    def close(self) -> None:
+        """Stop the communication thread and remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=5)

@@ -1,0 +1,133 @@
+"""Replicas: the same model on every rank. Broadcast it, check its structure, check it stayed equal.
+
+Data parallelism is only correct while every rank holds bit-identical parameters. Three things
+guard that (failure case D8):
+
+* :func:`check_same_structure` — before any data moves, every rank's list of (name, shape, dtype,
+  requires_grad) is gathered; a difference (rank-dependent construction, a frozen layer on one rank)
+  raises :class:`ReplicaMismatchError` naming the ranks, their parameter counts and the first
+  differing entries. Without it a broadcast of differently-sized tensors aborts or hangs.
+* :func:`broadcast_module` — parameters and buffers are copied from rank 0, so equal shapes with
+  different values (different seeds) start identical.
+* :func:`replicas_max_difference` / :func:`assert_replicas_identical` — after N steps, the largest
+  difference between any rank's parameters and rank 0's (0.0 when DDP is right).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import collectives as C
+
+__all__ = ["ReplicaMismatchError", "check_same_structure", "broadcast_module", "unwrap",
+           "replicas_max_difference", "assert_replicas_identical", "all_reduce_"]
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Ranks hold models with different parameter names, shapes, dtypes or trainability."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare model inside a DDP wrapper (minidist's or torch's), or the model itself."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+def _signature(module: nn.Module) -> list[tuple]:
+    sig = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+           for n, p in module.named_parameters()]
+    sig += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
+    return sig
+
+
+def check_same_structure(module: nn.Module, group=None, what: str = "DDP") -> None:
+    """Raise :class:`ReplicaMismatchError` on every rank unless all ranks hold the same structure."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = _signature(module)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    if all(e == everyone[0] for e in everyone):
+        return
+    lines = []
+    for r, sig in enumerate(everyone):
+        n_params = sum(1 for s in sig if s[0] == "param")
+        numel = sum(int(torch.Size(s[2]).numel()) for s in sig if s[0] == "param")
+        lines.append(f"  rank {r}: {n_params} parameters, {numel} elements")
+    ref = everyone[0]
+    for r, sig in enumerate(everyone[1:], start=1):
+        for i in range(max(len(ref), len(sig))):
+            a = ref[i] if i < len(ref) else None
+            b = sig[i] if i < len(sig) else None
+            if a != b:
+                lines.append(f"  first difference, rank 0 vs rank {r}: {_fmt(a)}  vs  {_fmt(b)}")
+                break
+    raise ReplicaMismatchError(
+        f"{what} (rank {dist.get_rank(group)}): ranks hold different models:\n" + "\n".join(lines)
+        + "\nBuild the model the same way on every rank (no rank-dependent shapes or frozen "
+        "layers); values may differ, they are broadcast from rank 0.")
+
+
+def _fmt(entry) -> str:
+    if entry is None:
+        return "(nothing)"
+    kind, name, shape, dtype, rg = entry
+    return f"{kind} {name} {list(shape)} {dtype}" + ("" if rg or kind == "buffer" else " frozen")
+
+
+def all_reduce_(tensor: torch.Tensor, op: str, comm: str, group=None) -> torch.Tensor:
+    """In-place sum or average with minidist's ring (``comm="minidist"``) or ``dist.all_reduce``."""
+    if comm == "minidist":
+        return C.all_reduce(tensor, op=op, group=group)
+    if comm != "torch":
+        raise ValueError(f"comm must be 'minidist' or 'torch', got {comm!r}")
+    dist.all_reduce(tensor, group=group)  # gloo has no AVG: sum, then divide (failure case C3)
+    if op == "avg":
+        tensor.div_(dist.get_world_size(group))
+    return tensor
+
+
+def _broadcast(t: torch.Tensor, comm: str, group) -> None:
+    if comm == "minidist":
+        C.broadcast(t, src=0, group=group)
+    else:
+        dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                       group=group)
+
+
+@torch.no_grad()
+def broadcast_module(module: nn.Module, comm: str = "minidist", group=None,
+                     buffers_only: bool = False) -> None:
+    """Copy rank 0's parameters and buffers to every rank, in place."""
+    if dist.get_world_size(group) == 1:
+        return
+    tensors = [] if buffers_only else [p.data for p in module.parameters()]
+    tensors += [b for b in module.buffers()]
+    for t in tensors:
+        _broadcast(t, comm, group)
+
+
+@torch.no_grad()
+def replicas_max_difference(module: nn.Module, group=None) -> float:
+    """Largest |p_rank - p_rank0| over all parameters and buffers and ranks (0.0: identical)."""
+    module = unwrap(module)
+    worst = torch.zeros(1, dtype=torch.float64)
+    for t in list(module.parameters()) + list(module.buffers()):
+        ref = t.detach().clone()
+        C.broadcast(ref, src=0, group=group)
+        if t.numel():
+            worst = torch.maximum(worst, (t.detach().double() - ref.double()).abs().max().view(1))
+    C.all_reduce(worst, op="max", group=group)
+    return float(worst)
+
+
+def assert_replicas_identical(module: nn.Module, group=None, atol: float = 0.0) -> None:
+    """Raise AssertionError (on every rank) if any rank's parameters differ from rank 0's."""
+    diff = replicas_max_difference(module, group)
+    if diff > atol:
+        raise AssertionError(f"rank {dist.get_rank(group)}: replicas differ from rank 0 by up to "
+                             f"{diff:.3g} (allowed {atol}): gradients were not synchronised")
