@@ -203,12 +203,13 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"demo": demo, "bench": bench, "doctor": doctor}
     if not argv or argv[0] not in commands:
+        asked = bool(argv) and argv[0] in ("-h", "--help")
         print("usage: minidist {demo,bench,doctor} [options]\n"
               "  demo    run every hand-built collective (and DDP/TP/PP) against torch; exit 1 if wrong\n"
               "  bench   nccl-tests-style table (algbw, busbw, ratio to torch); bench ddp | bench pp\n"
               "  doctor  what this machine offers: torch, backends, devices, network, launch variables",
-              file=sys.stderr if argv else sys.stdout)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+              file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     return commands[argv[0]](argv[1:])
 
 

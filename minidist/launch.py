@@ -282,6 +282,25 @@ def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0
         raise ValueError(f"minidist.run: world_size must be an int >= 1, got {world_size!r}")
     backend = _env.choose_backend(backend, local_world_size=world_size)
     method = _choose_start_method(backend, start_method)
+    for attempt in (1, 2):
+        try:
+            return _launch(fn, world_size, args, backend, timeout, ordered_output, method)
+        except _StartupFailure as e:
+            if attempt == 2:
+                raise e.error from None
+            print(f"minidist.run: the ranks could not connect ({e.error.failures[0][1][:80]}...); "
+                  "retrying once", file=sys.stderr)
+
+
+class _StartupFailure(Exception):
+    """gloo failed to connect before any rank ran user code: safe to start again (no side effects)."""
+
+    def __init__(self, error: RankError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _launch(fn, world_size, args, backend, timeout, ordered_output, method):
     ctx = mp.get_context(method)
     # a forked child already has fn in memory (real tracebacks, no pickling); spawn needs bytes
     payload = (fn, args) if method == "fork" else cloudpickle.dumps((fn, args))
@@ -345,7 +364,11 @@ def _supervise(procs, q, out, shms, dumps, timeout, world_size):
                 first_failure = first_failure or t
     if len(have) == world_size:
         return results
-    _raise_failure(procs, errors, exited, have)
+    error = _failure(procs, errors, exited, have)
+    started = any(shm.raw.split(b"\0", 1)[0] for shm in shms)
+    if not started and any(_SECONDARY.search(s) for _, s, _ in error.failures):
+        raise _StartupFailure(error)
+    raise error
 
 
 def _describe_exit(code: int) -> str:
@@ -357,7 +380,7 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code} without raising (os._exit or a crash in C code)"
 
 
-def _raise_failure(procs, errors, exited, have):
+def _failure(procs, errors, exited, have) -> RankError:
     events = []  # (secondary?, time, rank, summary, details)
     for r, (t, summary, tb) in errors.items():
         events.append((bool(_SECONDARY.search(summary)), t, r, summary, tb))
@@ -376,7 +399,7 @@ def _raise_failure(procs, errors, exited, have):
         lines += ["", f"--- rank {r} ({why}) ---", s]
     if stopped:
         lines += ["", f"ranks {stopped} were stopped by the launcher after rank {root_rank} failed."]
-    raise RankError("\n".join(lines), failures)
+    return RankError("\n".join(lines), failures)
 
 
 def _timeout(procs, shms, dumps, timeout, have):

@@ -1,0 +1,53 @@
+"""Shared test fixtures: every test must leave no child process behind."""
+
+import os
+import time
+
+import pytest
+
+
+_LONG_LIVED = ("ipykernel", "resource_tracker", "forkserver")
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.append(int(entry))
+    return kids
+
+
+def children_of_this_process() -> list[int]:
+    """Live (non-zombie) child processes of the test process."""
+    return _children(os.getpid())
+
+
+@pytest.fixture(autouse=True)
+def no_orphans():
+    """Fail a test that leaves processes behind (ranks that were not stopped)."""
+    before = set(children_of_this_process())
+    yield
+    deadline = time.monotonic() + 5
+    while True:
+        left = set(children_of_this_process()) - before
+        # notebook kernels and multiprocessing's helper servers outlive a test by design
+        left = {p for p in left if not any(k in _cmd(p) for k in _LONG_LIVED)}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not left, f"processes left behind: {sorted(left)}"
+
+
+def _cmd(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
