@@ -63,7 +63,7 @@ def test_two_torchrun_trees_over_loopback(tmp_path):
     assert sorted((r["node_rank"], r["local_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert {r["launcher"] for r in ranks} == {"torchrun"}
     assert len({r["params_sha256"] for r in ranks}) == 1, "replicas differ after training"
-    assert ranks[0]["accuracy"] > 0.5  # one epoch on the digits: ~0.6 measured (chance: 0.1)
+    assert ranks[0]["accuracy"] > 0.3  # one epoch, 10 steps of 4x32 samples: MEASURED (chance: 0.1)
     assert len({r["pid"] for r in ranks}) == 4
 
 

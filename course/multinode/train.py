@@ -33,16 +33,20 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 import minidist
+from minidist.data import load_digits
+from minidist.models import MLP
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=0.3)
+    p.add_argument("--ddp", default="auto", choices=["auto", "minidist", "torch"],
+                   help="auto: minidist's BucketedDDP when installed, else torch's DDP")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a collective may wait before the process group gives up")
@@ -58,23 +62,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def digits(seed: int = 0):
-    """The 1797 8x8 digits shipped with scikit-learn (no download): standardised, 80/20 split."""
-    from sklearn.datasets import load_digits
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32) / 16.0
-    y = torch.tensor(y, dtype=torch.long)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    x, y = x[perm], y[perm]
-    n_train = int(0.8 * len(x))
-    mean, std = x[:n_train].mean(0), x[:n_train].std(0) + 1e-3
-    x = (x - mean) / std
-    return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)  # same init on every rank (DDP also broadcasts rank 0's values)
-    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+def make_ddp(model: nn.Module, which: str, device) -> tuple[nn.Module, str]:
+    """Wrap the model: minidist's bucketed DDP (hand-built, the course's own) or torch's."""
+    if which in ("auto", "minidist"):
+        try:
+            from minidist.data_parallel import BucketedDDP
+            return BucketedDDP(model), "minidist.BucketedDDP"
+        except ImportError:
+            if which == "minidist":
+                raise
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None), "torch DDP"
 
 
 def param_digest(model: nn.Module) -> str:
@@ -106,15 +103,12 @@ def main(argv=None) -> int:
     device = minidist.env.device()
     host = socket.gethostname()
     hosts = [None] * world
-    dist.all_gather_object(hosts, host)
-    if rank == 0:
-        print(f"world_size={world} backend={dist.get_backend()} hosts={sorted(set(hosts))} "
-              f"launcher={info.launcher}", flush=True)
-
-    train_set, test_set = digits()
+    dist.all_gather_object(hosts, host)  # who runs where: rank 0 may be on any node
+    train_set, test_set = load_digits(seed=0)  # the same split on every rank
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    model = make_model().to(device)
+    torch.manual_seed(0)  # the same init on every rank (DDP also broadcasts rank 0's values)
+    model = MLP(64, (64,), 10).to(device)
     start_epoch = 0
     ckpt_path = os.path.join(args.ckpt, "checkpoint.pt") if args.ckpt else None
     if ckpt_path and rank == 0:
@@ -125,8 +119,11 @@ def main(argv=None) -> int:
         start_epoch = state["epoch"] + 1
         if rank == 0:
             print(f"resumed from {ckpt_path} at epoch {start_epoch}", flush=True)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp, ddp_name = make_ddp(model, args.ddp, device)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.0)
+    if rank == 0:
+        print(f"world_size={world} backend={dist.get_backend()} hosts={sorted(set(hosts))} "
+              f"launcher={info.launcher} ddp={ddp_name}", flush=True)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     for epoch in range(start_epoch, args.epochs):
@@ -159,7 +156,7 @@ def main(argv=None) -> int:
         record = dict(rank=rank, local_rank=info.local_rank, world_size=world,
                       node_rank=info.node_rank, launcher=info.launcher, hostname=host,
                       hosts=hosts, pid=os.getpid(), params_sha256=param_digest(model),
-                      accuracy=acc, backend=dist.get_backend(), attempt=attempt)
+                      accuracy=acc, backend=dist.get_backend(), attempt=attempt, ddp=ddp_name)
         with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
             json.dump(record, f)
     dist.barrier()
