@@ -18,30 +18,53 @@ Empty chunks are skipped on both sides.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from . import p2p
 from .ops import combine_
 
 
+SEGMENT_ELEMS = 1 << 18  # 1 MiB of fp32: reduce one segment while the next is still arriving
+_scratch = threading.local()
+
+
+def _scratch_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A reusable receive buffer (fresh 32 MiB allocations cost page faults on every call)."""
+    key = (like.dtype, like.device)
+    buf = getattr(_scratch, "bufs", {}).get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+        _scratch.bufs = {**getattr(_scratch, "bufs", {}), key: buf}
+    return buf[:numel]
+
+
 def reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, rank: int, world: int,
                           group=None) -> None:
     """In place: afterwards ``chunks[rank]`` holds the reduction of every rank's ``chunks[rank]``.
 
-    ``chunks`` are W contiguous tensors (sizes may differ; every rank must pass the same sizes).
-    The other chunks hold partial results afterwards.
+    ``chunks`` are W contiguous 1-D tensors (sizes may differ; every rank must pass the same
+    sizes). The other chunks hold partial results afterwards. Each step's chunk travels in
+    segments of ``SEGMENT_ELEMS``, all posted at once, and each segment is reduced as soon as it
+    has arrived, so reduction overlaps the rest of the transfer (as gloo's chunked ring does).
     """
     if world == 1:
         return
     right, left = (rank + 1) % world, (rank - 1) % world
-    biggest = max(c.numel() for c in chunks)
-    tmp = torch.empty(biggest, dtype=chunks[0].dtype, device=chunks[0].device)
+    tmp = _scratch_buffer(max(c.numel() for c in chunks), chunks[0])
     for step in range(world - 1):
         send_idx = (rank - step - 1) % world
         recv_idx = (rank - step - 2) % world
-        incoming = tmp[: chunks[recv_idx].numel()].view_as(chunks[recv_idx])
-        p2p.exchange(chunks[send_idx], right, incoming, left, group)
-        combine_(chunks[recv_idx], incoming, op)
+        target = chunks[recv_idx]
+        incoming = tmp[: target.numel()]
+        pending = [(dst, buf, p2p.irecv(buf, left, group))
+                   for dst, buf in zip(target.split(SEGMENT_ELEMS), incoming.split(SEGMENT_ELEMS))]
+        sends = [p2p.isend(seg, right, group) for seg in chunks[send_idx].split(SEGMENT_ELEMS)]
+        for dst, buf, work in pending:
+            p2p.wait_all([work])
+            combine_(dst, buf, op)
+        p2p.wait_all(sends)
 
 
 def all_gather_chunks(chunks: list[torch.Tensor], rank: int, world: int, group=None) -> None:
