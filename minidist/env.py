@@ -137,11 +137,15 @@ def device() -> torch.device:
 def init(backend: str = "auto", timeout: float = 300.0, check_hosts: bool = True) -> DistEnv:
     """Initialise the process group for a script run by torchrun, srun or plain python.
 
-    Reads the environment (see :func:`detect`), picks the backend and the device, initialises the
+    Reads the environment (see :func:`detect`), checks that GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME
+    name interfaces that exist, picks the backend and the device, initialises the
     process group (env://), then all-gathers ``(hostname, local_rank)`` and checks that no pair is
     duplicated. Without a launcher it initialises a single-rank group. Returns the :class:`DistEnv`.
     """
+    from .doctor import check_socket_ifnames  # a wrong interface name fails here, not in a hang
+
     info = detect()
+    check_socket_ifnames()
     backend = choose_backend(backend, info.local_world_size)
     set_device(backend, info.local_rank)
     kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
