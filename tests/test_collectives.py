@@ -296,3 +296,13 @@ def _group_rank(rank, world):
 
 def test_collectives_inside_a_subgroup():
     assert minidist.run(_group_rank, 4) == [(2.0, 2.0), (4.0, 3.0), (2.0, 2.0), (4.0, 3.0)]
+
+
+@pytest.mark.parametrize("world", [5, 6, 8])
+def test_all_reduce_up_to_eight_ranks(world):
+    """Recursive doubling folds the extra ranks in when W is not a power of two (5, 6)."""
+    results = minidist.run(_all_reduce_rank, world, torch.float32, ("sum",), (0, 3, 7, 1001),
+                           timeout=120)
+    for rank_errs in results:
+        for op, alg, n, err in rank_errs:
+            assert err <= 1e-5, (op, alg, n, err)
