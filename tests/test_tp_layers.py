@@ -1,6 +1,6 @@
 """Tensor-parallel region operators and layers against torch's single-process layers (gloo, CPU).
 
-Tolerance: 1e-6 relative (max norm) in fp32 — TP only changes the order of additions.
+Tolerance: 1e-6 relative (2-norm, see minidist.tensor_parallel.compare) in fp32 — TP only changes the order of additions.
 """
 
 import pytest

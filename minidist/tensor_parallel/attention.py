@@ -1,0 +1,62 @@
+"""Tensor-parallel causal self-attention (Megatron-LM, Shoeybi et al. 2019, §3, Fig. 3b).
+
+Heads are independent, so each rank computes ``n_head / W`` whole heads: the fused QKV projection
+is column-parallel (f on its input) and the output projection row-parallel (g on its output).
+One all-reduce forward, one backward, as in the MLP.
+
+The QKV weight's rows are laid out head by head, ``[head][q|k|v][head_dim]`` (Megatron's layout),
+so a plain column split hands each rank complete heads: the single-process model
+(:class:`minidist.models.gpt.CausalSelfAttention`) reads its QKV output with the same layout.
+Dropout on the attention probabilities uses the ``"model-parallel"`` generator (different heads,
+different masks); dropout on the output the ``"replicated"`` one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import regions as R
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .random import Dropout
+
+__all__ = ["ParallelSelfAttention"]
+
+
+class ParallelSelfAttention(nn.Module):
+    """``[b, s, h] -> [b, s, h]`` causal attention with the heads split across the TP group.
+
+    Raises ``ValueError`` naming the rank when ``n_head`` is not divisible by the TP size (a head
+    cannot be split without changing the math) or ``hidden`` by ``n_head``.
+    """
+
+    def __init__(self, hidden: int, n_head: int, attn_dropout: float = 0.0,
+                 resid_dropout: float = 0.0, group=None, sequence_parallel: bool = False):
+        super().__init__()
+        world, rank = R.tp_world(group)
+        if hidden % n_head:
+            raise ValueError(f"ParallelSelfAttention (rank {rank}): hidden={hidden} is not "
+                             f"divisible by n_head={n_head}")
+        if n_head % world:
+            raise ValueError(f"ParallelSelfAttention (rank {rank}): n_head={n_head} is not divisible "
+                             f"by the tensor-parallel size {world}: heads cannot be split across "
+                             f"ranks; choose a TP size that divides {n_head}")
+        self.n_head, self.local_heads, self.head_dim = n_head, n_head // world, hidden // n_head
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, group=group,
+                                        sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(hidden, hidden, input_is_parallel=True, group=group,
+                                      sequence_parallel=sequence_parallel)
+        self.attn_drop = Dropout(attn_dropout, "model-parallel", group)
+        self.resid_drop = Dropout(resid_dropout, "replicated", group, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)                               # [b, s, 3·h/W], complete local heads
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, self.local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        att = self.attn_drop(att.masked_fill(~causal, float("-inf")).softmax(dim=-1))
+        y = (att @ v).transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
+        return self.resid_drop(self.proj(y))
