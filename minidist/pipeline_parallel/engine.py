@@ -32,7 +32,7 @@ from .schedules import Schedule
 from .timeline import Event
 from .transport import Transport
 
-__all__ = ["pipeline_step", "StepResult", "local_stages", "sync_gradients"]
+__all__ = ["pipeline_step", "StepResult", "local_stages", "sync_gradients", "recv_plan"]
 
 
 @dataclass
@@ -40,12 +40,13 @@ class StepResult:
     """``loss``: the full-batch loss (a float) on the rank holding the last stage, None elsewhere.
     ``events``: this rank's timeline (empty unless ``record=True``), times in seconds from a barrier.
     ``peak_inflight`` / ``peak_activation_bytes``: {stage: peak micro-batches / bytes saved for
-    backward}, measured."""
+    backward}, measured. ``t0``: add it to align events of ranks on one machine (same clock)."""
 
     loss: float | None
     events: list = field(default_factory=list)
     peak_inflight: dict = field(default_factory=dict)
     peak_activation_bytes: dict = field(default_factory=dict)
+    t0: float = 0.0  # this rank's time.perf_counter() at the start (events are relative to it)
 
 
 def local_stages(stages: list[nn.Module], schedule: Schedule, rank: int) -> dict[int, nn.Module]:
@@ -74,8 +75,20 @@ def sync_gradients(modules: dict[int, nn.Module], dp_group, algorithm: str = "ri
         offset += n
 
 
+def recv_plan(schedule: Schedule, rank: int) -> list[tuple]:
+    """The receives ``rank`` makes, in schedule order: (peer, kind, mb, from_stage, to_stage)."""
+    last, plan = schedule.n_stages - 1, []
+    for op in schedule[rank]:
+        if op.kind == "F" and op.stage > 0:
+            plan.append((schedule.owner(op.stage - 1), "act", op.mb, op.stage - 1, op.stage))
+        elif op.kind == "B" and op.stage < last:
+            plan.append((schedule.owner(op.stage + 1), "grad", op.mb, op.stage + 1, op.stage))
+    return plan
+
+
 def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
-                  group=None, dp_group=None, record: bool = False, device=None) -> StepResult:
+                  group=None, dp_group=None, record: bool = False, device=None,
+                  prefetch: bool = True) -> StepResult:
     """Run one training step's forwards and backwards of ``schedule`` on this rank.
 
     Args:
@@ -87,6 +100,8 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         group: the pipeline process group (ranks inside it are pipeline ranks); default: world.
         dp_group: if given, gradients are averaged over it once, after this rank's last backward.
         record: keep a timeline of compute and communication events.
+        prefetch: receive on a background thread in schedule order (overlaps comm and compute);
+            False: receive when the op needs it (simplest; slower on a busy machine).
 
     Gradients accumulate into ``.grad`` (zero them before the step). The optimizer step is yours.
 
@@ -116,6 +131,8 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         return time.perf_counter() - t0
 
     transport = Transport(group, device, clock if record else None)
+    if prefetch:
+        transport.start_prefetch(recv_plan(schedule, rank))
     meter = ActivationMeter(modules)
     events, saved, total = [], {}, None
     for op in schedule[rank]:
@@ -161,4 +178,4 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
     else:
         events = []
     return StepResult(None if total is None else float(total), events, dict(meter.peak_inflight),
-                      dict(meter.peak_bytes))
+                      dict(meter.peak_bytes), t0)

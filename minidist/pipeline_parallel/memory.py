@@ -1,7 +1,7 @@
 """Measure the activation memory a pipeline stage holds: bytes autograd saves for backward.
 
 ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor autograd saves during a forward.
-We add up their bytes per micro-batch (each storage once; parameters excluded — they are not
+We add up their bytes per micro-batch (each tensor once; parameters excluded — they are not
 activations) and keep a running total per stage: +bytes at the micro-batch's forward, -bytes at
 its backward (when its graph is freed). The peak of that total is the stage's saved-activation
 memory. The result is exact and deterministic, on CPU and GPU alike, unlike allocator statistics.
@@ -36,11 +36,10 @@ class ActivationMeter:
         total = [0]
 
         def pack(t: torch.Tensor):
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in self.param_storages and ptr not in seen:
-                seen.add(ptr)
-                total[0] += storage.nbytes()
+            key = (t.data_ptr(), t.numel(), t.dtype)  # a tensor saved by two ops counts once
+            if t.untyped_storage().data_ptr() not in self.param_storages and key not in seen:
+                seen.add(key)
+                total[0] += t.numel() * t.element_size()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

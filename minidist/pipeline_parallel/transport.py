@@ -18,11 +18,17 @@ two ranks match by tag, not by arrival order (interleaving sends activations and
 the same pair of ranks). NCCL ignores tags and matches in issue order; the header check turns a
 mismatch into a clear error.
 
+With ``start_prefetch`` a background thread receives the messages in the order the schedule
+will need them, so transfers overlap compute (real pipelines use a separate communication stream
+for the same reason); p2p's bookkeeping is per thread, so timeouts still name the stages.
+
 A stage sending to itself (one rank holding consecutive stages: ``P = 1`` with ``v > 1``) uses a
 local mailbox; nothing goes through the process group.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.distributed as dist
@@ -61,6 +67,7 @@ class Transport:
         self.mailbox = {}  # local hand-offs
         self.clock = clock
         self.events = []  # (kind, mb, stage, start, end)
+        self._thread = None
 
     def _label(self, what: str, kind: str, mb: int, a: int, b: int) -> str:
         return f"pp/{what} {kind} mb {mb} stage {a}->{b}"
@@ -101,6 +108,19 @@ class Transport:
                                      f"micro-batch {mb} from stage {from_stage} (same rank) was "
                                      "never produced: the schedule runs this op too early")
             return self.mailbox.pop(key)
+        if self._thread is not None:
+            # say what the main thread waits for (the launcher's timeout report shows it); the
+            # receive thread publishes its own op too, whichever speaks last is shown
+            p2p._publish(f"{self._label('recv', kind, mb, from_stage, to_stage)}: waiting for the "
+                         f"prefetch thread (receiving from rank {peer})")
+            out = self._take((kind, mb, from_stage))
+        else:
+            out = self._recv_now(peer, kind, mb, from_stage, to_stage)
+        if self.clock:
+            self.events.append(("recv", mb, to_stage, t0, self.clock()))
+        return out
+
+    def _recv_now(self, peer: int, kind: str, mb: int, from_stage: int, to_stage: int):
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         tag = _tag(kind, mb, from_stage)
         with p2p.collective(self._label("recv", kind, mb, from_stage, to_stage)):
@@ -116,9 +136,41 @@ class Transport:
             shape = h[5:5 + h[4]]
             out = torch.empty(shape, dtype=_DTYPES[h[3]], device=self.device)
             p2p.recv(out, peer, self.group, tag=tag)
-        if self.clock:
-            self.events.append(("recv", mb, to_stage, t0, self.clock()))
         return out
+
+    # ---- prefetch: receive ahead, in schedule order, on a background thread ------------------
+    def start_prefetch(self, plan: list[tuple]) -> None:
+        """Receive every message of ``plan`` = [(peer, kind, mb, from_stage, to_stage), ...] (this
+        rank's receives, in the order its schedule needs them) on a background thread, so a message
+        moves while this rank computes and ``recv`` only waits when the sender is really late.
+        Same order as the schedule, so it adds no new way to deadlock."""
+        plan = [p for p in plan if p[0] != self.rank]
+        if not plan:
+            return
+        self._ready, self._error, self._cv = {}, None, threading.Condition()
+
+        def loop():
+            try:
+                for peer, kind, mb, a, b in plan:
+                    t = self._recv_now(peer, kind, mb, a, b)
+                    with self._cv:
+                        self._ready[(kind, mb, a)] = t
+                        self._cv.notify_all()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+                with self._cv:
+                    self._error = e
+                    self._cv.notify_all()
+
+        self._thread = threading.Thread(target=loop, name="pp-recv", daemon=True)
+        self._thread.start()
+
+    def _take(self, key):
+        with self._cv:
+            while key not in self._ready:
+                if self._error is not None:
+                    raise self._error
+                self._cv.wait(0.5)
+            return self._ready.pop(key)
 
     def finish(self) -> None:
         """Wait for every posted send (call at the end of a step)."""
@@ -126,6 +178,9 @@ class Transport:
         with p2p.collective("pp/finish sends"):
             p2p.wait_all(w for works, _ in self.pending for w in works)
         self.pending.clear()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
         if self.mailbox:
             raise TransportError(f"pipeline (rank {self.rank}): messages never consumed: "
                                  f"{sorted(self.mailbox)}")

@@ -1,0 +1,187 @@
+"""Measure a real pipeline's bubble against the simulator, and its activation memory, GPipe vs 1F1B.
+
+On 2 shared CPU cores, 4 ranks computing at once slow each other down, so measured compute times
+would say more about the machine than about the schedule. Each stage here is a small Linear plus
+a :class:`FixedCost` layer that *sleeps* ``t_f`` in forward and ``t_b`` in backward: a stage's
+duration is then fixed and independent of what the other ranks do, the way it is when every stage
+has its own GPU. The real forward/backward/communication of the engine still runs around it.
+
+``bench_bubble`` measures, per rank, the compute (F, B) intervals of the engine's timeline and
+reports ``bubble = 1 - Σ busy / (P · span)`` (``timeline.bubble_fraction``) next to the
+simulator's prediction for the same schedule and costs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from ..launch import run
+from .engine import local_stages, pipeline_step
+from .schedules import make_schedule
+from .simulator import simulate
+from .timeline import Event, bubble_fraction
+
+__all__ = ["FixedCost", "bench_bubble", "activation_memory", "make_model", "align", "measured_costs"]
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, t_f, t_b):
+        time.sleep(t_f)
+        ctx.t_b = t_b
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.t_b)
+        return grad, None, None
+
+
+class FixedCost(nn.Module):
+    """Identity whose forward takes ``t_f`` seconds and backward ``t_b`` (a stand-in for a big layer)."""
+
+    def __init__(self, t_f: float, t_b: float):
+        super().__init__()
+        self.t_f, self.t_b = t_f, t_b
+
+    def forward(self, x):
+        return _Sleep.apply(x, self.t_f, self.t_b)
+
+
+def make_model(n_stages: int, width: int = 16, t_f: float = 0.0, t_b: float = 0.0,
+               layers_per_stage: int = 2, seed: int = 0) -> nn.Sequential:
+    """``n_stages`` blocks of [Linear, Tanh] x ``layers_per_stage`` (+ FixedCost if t_f or t_b)."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(n_stages):
+        block = [m for _ in range(layers_per_stage) for m in (nn.Linear(width, width), nn.Tanh())]
+        if t_f or t_b:
+            block.append(FixedCost(t_f, t_b))
+        layers.append(nn.Sequential(*block))
+    return nn.Sequential(*layers)
+
+
+def _worker(rank, world, name, M, v, t_f, t_b, steps, width, batch):
+    schedule = make_schedule(name, world, M, v)
+    model = make_model(schedule.n_stages, width, t_f / schedule.v, t_b / schedule.v)
+    mods = local_stages(list(model), schedule, rank)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+    out = []
+    for _ in range(steps):
+        for m in mods.values():
+            m.zero_grad()
+        res = pipeline_step(schedule, mods, x, y, nn.functional.mse_loss, record=True)
+        out.append((res.events, res.peak_inflight, res.peak_activation_bytes, res.loss, res.t0))
+    return out
+
+
+def align(per_rank: list) -> list[Event]:
+    """Events of all ranks on one time axis: ``per_rank[r] = (events, t0)``; ranks share one
+    machine's monotonic clock (``time.perf_counter``), so ``t0`` aligns them."""
+    base = min(t0 for _, t0 in per_rank)
+    return [Event(e.rank, e.kind, e.mb, e.stage, e.start + t0 - base, e.end + t0 - base)
+            for events, t0 in per_rank for e in events]
+
+
+def measured_costs(events, schedule) -> dict:
+    """From a real timeline: mean forward and backward time per rank-stage (``t_f``, ``t_b`` in the
+    simulator's units: all ``v`` chunks of a rank) and ``t_comm``, the median delay from the end of
+    an op to the start of the op that needed its output, on another rank that was already waiting
+    for it (so the delay is message latency, not queueing)."""
+    compute = [e for e in events if e.kind in ("F", "B")]
+    end = {(e.kind, e.mb, e.stage): e.end for e in compute}
+    recvs = sorted((e for e in events if e.kind == "recv"), key=lambda e: e.start)
+    last = schedule.n_stages - 1
+    lat = []
+    for e in compute:
+        if e.kind == "F" and e.stage > 0:
+            dep = ("F", e.mb, e.stage - 1)
+        elif e.kind == "B" and e.stage < last:
+            dep = ("B", e.mb, e.stage + 1)
+        else:
+            continue
+        if schedule.owner(dep[2]) == e.rank:
+            continue
+        mine = [r for r in recvs if r.rank == e.rank and r.end <= e.start + 1e-9]
+        if mine and mine[-1].start <= end[dep]:  # the receiver was already waiting
+            lat.append(e.start - end[dep])
+    v = schedule.v
+    f = [e.duration for e in compute if e.kind == "F"]
+    b = [e.duration for e in compute if e.kind == "B"]
+    return dict(t_f=statistics.fmean(f) * v, t_b=statistics.fmean(b) * v,
+                t_comm=max(0.0, statistics.median(lat)) if lat else 0.0)
+
+
+def bench_bubble(P: int = 4, M: int = 8, schedule: str = "1f1b", v: int = 2, t_f: float = 0.04,
+                 t_b: float = 0.08, steps: int = 3, width: int = 16, batch: int | None = None,
+                 verbose: bool = True, timeout: float = 120.0) -> dict:
+    """Run ``steps`` pipeline steps on ``P`` ranks and compare the measured bubble with the simulator.
+
+    ``t_f``/``t_b``: seconds of one micro-batch's forward/backward through one rank's stage(s).
+    Returns a dict: ``measured`` (median over steps), ``measured_steps``, ``predicted``
+    (simulator, same costs, no communication time), ``rel_error`` = |measured-predicted|/predicted,
+    ``events`` (the median step's timeline, all ranks), ``schedule`` and the arguments.
+    """
+    batch = batch or 4 * M
+    sched = make_schedule(schedule, P, M, v)
+    results = run(_worker, P, schedule, M, v, t_f, t_b, steps + 1, width, batch, timeout=timeout)
+    per_step = []
+    for step in range(1, steps + 1):  # step 0 warms up (first messages set up gloo's pairs)
+        events = align([(results[r][step][0], results[r][step][4]) for r in range(P)])
+        costs = measured_costs(events, sched)
+        predicted = simulate(sched, costs["t_f"], costs["t_b"], costs["t_comm"]).bubble
+        per_step.append((bubble_fraction(events, P), predicted, costs, events))
+    measured, predicted, costs, events = sorted(per_step, key=lambda x: x[0])[(steps - 1) // 2]
+    ideal = simulate(sched, t_f, t_b).bubble
+    out = dict(P=P, M=M, schedule=sched.name, t_f=t_f, t_b=t_b, measured=measured,
+               measured_steps=[x[0] for x in per_step], predicted=predicted, predicted_ideal=ideal,
+               costs=costs, rel_error=abs(measured - predicted) / predicted if predicted else measured,
+               events=events)
+    if verbose:
+        print(f"pipeline bubble, {sched.name}, P={P}, M={M}, t_f={t_f * 1e3:g} ms, "
+              f"t_b={t_b * 1e3:g} ms (median of {steps} steps: "
+              f"{', '.join(f'{x[0]:.4f}' for x in per_step)})\n"
+              f"  measured {measured:.4f}; simulator with the measured costs (t_f "
+              f"{costs['t_f'] * 1e3:.1f} ms, t_b {costs['t_b'] * 1e3:.1f} ms, message latency "
+              f"{costs['t_comm'] * 1e3:.2f} ms) {predicted:.4f}: relative error "
+              f"{out['rel_error']:.1%}\n  simulator without communication time {ideal:.4f} "
+              f"(formula (P-1)/(vM+P-1))")
+    return out
+
+
+def activation_memory(P: int = 4, M: int = 8, width: int = 64, batch: int | None = None,
+                      schedules=("gpipe", "1f1b"), verbose: bool = True, timeout: float = 60.0) -> dict:
+    """Peak saved-activation bytes and micro-batches in flight per stage, measured, per schedule.
+
+    Returns ``{schedule: {"bytes": {stage: peak bytes}, "inflight": {stage: peak micro-batches},
+    "predicted_inflight": {stage: simulator's peak}}}``.
+    """
+    batch = batch or 4 * M
+    out = {}
+    for name in schedules:
+        res = run(_worker, P, name, M, 2, 0.0, 0.0, 1, width, batch, timeout=timeout)
+        bytes_, inflight = {}, {}
+        for r in range(P):
+            _, pin, pbytes, _, _ = res[r][0]
+            bytes_.update(pbytes)
+            inflight.update(pin)
+        sched = make_schedule(name, P, M)
+        out[name] = {"bytes": dict(sorted(bytes_.items())), "inflight": dict(sorted(inflight.items())),
+                     "predicted_inflight": simulate(sched).peak_inflight}
+    if verbose:
+        print(f"peak saved activations per stage (P={P}, M={M}, batch {batch}, width {width}, fp32):")
+        for name, d in out.items():
+            cells = ", ".join(f"s{s}: {d['inflight'][s]} mb / {d['bytes'][s] / 1024:.1f} KiB"
+                              for s in d["bytes"])
+            print(f"  {name:6s} {cells}")
+    return out
+
+
+if __name__ == "__main__":
+    bench_bubble()
+    activation_memory()
