@@ -20,7 +20,7 @@ TEMPLATES = sorted((ROOT / "course" / "multinode").glob("sbatch_*.sh"))
 
 @pytest.fixture(scope="module")
 def compose():
-    return yaml.safe_load((DOCKER / "compose.slurm.yml").read_text())
+    return yaml.safe_load((DOCKER / "compose.yml").read_text())
 
 
 def slurm_conf() -> dict:
