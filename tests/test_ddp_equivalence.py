@@ -10,6 +10,7 @@ import functools
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it: 5-10 s each)
 
 import minidist
 from minidist.data_parallel import VERSIONS, BucketedDDP

@@ -128,6 +128,9 @@ class BucketedDDP(DataParallelBase):
         self._in_backward = False
         self._next_launch = 0
         self.ready_order: list[str] = []  # names, in the order the last backward produced them
+        # (bucket index, gradients ready when it was launched): launched before the last gradient
+        # was ready = its all-reduce overlapped the rest of backward
+        self.launch_log: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ inspection
     def bucket_layout(self) -> list[dict]:
@@ -166,6 +169,7 @@ class BucketedDDP(DataParallelBase):
         self._in_backward = True
         self._next_launch = 0
         self.ready_order = []
+        self.launch_log = []
         for b in self.buckets:
             b.filled, b.error = 0, None
             b.seen.clear()
@@ -174,6 +178,7 @@ class BucketedDDP(DataParallelBase):
 
     def _launch_in_order(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
+            self.launch_log.append((self._next_launch, len(self.ready_order)))
             self._queue.put(self.buckets[self._next_launch])
             self._next_launch += 1
 

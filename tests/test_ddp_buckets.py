@@ -1,0 +1,76 @@
+"""Bucket layout (failure case D9) and overlap: buckets launched while backward still runs."""
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it: 5-10 s each)
+from torch import nn
+
+import minidist
+from minidist.data_parallel import BucketedDDP
+from minidist.models import MLP
+from minidist.trace import Timeline
+
+NAMES = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias", "net.4.weight", "net.4.bias"]
+# sizes (fp32 bytes): 768, 64, 512, 32, 180, 20
+
+
+def _layout(rank, world, cap_mb):
+    ddp = BucketedDDP(MLP(12, (16, 8), 5), bucket_cap_mb=cap_mb)
+    layout = ddp.bucket_layout()
+    ddp(torch.randn(4, 12)).sum().backward()
+    order, log = list(ddp.ready_order), list(ddp.launch_log)
+    ddp.close()
+    return layout, order, log
+
+
+@pytest.mark.parametrize("cap_bytes,expected", [
+    (1, [["net.4.bias"], ["net.4.weight"], ["net.2.bias"], ["net.2.weight"], ["net.0.bias"],
+         ["net.0.weight"]]),                                     # every parameter over the cap
+    (600, [["net.4.bias", "net.4.weight", "net.2.bias"], ["net.2.weight", "net.0.bias"],
+           ["net.0.weight"]]),                                   # 768 > 600: a bucket of its own
+    (2**20, [list(reversed(NAMES))]),
+])
+def test_layout_reverse_registration_no_split(cap_bytes, expected):
+    layout, order, log = minidist.run(_layout, 2, cap_bytes / 2**20, timeout=30)[0]
+    assert [b["params"] for b in layout] == expected
+    assert sum(b["numel"] for b in layout) == 12 * 16 + 16 + 16 * 8 + 8 + 8 * 5 + 5
+    for b in layout:
+        assert b["bytes"] == 4 * b["numel"]
+        assert b["bytes"] <= cap_bytes or len(b["params"]) == 1
+    # buckets fill in the order the gradients became ready
+    assert [n for b in layout for n in b["params"]] == order
+    assert [i for i, _ in log] == list(range(len(layout)))  # launched in bucket order
+
+
+def test_buckets_launch_before_backward_ends():
+    # with one bucket per parameter, bucket 0 (last layer) is handed to the comm thread when only
+    # its own gradient is ready: its all-reduce overlaps the rest of backward
+    _, _, log = minidist.run(_layout, 2, 1e-9, timeout=30)[0]
+    assert log[0] == (0, 1) and log[-1] == (5, 6)
+
+
+def _timeline(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+    tl = Timeline()
+    ddp = BucketedDDP(model, bucket_cap_mb=0.26, timeline=tl)
+    x = torch.randn(64, 256)
+    for _ in range(2):
+        with tl.record("backward", lane="compute"):
+            ddp(x).pow(2).mean().backward()
+    ddp.close()
+    return tl.events
+
+
+def test_timeline_records_comm_and_wait():
+    events = minidist.run(_timeline, 2, timeout=30)[0]
+    names = [e.name for e in events]
+    assert names.count("all-reduce b0") == 2 and names.count("wait") == 2
+    assert {e.lane for e in events} >= {"comm", "main", "compute"}
+    comm = [e for e in events if e.name.startswith("all-reduce")]
+    assert len(comm) == 2 * 6 and all(e.end >= e.start for e in comm)
+
+
+def test_bad_cap_is_rejected():
+    with pytest.raises(minidist.RankError, match="bucket_cap_mb must be positive"):
+        minidist.run(lambda r, w: BucketedDDP(MLP(), bucket_cap_mb=0), 1, timeout=30)
