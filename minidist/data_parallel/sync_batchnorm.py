@@ -1,0 +1,141 @@
+"""SyncBatchNorm from scratch: batch statistics over the *global* batch (failure case D3).
+
+DDP averages gradients, but BatchNorm's statistics are computed per rank: with small per-rank
+batches each rank normalises with a noisy mean, and the running statistics (buffers, not
+gradients) are never synchronised. SyncBatchNorm all-reduces, per channel,
+
+    forward:  [Σx, Σx², n]              → mean = Σx/N, var = Σx²/N − mean²   (N = Σ over ranks of n)
+    backward: [Σdy, Σdy·x̂]              → dx = w·invstd/N · (N·dy − Σdy − x̂·Σdy·x̂)
+
+so ranks with unequal batches are weighted by their sample counts, not averaged as means (rank 0
+four 0s and rank 1 four 10s: mean 5, unbiased var 28.5714; two 0s and six 10s: mean 7.5, var
+21.4286). Running statistics use the unbiased variance N/(N-1)·var like ``nn.BatchNorm``. The
+weight and bias gradients are left local (Σ over this rank's batch): DDP averages them. Statistics
+are accumulated in float64. Eval mode uses the running statistics, no communication.
+
+Reference: Ioffe & Szegedy 2015 (BatchNorm, §3 for the backward); Zhang et al. 2018, "Context
+Encoding for Semantic Segmentation" (cross-GPU BN); torch.nn.SyncBatchNorm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .replicas import all_reduce_
+
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
+
+
+def _reduce_dims(x: torch.Tensor) -> list[int]:
+    return [0] + list(range(2, x.dim()))
+
+
+def _bcast(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return v.view(1, -1, *([1] * (x.dim() - 2)))
+
+
+class _SyncBN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, comm):
+        dims, C = _reduce_dims(x), x.shape[1]
+        xd = x.double()
+        stats = torch.cat([xd.sum(dims), (xd * xd).sum(dims),
+                           torch.tensor([x.numel() // C if C else 0], dtype=torch.float64)])
+        if dist.get_world_size(group) > 1:
+            all_reduce_(stats, "sum", comm, group)
+        n = stats[-1]
+        if n < 2 and running_var is not None:
+            raise ValueError(f"SyncBatchNorm (rank {dist.get_rank(group)}): {int(n)} value(s) per "
+                             "channel over all ranks; need at least 2 in training mode")
+        mean = stats[:C] / n
+        var = (stats[C:2 * C] / n - mean * mean).clamp_min(0)
+        invstd = torch.rsqrt(var + eps)
+        xhat = ((xd - _bcast(mean, x)) * _bcast(invstd, x)).to(x.dtype)
+        y = xhat * _bcast(weight, x) + _bcast(bias, x) if weight is not None else xhat
+        if running_mean is not None:
+            with torch.no_grad():
+                running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))
+                unbiased = var * n / (n - 1)
+                running_var.mul_(1 - momentum).add_(momentum * unbiased.to(running_var.dtype))
+        ctx.save_for_backward(xhat, weight, invstd.to(x.dtype))
+        ctx.n, ctx.group, ctx.comm = float(n), group, comm
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, weight, invstd = ctx.saved_tensors
+        dims, C = _reduce_dims(dy), dy.shape[1]
+        sum_dy = dy.sum(dims)
+        sum_dy_xhat = (dy * xhat).sum(dims)
+        grad_w = sum_dy_xhat.clone() if weight is not None else None
+        grad_b = sum_dy.clone() if weight is not None else None
+        both = torch.cat([sum_dy, sum_dy_xhat])
+        if dist.get_world_size(ctx.group) > 1:
+            all_reduce_(both, "sum", ctx.comm, ctx.group)
+        g_dy, g_dy_xhat = both[:C], both[C:]
+        scale = invstd if weight is None else invstd * weight
+        dx = _bcast(scale / ctx.n, dy) * (ctx.n * dy - _bcast(g_dy, dy) - xhat * _bcast(g_dy_xhat, dy))
+        return dx, grad_w, grad_b, None, None, None, None, None, None
+
+
+class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm over inputs [N, C, *] whose training statistics span every rank of ``group``.
+
+    Same arguments and state dict as ``nn.BatchNorm1d/2d/3d`` plus ``group`` (default: the world)
+    and ``comm`` ("minidist" ring or "torch"). Every rank must call forward and backward together.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, group=None,
+                 comm: str = "minidist"):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+        self.group, self.comm = group, comm
+
+    def _check_input_dim(self, x):
+        if x.dim() < 2:
+            raise ValueError(f"SyncBatchNorm: expected input [N, C, *], got shape {tuple(x.shape)}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        if x.shape[1] != self.num_features:
+            raise ValueError(f"SyncBatchNorm: expected {self.num_features} channels, got "
+                             f"{x.shape[1]} (input shape {tuple(x.shape)})")
+        use_batch_stats = self.training or not self.track_running_stats
+        if not use_batch_stats:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                False, 0.0, self.eps)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average
+                factor = 1.0 / float(self.num_batches_tracked)
+        track = self.training and self.track_running_stats
+        return _SyncBN.apply(x, self.weight, self.bias, self.running_mean if track else None,
+                             self.running_var if track else None, self.eps, factor, self.group,
+                             self.comm)
+
+
+def convert_sync_batchnorm(module: nn.Module, group=None, comm: str = "minidist") -> nn.Module:
+    """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` by a :class:`SyncBatchNorm` holding
+    the same parameters and running statistics. Returns the (possibly new) module."""
+    out = module
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
+        out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, group, comm)
+        if module.affine:
+            with torch.no_grad():
+                out.weight.copy_(module.weight)
+                out.bias.copy_(module.bias)
+            out.weight.requires_grad_(module.weight.requires_grad)
+            out.bias.requires_grad_(module.bias.requires_grad)
+        if module.track_running_stats:
+            out.running_mean.copy_(module.running_mean)
+            out.running_var.copy_(module.running_var)
+            out.num_batches_tracked.copy_(module.num_batches_tracked)
+        out.train(module.training)
+    for name, child in module.named_children():
+        out.add_module(name, convert_sync_batchnorm(child, group, comm))
+    return out
