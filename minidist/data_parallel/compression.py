@@ -1,0 +1,82 @@
+"""Gradient compression as DDP communication hooks: fewer bytes on the wire per step.
+
+A hook replaces :class:`~minidist.data_parallel.BucketedDDP`'s default bucket average
+(``model.register_comm_hook(state, hook)``); it runs on the communication thread and must leave
+the *same* averaged gradient in ``bucket.buffer`` on every rank, so replicas stay identical.
+
+* :func:`fp16_compress_hook` / :func:`bf16_compress_hook` — cast the bucket to 16 bits, all-reduce,
+  cast back: half the bytes, a rounding error of ~1e-3 (fp16) or ~1e-2 (bf16) relative; the
+  average is pre-divided by W so the fp16 sum cannot overflow.
+* :class:`TopK` — each rank sends only its k largest-magnitude entries (values + indices, through
+  an all-gather), with **error feedback** (Seide et al. 2014; Stich et al. 2018, "Sparsified SGD
+  with Memory"): what was not sent is added to the next step's gradient, so nothing is lost, only
+  delayed. Invariant: Σ_t applied_t + mean_r(error_r) = mean_r Σ_t g_r,t.
+
+Bytes per rank for a bucket of N fp32 values, ring collectives: all-reduce 2(W-1)/W · 4N;
+fp16 2(W-1)/W · 2N; top-k (W-1) · k · (4 + 8). Measure them with ``minidist.comm.count_traffic``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["fp16_compress_hook", "bf16_compress_hook", "TopK", "ring_allreduce_bytes"]
+
+
+def _cast_hook(dtype):
+    def hook(state, bucket, comm):
+        low = bucket.buffer.to(dtype).div_(comm.world_size)
+        comm.all_reduce_(low, "sum")
+        bucket.buffer.copy_(low)
+    return hook
+
+
+fp16_compress_hook = _cast_hook(torch.float16)
+fp16_compress_hook.__name__ = "fp16_compress_hook"
+fp16_compress_hook.__doc__ = "All-reduce the bucket in fp16 (half the bytes); the result is fp32."
+bf16_compress_hook = _cast_hook(torch.bfloat16)
+bf16_compress_hook.__name__ = "bf16_compress_hook"
+bf16_compress_hook.__doc__ = "All-reduce the bucket in bf16 (half the bytes); the result is fp32."
+
+
+class TopK:
+    """Top-k sparsification with error feedback. Use as ``model.register_comm_hook(TopK(0.01),
+    TopK.hook)`` — the instance is the hook's state (one error buffer per bucket).
+
+    Args:
+        ratio: share of each bucket's entries sent per step (0 < ratio ≤ 1; k = ceil(ratio·N)).
+        error_feedback: keep what was not sent and add it next step (True: the method converges
+            like plain SGD; False: gradients are simply dropped).
+    """
+
+    def __init__(self, ratio: float = 0.01, error_feedback: bool = True):
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"TopK: ratio must be in (0, 1], got {ratio}")
+        self.ratio, self.error_feedback = ratio, error_feedback
+        self.errors: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def hook(state: "TopK", bucket, comm) -> None:
+        buf = bucket.buffer
+        acc = buf + state.errors[bucket.index] if bucket.index in state.errors else buf.clone()
+        k = max(1, math.ceil(state.ratio * acc.numel()))
+        idx = acc.abs().topk(k, sorted=False).indices
+        vals = acc[idx]
+        if state.error_feedback:
+            acc[idx] = 0.0
+            state.errors[bucket.index] = acc  # what this rank did not send yet
+        all_vals, all_idx = comm.all_gather(vals), comm.all_gather(idx)
+        dense = torch.zeros_like(buf)
+        dense.index_add_(0, all_idx.reshape(-1), all_vals.reshape(-1))
+        buf.copy_(dense.div_(comm.world_size))
+
+    def residual(self) -> float:
+        """Sum of |error| over buckets (what is still waiting to be sent)."""
+        return float(sum(e.abs().sum() for e in self.errors.values()))
+
+
+def ring_allreduce_bytes(numel: int, world: int, itemsize: int = 4) -> float:
+    """Bytes one rank sends in a ring all-reduce of ``numel`` elements: 2(W-1)/W · numel · size."""
+    return 2 * (world - 1) / world * numel * itemsize

@@ -1,0 +1,70 @@
+"""Mixed precision for data-parallel training: low-precision compute, fp32 gradients and reduction.
+
+* **CPU:** bf16 autocast. bf16 keeps fp32's exponent range, so no loss scaling is needed.
+* **GPU:** fp16 autocast with dynamic loss scaling (``torch.amp.GradScaler``): the loss is
+  multiplied by S before backward so small gradients do not flush to zero in fp16; the optimizer
+  step unscales, and is skipped (S halved) when a gradient is inf/NaN.
+
+Parameters stay fp32 (autocast casts per op), so ``p.grad`` is fp32 and DDP averages it in fp32
+(``reduce_dtype``; a bf16 model's gradients are upcast into fp32 buckets). Under DDP the loss-scale
+decision is the same on every rank, because it is taken *after* the all-reduce, on identical
+gradients. Reference: Micikevicius et al. 2018, "Mixed Precision Training" (ICLR), §3.
+
+    mp = MixedPrecision()                 # bf16 on CPU, fp16 + scaling on CUDA
+    with mp.autocast():
+        loss = loss_fn(model(x), y)
+    mp.backward(loss)
+    mp.step(optimizer)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import env
+
+__all__ = ["MixedPrecision"]
+
+
+class MixedPrecision:
+    """Autocast + (for fp16) loss scaling, chosen from the device.
+
+    Args:
+        device: where the model runs (default: this rank's device from ``minidist.env``).
+        dtype: ``torch.bfloat16`` (default on CPU), ``torch.float16`` (default on CUDA; loss scaling
+            on), or ``None``/``torch.float32`` to disable.
+    """
+
+    def __init__(self, device: torch.device | str | None = None, dtype: torch.dtype | None = "auto",
+                 init_scale: float = 2.0**16):
+        self.device = torch.device(device) if device is not None else env.device()
+        if dtype == "auto":
+            dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        if dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"MixedPrecision: dtype must be bfloat16, float16 or None, got {dtype}")
+        self.dtype = None if dtype == torch.float32 else dtype
+        self.scaler = (torch.amp.GradScaler(self.device.type, init_scale=init_scale)
+                       if self.dtype == torch.float16 else None)
+
+    def autocast(self):
+        """Context manager for the forward pass (and the loss)."""
+        return torch.autocast(self.device.type, dtype=self.dtype or torch.float32,
+                              enabled=self.dtype is not None)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer) -> bool:
+        """Unscale, step (unless a gradient is inf/NaN: then skip and lower the scale).
+        Returns whether the step was taken."""
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() >= before
+
+    @property
+    def scale(self) -> float:
+        return self.scaler.get_scale() if self.scaler is not None else 1.0
