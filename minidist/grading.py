@@ -126,8 +126,12 @@ class Report:
         lines.append(f"score: {self.score:g}/{self.max_score:g}")
         return "\n".join(lines)
 
-    def assert_passed(self, show: bool = True) -> "Report":
-        """Print the report, then raise ``AssertionError`` if any check failed (or none ran)."""
+    def assert_passed(self, show: bool = True) -> None:
+        """Print the report, then raise ``AssertionError`` if any check failed (or none ran).
+
+        Returns ``None`` on purpose: a grading cell that ends with this call displays nothing
+        but the printed report (a returned object would add an output line to compare).
+        """
         if show:
             print(self)
         if not self.results:
@@ -136,7 +140,6 @@ class Report:
             raise AssertionError(f"{self.title}: {len(self.failed)} of {len(self.results)} checks "
                                  f"failed (score {self.score:g}/{self.max_score:g}); first: "
                                  f"{self.failed[0].line()}")
-        return self
 
 
 # --------------------------------------------------------------------------- tensors
