@@ -1,13 +1,32 @@
 """Tensor parallelism from scratch, Megatron-LM style (Shoeybi et al. 2019; Korthikanti et al. 2022).
 
-Region operators (f, g, scatter, gather) in :mod:`.regions`; ColumnParallelLinear,
-RowParallelLinear and VocabParallelEmbedding in :mod:`.layers`; sharding helpers in
-:mod:`.sharding`; communication accounting in :mod:`.accounting`.
+======================  =====================================================================
+module                  what it holds
+======================  =====================================================================
+``regions``             the region operators f, g, scatter/gather (tensor and sequence)
+``layers``              ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+``mlp``, ``attention``  ParallelMLP, ParallelSelfAttention (heads split across ranks)
+``cross_entropy``       vocab_parallel_cross_entropy (global max, padding, label smoothing)
+``random``              dropout generators: same masks where replicated, different on shards
+``sequence``            sequence parallelism: gradient all-reduce of sequence-sharded params
+``sharding``            full state dict <-> this rank's shards; parameter bytes per rank
+``accounting``          which collective ran in which layer and pass, and the formula
+``compare``             the relative error the tests and the lesson use
+``demo``                the TP rows of ``minidist demo``
+======================  =====================================================================
+
+The tiny GPT that uses all of it is :mod:`minidist.models.gpt` (``GPT`` and ``TPGPT``). Every
+function takes ``group=None`` (the world) or a process group, so a 3-D grid can pass its TP group.
 """
 
-from . import accounting, compare, layers, regions, sharding  # noqa: F401
+from . import (accounting, attention, compare, cross_entropy, layers, mlp, random,  # noqa: F401
+               regions, sequence, sharding)
+from .attention import ParallelSelfAttention  # noqa: F401
+from .cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,  # noqa: F401
                      pad_to_multiple)
+from .mlp import ParallelMLP  # noqa: F401
+from .random import Dropout, get_rng_tracker, model_parallel_seed  # noqa: F401
 from .regions import (copy_to_tensor_model_parallel_region,  # noqa: F401
                       gather_from_sequence_parallel_region,
                       gather_from_tensor_model_parallel_region,
@@ -15,4 +34,5 @@ from .regions import (copy_to_tensor_model_parallel_region,  # noqa: F401
                       reduce_scatter_to_sequence_parallel_region,
                       scatter_to_sequence_parallel_region,
                       scatter_to_tensor_model_parallel_region)
-from .sharding import gather_state_dict, gather_tensor, shard_state_dict  # noqa: F401
+from .sequence import allreduce_sequence_parallel_grads  # noqa: F401
+from .sharding import gather_state_dict, gather_tensor, parameter_bytes, shard_state_dict  # noqa: F401
