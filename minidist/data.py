@@ -15,6 +15,9 @@ on the test set).
 
 from __future__ import annotations
 
+import functools
+import gzip
+import importlib.util
 import os
 
 import torch
@@ -43,11 +46,7 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0, image: bool = False
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"load_digits: test_fraction must be in (0, 1), got {test_fraction}")
-    from sklearn.datasets import load_digits as _sk_digits
-
-    bunch = _sk_digits()
-    x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0  # pixel values are 0..16
-    y = torch.tensor(bunch.target, dtype=torch.int64)
+    x, y = _digits_arrays()
     # stratified split without sklearn's model_selection: per class, a seeded permutation
     g = torch.Generator().manual_seed(seed)
     train_idx, test_idx = [], []
@@ -61,6 +60,29 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0, image: bool = False
     if image:
         x = x.view(-1, 1, 8, 8)
     return TensorDataset(x[train_idx], y[train_idx]), TensorDataset(x[test_idx], y[test_idx])
+
+
+@functools.lru_cache(maxsize=1)
+def _digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1797 digits: x [1797, 64] float32 in [0, 1], y [1797] int64 (cached per process).
+
+    Reads the CSV that ships inside scikit-learn directly: importing sklearn takes 2+ s per
+    process (scipy), which every forked rank would pay. Falls back to sklearn's loader."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None:
+        raise DatasetUnavailable("load_digits needs scikit-learn (pip install scikit-learn), which "
+                                 "ships the 8x8 digits file")
+    path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+    if os.path.exists(path):
+        with gzip.open(path, "rt") as f:
+            rows = [[int(v) for v in line.split(",")] for line in f if line.strip()]
+        table = torch.tensor(rows, dtype=torch.int64)
+        data, target = table[:, :64], table[:, 64]
+    else:  # a future scikit-learn may move the file
+        from sklearn.datasets import load_digits as _sk_digits
+        bunch = _sk_digits()
+        data, target = torch.tensor(bunch.data), torch.tensor(bunch.target)
+    return data.to(torch.float32) / 16.0, target.to(torch.int64)  # pixel values are 0..16
 
 
 def load_torchvision(name: str, root: str | os.PathLike, download: bool = False,

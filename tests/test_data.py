@@ -75,3 +75,12 @@ def test_missing_folder_is_a_clear_error_not_a_download(tmp_path):
 def test_models_shapes():
     assert MLP(hidden=(32, 16), batchnorm=True)(torch.randn(5, 64)).shape == (5, 10)
     assert SmallCNN(in_channels=3)(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_digits_equal_scikit_learns_loader():
+    from sklearn.datasets import load_digits as sk
+
+    bunch = sk()
+    x, y = data._digits_arrays()
+    assert torch.equal(x * 16, torch.tensor(bunch.data, dtype=torch.float32))
+    assert torch.equal(y, torch.tensor(bunch.target))

@@ -102,13 +102,23 @@ def _broadcast(t: torch.Tensor, comm: str, group) -> None:
 @torch.no_grad()
 def broadcast_module(module: nn.Module, comm: str = "minidist", group=None,
                      buffers_only: bool = False) -> None:
-    """Copy rank 0's parameters and buffers to every rank, in place."""
+    """Copy rank 0's parameters and buffers to every rank, in place.
+
+    Tensors are packed into one flat tensor per dtype and device, so a model with many small
+    buffers (ResNet-18: 60 BatchNorm buffers) pays one collective's latency, not sixty."""
     if dist.get_world_size(group) == 1:
         return
     tensors = [] if buffers_only else [p.data for p in module.parameters()]
     tensors += [b for b in module.buffers()]
+    by_kind: dict = {}
     for t in tensors:
-        _broadcast(t, comm, group)
+        if t.numel():
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for same in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        _broadcast(flat, comm, group)
+        for t, piece in zip(same, flat.split([t.numel() for t in same])):
+            t.copy_(piece.view_as(t))
 
 
 @torch.no_grad()

@@ -1,0 +1,26 @@
+"""The `minidist demo` DDP rows and `minidist bench ddp` (smoke: they run and report sane numbers)."""
+
+import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it: 5-10 s each)
+
+from minidist.data_parallel.bench import bench_ddp
+from minidist.data_parallel.demo import demo_rows
+
+
+def test_demo_rows_world_size_2():
+    rows = demo_rows(world_sizes=(2,))
+    assert [r["check"] for r in rows] == ["digits test accuracy (bucketed DDP, MLP)",
+                                          "parameters equal one process on the global batch",
+                                          "replicas bit-identical across ranks"]
+    for r in rows:
+        assert r["section"] == "DDP" and r["world_size"] == 2 and r["ok"], r
+        assert set(r) == {"section", "check", "world_size", "max_error", "ok", "detail"}
+
+
+def test_bench_ddp_small_mlp(capsys):
+    out = bench_ddp(world_size=2, steps=2, warmup=1, model="mlp", batch_size=4,
+                    bucket_cap_mb=1.0)
+    assert out["n_buckets"] > 1 and out["minidist_s"] > 0 and out["torch_s"] > 0
+    assert out["ratio"] == out["minidist_s"] / out["torch_s"]
+    assert 0.0 <= out["hidden_share"] <= 1.0
+    text = capsys.readouterr().out
+    assert "torch DDP" in text and "minidist BucketedDDP" in text and "hidden behind backward" in text
