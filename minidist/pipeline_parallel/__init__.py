@@ -13,3 +13,7 @@ from .schedules import (Op, Schedule, ScheduleError, gpipe, interleaved_one_f_on
                         make_schedule, one_f_one_b, validate)
 from .simulator import PipelineDeadlock, SimResult, bubble_formula, peak_inflight, simulate  # noqa: F401
 from .timeline import Event, bubble_fraction, plot_timeline  # noqa: F401
+
+__all__ = ["Op", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_one_f_one_b",
+           "make_schedule", "validate", "simulate", "SimResult", "PipelineDeadlock", "bubble_formula",
+           "peak_inflight", "Event", "bubble_fraction", "plot_timeline"]

@@ -163,7 +163,7 @@ def validate(schedule: Schedule) -> Schedule:
     Raises:
         ScheduleError: naming the rank and the op.
     """
-    P, M, v = schedule.P, schedule.M, schedule.v
+    P, M = schedule.P, schedule.M
     if len(schedule.ops) != P:
         raise ScheduleError(f"{schedule.name}: {len(schedule.ops)} op lists for P={P} ranks")
     for r, row in enumerate(schedule.ops):
