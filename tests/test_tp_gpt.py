@@ -86,3 +86,28 @@ def test_communication_per_block_matches_the_formula(world, sp):
                 assert sum(g["count"] for g in got) == sum(want["ops"].values())
                 assert sum(g["payload_bytes"] for g in got) == want["payload_bytes"]
                 assert sum(g["bytes_sent"] for g in got) == want["bytes_sent"], (phase, got, want)
+
+
+def _block_case(rank, world, which):
+    from minidist.models.gpt import MLP, CausalSelfAttention
+    from minidist.tensor_parallel import ParallelMLP, ParallelSelfAttention
+    torch.manual_seed(0)
+    ref = CausalSelfAttention(CFG) if which == "attn" else MLP(CFG)
+    torch.manual_seed(0)
+    tp = (ParallelSelfAttention(CFG.n_embd, CFG.n_head) if which == "attn"
+          else ParallelMLP(CFG.n_embd, 4 * CFG.n_embd))
+    x = torch.randn(2, CFG.block_size, CFG.n_embd, generator=torch.Generator().manual_seed(4))
+    xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, yt = ref(xr), tp(xt)
+    (yr ** 2).sum().backward()
+    (yt ** 2).sum().backward()
+    return max(rel_error(yt, yr), rel_error(xt.grad, xr.grad),
+               max_rel_error(gather_state_dict(tp, grads=True),
+                             {n: p.grad for n, p in ref.named_parameters()})[0])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("which", ["attn", "mlp"])
+def test_parallel_attention_and_mlp_blocks_match_single_process(world, which):
+    for err in minidist.run(_block_case, world, which, timeout=60):
+        assert err < TOL, err
