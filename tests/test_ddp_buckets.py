@@ -11,7 +11,7 @@ from minidist.models import MLP
 from minidist.trace import Timeline
 
 NAMES = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias", "net.4.weight", "net.4.bias"]
-# sizes (fp32 bytes): 768, 64, 512, 32, 180, 20
+# sizes (fp32 bytes): 768, 64, 512, 32, 160, 20
 
 
 def _layout(rank, world, cap_mb):
