@@ -7,6 +7,11 @@ vocab-parallel cross-entropy), optionally with sequence parallelism. Both have t
 names and, built after the same ``torch.manual_seed``, the same full weights; so
 ``gather_state_dict(tp_model)`` can be compared with ``gpt.state_dict()`` key by key.
 
+Dropout in both models draws its masks from :mod:`minidist.tensor_parallel.random` (call
+``model_parallel_seed(seed)`` first when dropout is on), so the residual dropout of a TP model
+drops the same elements as the single-process one. Both are built on the CPU; move them with
+``.to(minidist.env.device())``.
+
 Pre-LayerNorm blocks as GPT-2 (Radford et al. 2019) / nanoGPT; the head is not tied to the
 embedding; PyTorch's default initialisation. Shapes: ids ``[b, s]`` (s <= block_size) ->
 logits ``[b, s, V]`` (TPGPT: this rank's ``[b, s, Vp/W]`` with Vp the padded vocabulary).

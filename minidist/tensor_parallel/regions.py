@@ -4,17 +4,17 @@ A tensor-parallel layer moves activations between two kinds of region: *replicat
 the TP group holds the same full tensor) and *parallel* (each rank holds its own shard or partial
 sum). Each crossing is an autograd Function whose backward is the conjugate collective:
 
-==============================================  ==========================  =========================
-operator                                        forward                     backward
-==============================================  ==========================  =========================
-``copy_to_tensor_model_parallel_region`` (f)    identity                    all-reduce (sum)
-``reduce_from_tensor_model_parallel_region`` (g)  all-reduce (sum)          identity
-``scatter_to_tensor_model_parallel_region``     keep my slice of last dim   all-gather last dim
-``gather_from_tensor_model_parallel_region``    all-gather last dim         keep my slice
-``scatter_to_sequence_parallel_region``         keep my slice of seq dim    all-gather seq dim
-``gather_from_sequence_parallel_region``        all-gather seq dim          reduce-scatter seq dim
-``reduce_scatter_to_sequence_parallel_region``  reduce-scatter seq dim      all-gather seq dim
-==============================================  ==========================  =========================
+==================================================  ===========================  ========================
+operator                                            forward                      backward
+==================================================  ===========================  ========================
+``copy_to_tensor_model_parallel_region`` (f)        identity                     all-reduce (sum)
+``reduce_from_tensor_model_parallel_region`` (g)    all-reduce (sum)             identity
+``scatter_to_tensor_model_parallel_region``         keep my slice of last dim    all-gather last dim
+``gather_from_tensor_model_parallel_region``        all-gather last dim          keep my slice
+``scatter_to_sequence_parallel_region``             keep my slice of seq dim     all-gather seq dim
+``gather_from_sequence_parallel_region``            all-gather seq dim           reduce-scatter seq dim
+``reduce_scatter_to_sequence_parallel_region``      reduce-scatter seq dim       all-gather seq dim
+==================================================  ===========================  ========================
 
 Why f's backward all-reduces: a replicated input ``x`` feeds W shards, and each rank's backward
 only sees its shard's contribution to dL/dx; the true gradient is the sum. Why g's backward is the
