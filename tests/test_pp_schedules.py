@@ -3,6 +3,7 @@
 import pytest
 
 from minidist.pipeline_parallel import (Op, PipelineDeadlock, Schedule, ScheduleError, bubble_formula,
+                                        message_order_mismatches,
                                         gpipe, interleaved_one_f_one_b, make_schedule, one_f_one_b,
                                         simulate, validate)
 
@@ -78,3 +79,21 @@ def test_simulator_detects_deadlock_and_names_stages():
     msg = str(info.value)
     assert "rank 0 (stage 0) is stuck at B0@s0, waiting for B0@s1 from stage 1 on rank 1" in msg
     assert "rank 1 (stage 1) is stuck at F1@s1, waiting for F1@s0 from stage 0 on rank 0" in msg
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("P,M", [(2, 4), (3, 6), (4, 8), (8, 16), (4, 3)])
+def test_builtin_schedules_keep_message_order_per_pair(name, P, M):
+    if name == "interleaved" and M % P:
+        return
+    assert message_order_mismatches(make_schedule(name, P, M, v=2)) == []
+
+
+def test_message_order_mismatch_is_reported():
+    # legal and deadlock-free (gloo matches by tag), but rank 0 sends mb 1 before mb 0
+    s = validate(Schedule("swapped", 2, 2, 1, (
+        (Op("F", 1, 0), Op("F", 0, 0), Op("B", 0, 0), Op("B", 1, 0)),
+        (Op("F", 0, 1), Op("B", 0, 1), Op("F", 1, 1), Op("B", 1, 1)))))
+    simulate(s)
+    assert message_order_mismatches(s) == [
+        (0, 1, [("act", 1, 0), ("act", 0, 0)], [("act", 0, 0), ("act", 1, 0)])]

@@ -88,7 +88,7 @@ def recv_plan(schedule: Schedule, rank: int) -> list[tuple]:
 
 def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
                   group=None, dp_group=None, record: bool = False, device=None,
-                  prefetch: bool = True) -> StepResult:
+                  prefetch: bool | None = None) -> StepResult:
     """Run one training step's forwards and backwards of ``schedule`` on this rank.
 
     Args:
@@ -101,7 +101,9 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         dp_group: if given, gradients are averaged over it once, after this rank's last backward.
         record: keep a timeline of compute and communication events.
         prefetch: receive on a background thread in schedule order (overlaps comm and compute);
-            False: receive when the op needs it (simplest; slower on a busy machine).
+            False: receive when the op needs it (simplest). Default: True on gloo; False on other
+            backends (NCCL matches messages in issue order, so one thread keeps the schedule's
+            order — see ``simulator.message_order_mismatches``).
 
     Gradients accumulate into ``.grad`` (zero them before the step). The optimizer step is yours.
 
@@ -131,6 +133,8 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         return time.perf_counter() - t0
 
     transport = Transport(group, device, clock if record else None)
+    if prefetch is None:
+        prefetch = dist.get_backend(group) == "gloo"
     if prefetch:
         transport.start_prefetch(recv_plan(schedule, rank))
     meter = ActivationMeter(modules)

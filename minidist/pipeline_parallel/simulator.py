@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from .schedules import Op, Schedule
 from .timeline import Event, bubble_fraction
 
-__all__ = ["simulate", "SimResult", "PipelineDeadlock", "peak_inflight", "bubble_formula"]
+__all__ = ["simulate", "SimResult", "PipelineDeadlock", "peak_inflight", "bubble_formula",
+           "message_order_mismatches"]
 
 
 class PipelineDeadlock(RuntimeError):
@@ -127,3 +128,35 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
     events.sort(key=lambda e: (e.rank, e.start))
     makespan = max(e.end for e in events)
     return SimResult(schedule, events, makespan, bubble_fraction(events, P), peak_inflight(schedule))
+
+
+def message_order_mismatches(schedule: Schedule) -> list[tuple]:
+    """Rank pairs whose messages are sent in a different order than the receiver asks for them.
+
+    Gloo matches point-to-point messages by tag, so the engine works whatever the order; NCCL
+    ignores tags and matches the messages between two ranks in the order they were issued. A
+    schedule is safe there only if, for every pair (a, b), the activations and gradients ``a``
+    sends to ``b`` (in ``a``'s op order) are the ones ``b`` receives (in ``b``'s op order). Returns
+    ``[(src, dst, sent, received), ...]``; empty for GPipe, 1F1B and interleaved 1F1B.
+    """
+    last = schedule.n_stages - 1
+    sent, recvd = {}, {}
+    for r, row in enumerate(schedule.ops):
+        for op in row:
+            if op.kind == "F":
+                if op.stage > 0:
+                    recvd.setdefault((schedule.owner(op.stage - 1), r), []).append(
+                        ("act", op.mb, op.stage - 1))
+                if op.stage < last:
+                    sent.setdefault((r, schedule.owner(op.stage + 1)), []).append(
+                        ("act", op.mb, op.stage))
+            else:
+                if op.stage < last:
+                    recvd.setdefault((schedule.owner(op.stage + 1), r), []).append(
+                        ("grad", op.mb, op.stage + 1))
+                if op.stage > 0:
+                    sent.setdefault((r, schedule.owner(op.stage - 1)), []).append(
+                        ("grad", op.mb, op.stage))
+    return [(a, b, sent.get((a, b), []), recvd.get((a, b), []))
+            for a, b in sorted(set(sent) | set(recvd))
+            if a != b and sent.get((a, b), []) != recvd.get((a, b), [])]
