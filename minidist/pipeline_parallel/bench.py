@@ -118,14 +118,15 @@ def measured_costs(events, schedule) -> dict:
 
 
 def bench_bubble(P: int = 4, M: int = 8, schedule: str = "1f1b", v: int = 2, t_f: float = 0.04,
-                 t_b: float = 0.08, steps: int = 3, width: int = 16, batch: int | None = None,
+                 t_b: float = 0.08, steps: int = 5, width: int = 16, batch: int | None = None,
                  verbose: bool = True, timeout: float = 120.0) -> dict:
     """Run ``steps`` pipeline steps on ``P`` ranks and compare the measured bubble with the simulator.
 
     ``t_f``/``t_b``: seconds of one micro-batch's forward/backward through one rank's stage(s).
     Returns a dict: ``measured`` (median over steps), ``measured_steps``, ``predicted``
     (simulator, same costs, no communication time), ``rel_error`` = |measured-predicted|/predicted,
-    ``events`` (the median step's timeline, all ranks), ``schedule`` and the arguments.
+    ``events`` (the median step's timeline, all ranks), ``ok`` (rel_error <= 10%), ``schedule``
+    and the arguments.
     """
     batch = batch or 4 * M
     sched = make_schedule(schedule, P, M, v)
@@ -142,6 +143,7 @@ def bench_bubble(P: int = 4, M: int = 8, schedule: str = "1f1b", v: int = 2, t_f
                measured_steps=[x[0] for x in per_step], predicted=predicted, predicted_ideal=ideal,
                costs=costs, rel_error=abs(measured - predicted) / predicted if predicted else measured,
                events=events)
+    out["ok"] = out["rel_error"] <= 0.10
     if verbose:
         print(f"pipeline bubble, {sched.name}, P={P}, M={M}, t_f={t_f * 1e3:g} ms, "
               f"t_b={t_b * 1e3:g} ms (median of {steps} steps: "
@@ -149,7 +151,7 @@ def bench_bubble(P: int = 4, M: int = 8, schedule: str = "1f1b", v: int = 2, t_f
               f"  measured {measured:.4f}; simulator with the measured costs (t_f "
               f"{costs['t_f'] * 1e3:.1f} ms, t_b {costs['t_b'] * 1e3:.1f} ms, message latency "
               f"{costs['t_comm'] * 1e3:.2f} ms) {predicted:.4f}: relative error "
-              f"{out['rel_error']:.1%}\n  simulator without communication time {ideal:.4f} "
+              f"{out['rel_error']:.1%} ({'✓' if out['ok'] else '✗'} goal: within 10%)\n  simulator without communication time {ideal:.4f} "
               f"(formula (P-1)/(vM+P-1))")
     return out
 

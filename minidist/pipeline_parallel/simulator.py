@@ -47,11 +47,11 @@ class SimResult:
     bubble: float
     peak_inflight: dict
 
-    def plot(self, ax=None, title: str | None = None):
+    def plot(self, ax=None, title: str | None = None, time_unit: str = "units"):
         from .timeline import plot_timeline
         return plot_timeline(self.events, ax=ax, title=title or f"simulated {self.schedule.name}, "
                              f"P={self.schedule.P}, M={self.schedule.M}", n_ranks=self.schedule.P,
-                             time_unit="units")
+                             time_unit=time_unit)
 
 
 def bubble_formula(P: int, M: int, v: int = 1) -> float:

@@ -62,15 +62,16 @@ def bubble_fraction(events, n_ranks: int | None = None) -> float:
     return 1.0 - busy / (len(ranks) * (t1 - t0))
 
 
-_COLORS = {"F": "#4C72B0", "B": "#55A868", "send": "#C44E52", "recv": "#DD8452", "wait": "#BBBBBB"}
+_COLORS = {"F": "#4C72B0", "B": "#55A868"}
+_COMM = "#999999"
 
 
 def plot_timeline(events, ax=None, title: str | None = None, show_comm: bool = True,
                   n_ranks: int | None = None, time_unit: str = "s", label_fontsize: int = 7):
     """Gantt chart: one row per rank (rank 0 on top), F in blue, B in green, labels = micro-batch.
 
-    Blank space is the bubble. With ``show_comm``, send/recv/wait intervals are drawn as thin bars
-    under each row. Returns the matplotlib Axes.
+    Blank space is the bubble. With ``show_comm``, send/recv/wait intervals are drawn as thin grey
+    bars under each row. The legend sits right of the axes. Returns the matplotlib Axes.
     """
     import matplotlib.pyplot as plt
 
@@ -87,8 +88,8 @@ def plot_timeline(events, ax=None, title: str | None = None, show_comm: bool = T
                 ax.text(e.start - t0 + e.duration / 2, y, str(e.mb), ha="center", va="center",
                         color="white", fontsize=label_fontsize)
         elif show_comm:
-            ax.broken_barh([(e.start - t0, max(e.duration, 1e-9))], (y - 0.48, 0.08),
-                           facecolors=_COLORS.get(e.kind, "#888888"))
+            ax.broken_barh([(e.start - t0, max(e.duration, 1e-9))], (y - 0.5, 0.08),
+                           facecolors=_COMM)
     ax.set_yticks(range(P))
     ax.set_yticklabels([f"rank {r}" for r in reversed(range(P))])
     ax.set_xlim(0, t1 - t0)
@@ -98,6 +99,7 @@ def plot_timeline(events, ax=None, title: str | None = None, show_comm: bool = T
     from matplotlib.patches import Patch
     handles = [Patch(color=_COLORS["F"], label="forward"), Patch(color=_COLORS["B"], label="backward")]
     if show_comm and any(e.kind not in COMPUTE for e in events):
-        handles.append(Patch(color=_COLORS["wait"], label="comm / wait"))
-    ax.legend(handles=handles, loc="upper right", fontsize=7, framealpha=0.8)
+        handles.append(Patch(color=_COMM, label="send / recv"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7,
+              frameon=False)
     return ax
