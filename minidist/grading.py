@@ -170,6 +170,14 @@ def compare(got, expected: torch.Tensor, rank: int | None = None, what: str = "r
 
 
 # --------------------------------------------------------------------------- generic multi-rank
+def _not_implemented(result: Result) -> str | None:
+    """Once the learner's code raises NotImplementedError, the other checks are failed unrun
+    (each run would only fail the same way, and every failed run costs about a second)."""
+    if not result.passed and "NotImplementedError" in result.message:
+        return "the code raises NotImplementedError (not written yet)"
+    return None
+
+
 def _startup_failure(e: RankError) -> bool:
     """The ranks failed while connecting (before the learner's code ran): not the learner's fault."""
     return not isinstance(e, RankTimeoutError) and all(
@@ -203,8 +211,14 @@ def check_on_ranks(name: str, rank_fn, world_sizes=(1, 2, 3, 4), *args, timeout:
                for r, m in enumerate(msgs) if m not in (None, True)]
         return "\n".join(str(b) for b in bad[:3]) or None
 
+    todo = None
     for world in world_sizes:
-        report.check(f"{name} (world size {world})", lambda w=world: one(w), points)
+        label = f"{name} (world size {world})"
+        if todo:
+            report.add(Result(label, False, 0.0, points, f"not run: {todo}"))
+            continue
+        result = report.check(label, lambda w=world: one(w), points)
+        todo = _not_implemented(result)
     return report
 
 
@@ -319,7 +333,8 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
     match exactly. ``traffic="ring"`` also checks, through ``minidist.comm.p2p``'s counters, that the
     ranks sent what a ring sends ((W-1)·N elements in all per phase). A hang ends after ``timeout``
     seconds as a failed check naming where every rank waited; the remaining sizes on that world
-    size are then skipped (failed) to keep grading short.
+    size are then skipped (failed) to keep grading short; once the function raises
+    ``NotImplementedError`` every remaining check is failed without running.
 
     Returns:
         a :class:`Report`, one check per (world size, size). Call ``.assert_passed()`` on it.
@@ -332,12 +347,14 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
     name = getattr(learner_fn, "__name__", "learner function")
     what = reference if reference == "all_gather" else f"{reference}, op={op}"
     report = Report(title or f"{name} graded against torch.distributed ({what})")
+    todo = None
     for world in world_sizes:
         timed_out = None
         for n in sizes:
             label = f"world size {world}, {n} element{'s' if n != 1 else ''}"
-            if timed_out is not None:
-                report.add(Result(label, False, 0.0, points, f"skipped: {timed_out} timed out"))
+            if todo or timed_out is not None:
+                why = f"not run: {todo}" if todo else f"skipped: {timed_out} timed out"
+                report.add(Result(label, False, 0.0, points, why))
                 continue
 
             def one(world=world, n=n):
@@ -352,6 +369,7 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
                 return None
 
             result = report.check(label, one, points)
+            todo = _not_implemented(result)
             if not result.passed and result.message.startswith("minidist.run timed out"):
                 timed_out = f"{n} elements"
     return report
