@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import collectives as C
+from .. import env
 from . import microbatch
 from .memory import ActivationMeter
 from .schedules import Schedule
@@ -100,6 +101,8 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         group: the pipeline process group (ranks inside it are pipeline ranks); default: world.
         dp_group: if given, gradients are averaged over it once, after this rank's last backward.
         record: keep a timeline of compute and communication events.
+        device: where received tensors and micro-batches go (default ``minidist.env.device()``:
+            ``cuda:LOCAL_RANK`` with nccl, the CPU with gloo); the modules must already be there.
         prefetch: receive on a background thread in schedule order (overlaps comm and compute);
             False: receive when the op needs it (simplest). Default: True on gloo; False on other
             backends (NCCL matches messages in issue order, so one thread keeps the schedule's
@@ -120,7 +123,7 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         raise ValueError(f"pipeline_step (rank {rank}): got modules for stages {sorted(modules)}, "
                          f"this rank holds stages {schedule.stages_of(rank)} (use local_stages)")
     M, last = schedule.M, schedule.n_stages - 1
-    device = device or torch.device("cpu")
+    device = device or env.device()
     mb_inputs = microbatch.split(inputs, M, "input batch") if 0 in modules else None
     if last in modules:
         mb_targets = microbatch.split(targets, M, "target batch")
