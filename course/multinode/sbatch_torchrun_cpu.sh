@@ -21,6 +21,8 @@ HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)   # first node
 HEAD_ADDR=$(scontrol show node "$HEAD" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
 export OMP_NUM_THREADS=1               # one intra-op thread per worker: workers share the cores
 # export GLOO_SOCKET_IFNAME=eth0       # the interface between nodes, if the hostname's is wrong (same name on every node)
+# export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # with TORCHRUN_ARGS=--max-restarts=N: restarted workers must
+#                                       not read the last attempt's addresses from torchrun's store (pytorch#135712)
 echo "job $SLURM_JOB_ID: nodes $SLURM_JOB_NODELIST, head $HEAD ($HEAD_ADDR:$PORT), $NPROC_PER_NODE workers per node"
 
 # srun starts this line once per node (--ntasks-per-node=1). Each torchrun agent meets the others

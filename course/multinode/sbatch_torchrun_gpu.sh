@@ -20,6 +20,8 @@ HEAD_ADDR=$(scontrol show node "$HEAD" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
 export OMP_NUM_THREADS=4               # cores per worker (16 / 4)
 # export NCCL_SOCKET_IFNAME=ib0        # NCCL's bootstrap interface (prefix match; ^docker,lo excludes)
 # export NCCL_DEBUG=INFO               # print the transport NCCL picked (IB, sockets, NVLink)
+# export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # with TORCHRUN_ARGS=--max-restarts=N: restarted workers must
+#                                       not read the last attempt's addresses from torchrun's store (pytorch#135712)
 echo "job $SLURM_JOB_ID: nodes $SLURM_JOB_NODELIST, head $HEAD ($HEAD_ADDR:$PORT), $NPROC_PER_NODE GPUs per node"
 
 # Once per node: each torchrun agent rendezvouses on the head and starts NPROC_PER_NODE workers.
