@@ -74,3 +74,53 @@ def test_timeline_records_comm_and_wait():
 def test_bad_cap_is_rejected():
     with pytest.raises(minidist.RankError, match="bucket_cap_mb must be positive"):
         minidist.run(lambda r, w: BucketedDDP(MLP(), bucket_cap_mb=0), 1, timeout=30)
+
+
+def _first_cap(rank, world):
+    ddp = BucketedDDP(MLP(12, (16, 8), 5), bucket_cap_mb=2**-20 * 2000,
+                      first_bucket_cap_mb=2**-20 * 200)
+    layout = ddp.bucket_layout()
+    ddp.close()
+    return layout
+
+
+def test_first_bucket_cap_starts_communication_early():
+    layout = minidist.run(_first_cap, 1, timeout=30)[0]
+    assert [b["params"] for b in layout] == [["net.4.bias", "net.4.weight"],
+                                             ["net.2.bias", "net.2.weight", "net.0.bias",
+                                              "net.0.weight"]]
+
+
+def _grad_is_bucket_view(rank, world):
+    torch.manual_seed(0)
+    model = MLP(12, (16,), 5)
+    ddp = BucketedDDP(model, bucket_cap_mb=1e-9)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    grads = []
+    for step in range(3):
+        opt.zero_grad(set_to_none=step != 1)  # both zero_grad styles
+        ddp(torch.randn(3, 12, generator=torch.Generator().manual_seed(step))).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    views = all(p.grad.data_ptr() == b.buffer.data_ptr()
+                for b in ddp.buckets for p in b.params)
+    ddp.close()
+    return grads, views
+
+
+def test_gradients_are_views_of_their_bucket_and_zero_grad_styles_agree():
+    from minidist.data_parallel.reference import max_abs_diff
+    res = minidist.run(_grad_is_bucket_view, 2, timeout=30)
+    for grads, views in res:
+        assert views
+    ref = []
+    torch.manual_seed(0)
+    model = MLP(12, (16,), 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(3, 12, generator=torch.Generator().manual_seed(step))).sum().backward()
+        ref.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    for step in range(3):  # same data on both ranks: the average is the local gradient
+        assert max_abs_diff(res[0][0][step], ref[step]) <= 1e-6

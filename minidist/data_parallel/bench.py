@@ -32,7 +32,7 @@ def _model(name: str):
 
 
 def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_mb, comm,
-                with_flat):
+                with_flat, first_bucket_cap_mb):
     from ..trace import Timeline
     from .bucketed import BucketedDDP
     from .flat import FlatDDP
@@ -40,7 +40,8 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
     tl = Timeline()
     variants = {}
     m, shape = _model(model_name)
-    variants["minidist"] = BucketedDDP(m, bucket_cap_mb=bucket_cap_mb, comm=comm, timeline=tl)
+    variants["minidist"] = BucketedDDP(m, bucket_cap_mb=bucket_cap_mb, comm=comm, timeline=tl,
+                                      first_bucket_cap_mb=first_bucket_cap_mb)
     m, _ = _model(model_name)
     variants["torch"] = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb)
     if with_flat:
@@ -76,18 +77,20 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
 def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
               model: str = "resnet18", batch_size: int = 16, warmup: int = 2,
               comm: str = "minidist", with_flat: bool = True, timeout: float = 600,
-              verbose: bool = True) -> dict:
+              verbose: bool = True, first_bucket_cap_mb: float | None = 1.0) -> dict:
     """Median step time of minidist's BucketedDDP vs torch's DDP (same run, same model).
 
     Returns ``{"minidist_s", "torch_s", "ratio", "hidden_share", "flat_s" (if with_flat),
     "n_buckets", "world_size", "model", ...}``; ``ratio`` = minidist / torch (goal ≤ 1.05).
-    Times are seconds per step, the slowest rank's median.
+    Times are seconds per step, the slowest rank's median. Both DDPs use ``bucket_cap_mb``;
+    ``first_bucket_cap_mb`` (default 1 MiB, as torch's DDP does internally) caps minidist's
+    bucket 0.
     """
     from ..launch import run
     import torch._dynamo  # noqa: F401  (optimizers import it; do it once before forking)
 
     results = run(_rank_bench, world_size, model, steps, warmup, batch_size, bucket_cap_mb, comm,
-                  with_flat, timeout=timeout)
+                  with_flat, first_bucket_cap_mb, timeout=timeout)
     med = {k: max(r[0][k] for r in results) for k in results[0][0]}
     hidden = min(r[1] for r in results)
     out = {"world_size": world_size, "model": model, "batch_size": batch_size, "steps": steps,

@@ -17,7 +17,8 @@ and 2) leaves the network idle during backward and the CPU/GPU idle during commu
    the main thread. The thread talks on its own process group, so nothing on the main thread
    (SyncBatchNorm, a metric) can interleave with it on the wire.
 4. **Wait.** At the end of backward (an autograd-engine callback, as in torch's DDP) the main
-   thread waits for every bucket and copies the averages back into ``p.grad``. So when
+   thread waits for every bucket and makes each ``p.grad`` a view of its averaged slot (as
+   torch's ``gradient_as_bucket_view=True``: no copy back). So when
    ``loss.backward()`` returns, gradients are synchronised and ``optimizer.step()`` may run;
    :meth:`sync_gradients` exists only so that one training loop fits all three versions.
 
@@ -65,13 +66,16 @@ class Bucket:
         return self.buffer[self.offsets[i]: self.offsets[i] + self.params[i].numel()]
 
 
-def build_buckets(params: list, names: dict, cap_bytes: int, dtype: torch.dtype) -> list[Bucket]:
-    """Pack ``params`` (reversed) into buckets of at most ``cap_bytes``; never split a parameter."""
+def build_buckets(params: list, names: dict, cap_bytes: int, dtype: torch.dtype,
+                  first_cap_bytes: int | None = None) -> list[Bucket]:
+    """Pack ``params`` (reversed) into buckets of at most ``cap_bytes``; never split a parameter.
+    ``first_cap_bytes`` caps bucket 0 alone (small, so communication starts early)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     groups, current, size = [], [], 0
     for p in reversed(params):
         nbytes = p.numel() * itemsize
-        if current and size + nbytes > cap_bytes:
+        cap = first_cap_bytes if first_cap_bytes is not None and not groups else cap_bytes
+        if current and size + nbytes > cap:
             groups.append(current)
             current, size = [], 0
         current.append(p)
@@ -98,19 +102,21 @@ class BucketedDDP(DataParallelBase):
     """Bucketed DDP with communication overlapped with backward.
 
     Args (besides :class:`DataParallelBase`'s): ``bucket_cap_mb`` (MiB per bucket, default 25 as
-    in torch's DDP), ``timeline`` (a :class:`minidist.trace.Timeline` that records, per bucket,
+    in torch's DDP), ``first_bucket_cap_mb`` (cap of bucket 0 only, default: the same; torch's DDP
+    uses 1 MiB so that the first all-reduce starts early), ``timeline`` (a :class:`minidist.trace.Timeline` that records, per bucket,
     when it became ready and its all-reduce on the "comm" lane, and the final "wait" on "main").
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, timeline: Timeline | None = None,
-                 **kwargs):
+                 first_bucket_cap_mb: float | None = None, **kwargs):
         super().__init__(module, **kwargs)
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.bucket_cap_mb = bucket_cap_mb
         self.timeline = timeline
+        first = None if first_bucket_cap_mb is None else int(first_bucket_cap_mb * 2**20)
         self.buckets = build_buckets(self.params, self.param_names, int(bucket_cap_mb * 2**20),
-                                     self.reduce_dtype)
+                                     self.reduce_dtype, first)
         self._where = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -155,7 +161,9 @@ class BucketedDDP(DataParallelBase):
         if i in bucket.seen:
             raise RuntimeError(f"BucketedDDP (rank {self.rank}): gradient of "
                                f"{bucket.names[i]} produced twice in one backward")
-        bucket.slot(i).copy_(p.grad.reshape(-1))
+        slot = bucket.slot(i)
+        if p.grad.data_ptr() != slot.data_ptr():  # else p.grad already is the slot (see below)
+            slot.copy_(p.grad.reshape(-1))
         bucket.seen.add(i)
         bucket.filled += 1
         self.ready_order.append(bucket.names[i])
@@ -231,10 +239,13 @@ class BucketedDDP(DataParallelBase):
                     if id(p) in unused_everywhere:
                         continue
                     avg = b.slot(i).view_as(p)
-                    if p.grad is None:
-                        p.grad = avg.to(p.dtype).clone()
-                    else:
-                        p.grad.copy_(avg)
+                    if p.dtype != avg.dtype:   # e.g. bf16 parameters, fp32 buckets
+                        p.grad = avg.to(p.dtype)
+                    elif p.grad is None or p.grad.data_ptr() != avg.data_ptr():
+                        # gradient as a view of its bucket (torch's gradient_as_bucket_view): no
+                        # copy back now, and with zero_grad(set_to_none=False) backward then
+                        # accumulates straight into the bucket, no copy in either
+                        p.grad = avg
 
     def sync_gradients(self) -> None:
         """Nothing left to do: backward already waited for every bucket (kept for a uniform loop)."""
