@@ -91,7 +91,7 @@ def main(rank, world_size, payload, rendezvous, backend, pg_timeout_s, q, shm, d
         _env.set_device(backend, local_rank=rank)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
-        p2p._publish("running user code (no minidist op yet)")
+        p2p.publish("running user code (no minidist op yet)")
         result = fn(rank, world_size, *args)
         q.put(("result", rank, cloudpickle.dumps(_to_cpu(result))))
     except BaseException as e:  # noqa: BLE001 - everything must reach the parent

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 __all__ = [
     "send", "recv", "isend", "irecv", "wait_all", "exchange",
-    "traffic", "reset_traffic", "count_traffic", "collective", "current_op", "Traffic",
+    "traffic", "reset_traffic", "count_traffic", "collective", "current_op", "publish", "Traffic",
 ]
 
 
@@ -69,7 +69,8 @@ def _install_shared_buffer(buf) -> None:
     _state.shm = buf
 
 
-def _publish(text: str) -> None:
+def publish(text: str) -> None:
+    """Say what this rank is doing now; shown per rank if :func:`minidist.run` times out."""
     _state.last = text
     if _state.shm is not None:
         data = text.encode("utf-8", "replace")[: len(_state.shm) - 1]
@@ -94,7 +95,7 @@ def collective(name: str):
     finally:
         _state.scopes.stack.pop()
         if not _state.scopes.stack:
-            _publish(f"idle after {name} (seq {_state.seq})")
+            publish(f"idle after {name} (seq {_state.seq})")
 
 
 def _global(peer: int, group) -> int:
@@ -113,7 +114,7 @@ def _record(kind: str, tensor: torch.Tensor, peer: int) -> None:
         t.bytes_recv += nbytes
         t.msgs_recv += 1
         arrow = f"from rank {peer}"
-    _publish(f"{_scope_name()}: {kind} {arrow}, {nbytes} bytes, seq {_state.seq}")
+    publish(f"{_scope_name()}: {kind} {arrow}, {nbytes} bytes, seq {_state.seq}")
 
 
 def _check(tensor: torch.Tensor, kind: str, peer: int, group) -> None:
@@ -159,7 +160,7 @@ def wait_all(works) -> None:
     """Wait for every Work; what this rank waits on is published for the launcher's timeout report."""
     works = list(works)
     if works and _state.shm is not None:
-        _publish(_state.last + " (waiting)")
+        publish(_state.last + " (waiting)")
     for w in works:
         w.wait()
 

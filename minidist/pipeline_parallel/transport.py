@@ -111,7 +111,7 @@ class Transport:
         if self._thread is not None:
             # say what the main thread waits for (the launcher's timeout report shows it); the
             # receive thread publishes its own op too, whichever speaks last is shown
-            p2p._publish(f"{self._label('recv', kind, mb, from_stage, to_stage)}: waiting for the "
+            p2p.publish(f"{self._label('recv', kind, mb, from_stage, to_stage)}: waiting for the "
                          f"prefetch thread (receiving from rank {peer})")
             out = self._take((kind, mb, from_stage))
         else:
