@@ -155,3 +155,14 @@ def test_check_on_ranks():
 def test_unknown_reference():
     with pytest.raises(ValueError, match="reference must be one of"):
         grading.grade_collective(todo, "all_to_some")
+
+
+def test_op_max_against_torch():
+    def lib_max(t, rank, world):
+        C.all_reduce(t, op="max")
+
+    def lib_sum(t, rank, world):
+        C.all_reduce(t, op="sum")
+    assert grading.grade_collective(lib_max, op="max", world_sizes=(3,), sizes=(1, 10)).passed
+    report = grading.grade_collective(lib_sum, op="max", world_sizes=(3,), sizes=(10,))
+    assert not report.passed and "expected" in report.results[0].message
