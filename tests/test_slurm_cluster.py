@@ -78,6 +78,7 @@ def _env(mode: str, out: Path) -> dict:
         env["GLOO_SOCKET_IFNAME"] = "eth0"  # the same name in every node's namespace
     else:  # loopback: both "nodes" are this host; see the chapter's loopback notes
         env.update(GLOO_SOCKET_IFNAME="lo", TRAIN_ARGS="--epochs=2 --no-host-check",
+                   HEAD_ADDR=socket.gethostname(),  # NodeAddr is 127.0.0.1, refused for 2 nodes
                    TORCHRUN_ARGS=f"--local_addr={socket.gethostname()}")
     return env
 

@@ -185,7 +185,10 @@ cmd_up() {
     wait_idle || { cmd_down quiet; die "cluster did not come up"; }
     echo "export SLURM_CONF=$CONF" >"$DIR/env.sh"
     [ "$MODE" = netns ] && echo "export GLOO_SOCKET_IFNAME=eth0" >>"$DIR/env.sh"
-    [ "$MODE" = loopback ] && echo "export GLOO_SOCKET_IFNAME=lo" >>"$DIR/env.sh"
+    if [ "$MODE" = loopback ]; then   # both nodes are this host: what the course's templates then need
+        { echo "export GLOO_SOCKET_IFNAME=lo HEAD_ADDR=$(hostname)"
+          echo "export TORCHRUN_ARGS=--local_addr=$(hostname) TRAIN_ARGS=--no-host-check"; } >>"$DIR/env.sh"
+    fi
     log "up in $((SECONDS - t0)) s ($MODE mode): source $DIR/env.sh, then sinfo / sbatch"
     sinfo -N -o "%N %T %c %o" >&2
 }

@@ -15,8 +15,10 @@ TRAIN=${TRAIN:-$SLURM_SUBMIT_DIR/course/multinode/train.py}   # (this file is co
 OUT=${OUT:-$SLURM_SUBMIT_DIR/runs/$SLURM_JOB_ID}              # a SHARED folder for results/checkpoints
 HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)   # first node: hosts the TCPStore
 # Without torchrun nobody sets MASTER_ADDR/PORT: export them; every task inherits them. Use the
-# head's address as Slurm knows it (never localhost: the other node would connect to itself).
-export MASTER_ADDR=$(scontrol show node "$HEAD" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+# head's address as Slurm knows it (never localhost: the other node would connect to itself);
+# an exported HEAD_ADDR wins (the local cluster's loopback fallback passes the machine's hostname).
+HEAD_ADDR=${HEAD_ADDR:-$(scontrol show node "$HEAD" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)}
+export MASTER_ADDR=$HEAD_ADDR
 export MASTER_PORT=${PORT:-29500}      # must be free on the head node
 export OMP_NUM_THREADS=1               # one intra-op thread per rank
 # export GLOO_SOCKET_IFNAME=eth0       # the interface between nodes, if the hostname's is wrong

@@ -17,7 +17,8 @@ PYTHON=${PYTHON:-python3}              # the interpreter with torch (a CUDA buil
 TRAIN=${TRAIN:-$SLURM_SUBMIT_DIR/course/multinode/train.py}   # (this file is copied to Slurm's spool)
 OUT=${OUT:-$SLURM_SUBMIT_DIR/runs/$SLURM_JOB_ID}              # a SHARED folder for results/checkpoints
 HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)   # first node: hosts the TCPStore
-export MASTER_ADDR=$(scontrol show node "$HEAD" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)   # never localhost
+HEAD_ADDR=${HEAD_ADDR:-$(scontrol show node "$HEAD" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)}
+export MASTER_ADDR=$HEAD_ADDR   # never localhost
 export MASTER_PORT=${PORT:-29500}      # must be free on the head node
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK   # intra-op threads per rank = its cores
 # export NCCL_SOCKET_IFNAME=ib0        # NCCL's bootstrap interface (prefix match; ^docker,lo excludes)

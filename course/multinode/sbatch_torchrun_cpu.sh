@@ -17,8 +17,9 @@ OUT=${OUT:-$SLURM_SUBMIT_DIR/runs/$SLURM_JOB_ID}              # a SHARED folder:
 NPROC_PER_NODE=${NPROC_PER_NODE:-2}    # workers per node (on GPUs: the GPUs per node)
 PORT=${PORT:-29500}                    # rendezvous port on the head node; must be free there
 HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)   # first node of the job, e.g. node1
-# The address other nodes reach the head at, as Slurm knows it (on most clusters the hostname itself).
-HEAD_ADDR=$(scontrol show node "$HEAD" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+# The address other nodes reach the head at, as Slurm knows it (on most clusters the hostname itself);
+# an exported HEAD_ADDR wins (the local cluster's loopback fallback passes the machine's hostname).
+HEAD_ADDR=${HEAD_ADDR:-$(scontrol show node "$HEAD" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)}
 export OMP_NUM_THREADS=1               # one intra-op thread per worker: workers share the cores
 # export GLOO_SOCKET_IFNAME=eth0       # the interface between nodes, if the hostname's is wrong (same name on every node)
 # export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # with TORCHRUN_ARGS=--max-restarts=N: restarted workers must

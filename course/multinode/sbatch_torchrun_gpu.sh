@@ -16,7 +16,7 @@ OUT=${OUT:-$SLURM_SUBMIT_DIR/runs/$SLURM_JOB_ID}              # a SHARED folder 
 NPROC_PER_NODE=${SLURM_GPUS_ON_NODE:-4}   # one worker per GPU: worker LOCAL_RANK uses cuda:LOCAL_RANK
 PORT=${PORT:-29500}                    # rendezvous port on the head node
 HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)   # first node of the job
-HEAD_ADDR=$(scontrol show node "$HEAD" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)   # its address
+HEAD_ADDR=${HEAD_ADDR:-$(scontrol show node "$HEAD" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)}   # its address
 export OMP_NUM_THREADS=4               # cores per worker (16 / 4)
 # export NCCL_SOCKET_IFNAME=ib0        # NCCL's bootstrap interface (prefix match; ^docker,lo excludes)
 # export NCCL_DEBUG=INFO               # print the transport NCCL picked (IB, sockets, NVLink)
