@@ -12,9 +12,15 @@ Three DDP versions a learner can follow, then the pieces real training needs:
 
 from .base import DataParallelBase, SyncDecisionError, UnusedParametersError  # noqa: F401
 from .bucketed import Bucket, BucketedDDP, build_buckets  # noqa: F401
+from .checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
+from .compression import TopK, bf16_compress_hook, fp16_compress_hook  # noqa: F401
+from .evaluate import evaluate  # noqa: F401
 from .flat import FlatDDP  # noqa: F401
+from .mixed_precision import MixedPrecision  # noqa: F401
 from .naive import NaiveDDP  # noqa: F401
 from .replicas import (ReplicaMismatchError, assert_replicas_identical,  # noqa: F401
                        broadcast_module, check_same_structure, replicas_max_difference, unwrap)
+from .sampler import DistributedSampler  # noqa: F401
+from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm  # noqa: F401
 
 VERSIONS = {"naive": NaiveDDP, "flat": FlatDDP, "bucketed": BucketedDDP}
