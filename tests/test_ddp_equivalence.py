@@ -13,7 +13,7 @@ import torch
 import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it: 5-10 s each)
 
 import minidist
-from minidist.data_parallel import VERSIONS, BucketedDDP
+from minidist.data_parallel import VERSIONS
 from minidist.data_parallel.reference import max_abs_diff, torch_ddp, train_ddp, train_single
 
 TOL = 1e-6

@@ -1,7 +1,5 @@
 """Clear errors, never hangs: mismatched replicas (D8), unused parameters (D1), no_sync misuse (D2)."""
 
-import contextlib
-
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it: 5-10 s each)
@@ -9,8 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import minidist
-from minidist.data_parallel import (VERSIONS, ReplicaMismatchError, SyncDecisionError,
-                                    UnusedParametersError, assert_replicas_identical)
+from minidist.data_parallel import VERSIONS, assert_replicas_identical
 from minidist.models import MLP
 
 ALL = ["naive", "flat", "bucketed"]

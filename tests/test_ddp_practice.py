@@ -1,7 +1,6 @@
 """Sampler (D4), evaluation (D5), SyncBatchNorm (D3), checkpoints and resume (D7)."""
 
 import os
-import warnings
 
 import pytest
 import torch
