@@ -1,0 +1,33 @@
+"""Autograding for the exercises: run the learner's code on several ranks, compare with torch, score.
+
+Three layers, from generic to specific:
+
+* :func:`check` runs one check ``fn()`` and returns a :class:`Result`: the check passes when ``fn``
+  returns ``None``/``True``; it fails when it returns ``False`` or a message string, raises
+  (``AssertionError`` → its message), or times out (:class:`minidist.RankTimeoutError` → where
+  each rank was waiting; never a frozen notebook).
+* :class:`Report` collects results, prints ``✓``/``✗`` lines and a score, and
+  :meth:`Report.assert_passed` raises ``AssertionError`` when anything failed, so an autograded
+  notebook cell fails (nbgrader gives it 0 points).
+* :func:`grade_collective` runs a learner's collective on world sizes 1..4 and awkward sizes (empty,
+  fewer elements than ranks, odd sizes), compares every rank's result with torch.distributed's own
+  collective and says what was wrong: rank, index, expected, got.
+  :func:`check_on_ranks` does the same for any per-rank check function (DDP, TP, PP exercises).
+
+Example (a grading cell)::
+
+    from minidist import grading
+    grading.grade_collective(ring_all_reduce, "all_reduce").assert_passed()
+
+:func:`compare` describes the first mismatch between two tensors; reuse it in your own checks.
+
+Files: ``core.py`` (Result, Report, check, compare, check_on_ranks), ``collectives.py``
+(grade_collective and its calling conventions, ``REFERENCES``).
+"""
+
+from .collectives import REFERENCES, grade_collective  # noqa: F401
+from .core import (Report, Result, check, check_on_ranks, compare,  # noqa: F401
+                   describe_exception)
+
+__all__ = ["Result", "Report", "check", "compare", "check_on_ranks", "grade_collective",
+           "REFERENCES", "describe_exception"]

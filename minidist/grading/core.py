@@ -1,0 +1,196 @@
+"""Generic grading: checks, reports with a score, tensor comparison, checks run on several ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..launch import RankError, RankTimeoutError, run
+
+__all__ = ["Result", "Report", "check", "compare", "check_on_ranks", "describe_exception"]
+
+
+@dataclass
+class Result:
+    """One check: its name, whether it passed, its points, and what was wrong (empty if passed)."""
+
+    name: str
+    passed: bool
+    points: float = 1.0
+    max_points: float = 1.0
+    message: str = ""
+
+    def line(self) -> str:
+        if self.passed:
+            return f"✓ {self.name}"
+        first, *rest = (self.message or "failed").splitlines()
+        return "\n".join([f"✗ {self.name}: {first}"] + [f"    {r}" for r in rest])
+
+
+def describe_exception(e: BaseException, max_lines: int = 6) -> str:
+    """A short, learner-facing description of an exception raised by a check or by ranks."""
+    if isinstance(e, RankTimeoutError):
+        lines = [str(e).splitlines()[0]]
+        for rank, state, stack in e.failures:
+            if rank < 0:
+                continue
+            frames = [s.strip() for s in stack.splitlines() if s.strip().startswith("File")]
+            user = [f for f in frames if "/minidist/" not in f and "/torch/" not in f]
+            where = (user or frames or [""])[0]
+            lines.append(f"rank {rank}: {state}" + (f" — at {where}" if where else ""))
+        lines.append("(a deadlock? every send needs a matching receive posted at the same time)")
+        return "\n".join(lines[:max_lines])
+    if isinstance(e, RankError):
+        rank, summary, _ = e.failures[0]
+        if summary.startswith("NotImplementedError"):
+            return f"rank {rank} raised NotImplementedError: the exercise code is not written yet"
+        return f"rank {rank} raised {summary}"[:500]
+    if isinstance(e, NotImplementedError):
+        return "NotImplementedError: the exercise code is not written yet"
+    if isinstance(e, AssertionError):
+        return str(e) or "assertion failed"
+    return f"{type(e).__name__}: {e}"[:500]
+
+
+def check(name: str, fn, points: float = 1.0) -> Result:
+    """Run ``fn()`` as one check; see the module docstring for what passes and fails."""
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - a learner's bug of any kind is a failed check
+        return Result(name, False, 0.0, points, describe_exception(e))
+    if out is None or out is True:
+        return Result(name, True, points, points)
+    return Result(name, False, 0.0, points, out if isinstance(out, str) and out else "failed")
+
+
+@dataclass
+class Report:
+    """A list of :class:`Result` with a score. ``print(report)`` shows one line per check."""
+
+    title: str = "checks"
+    results: list = field(default_factory=list)
+
+    def add(self, result: Result) -> Result:
+        self.results.append(result)
+        return result
+
+    def check(self, name: str, fn, points: float = 1.0) -> Result:
+        """Run :func:`check` and add its result."""
+        return self.add(check(name, fn, points))
+
+    @property
+    def score(self) -> float:
+        return sum(r.points for r in self.results)
+
+    @property
+    def max_score(self) -> float:
+        return sum(r.max_points for r in self.results)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(r.passed for r in self.results)
+
+    @property
+    def failed(self) -> list:
+        return [r for r in self.results if not r.passed]
+
+    def __str__(self) -> str:
+        lines = [f"{self.title}:"] + ["  " + r.line().replace("\n", "\n  ") for r in self.results]
+        lines.append(f"score: {self.score:g}/{self.max_score:g}")
+        return "\n".join(lines)
+
+    def assert_passed(self, show: bool = True) -> None:
+        """Print the report, then raise ``AssertionError`` if any check failed (or none ran).
+
+        Returns ``None`` on purpose: a grading cell that ends with this call displays nothing
+        but the printed report (a returned object would add an output line to compare).
+        """
+        if show:
+            print(self)
+        if not self.results:
+            raise AssertionError(f"{self.title}: no checks ran")
+        if self.failed:
+            raise AssertionError(f"{self.title}: {len(self.failed)} of {len(self.results)} checks "
+                                 f"failed (score {self.score:g}/{self.max_score:g}); first: "
+                                 f"{self.failed[0].line()}")
+
+
+# --------------------------------------------------------------------------- tensors
+def compare(got, expected: torch.Tensor, rank: int | None = None, what: str = "result",
+            atol: float = 0.0, rtol: float = 0.0) -> str | None:
+    """``None`` if ``got`` equals ``expected`` (within atol + rtol·|expected|), else a message
+    naming the rank, the first wrong index, the expected and the received value."""
+    who = f"rank {rank}: " if rank is not None else ""
+    if not isinstance(got, torch.Tensor):
+        return f"{who}{what} should be a tensor, got {type(got).__name__}"
+    if got.shape != expected.shape:
+        return (f"{who}{what} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+    if got.dtype != expected.dtype:
+        return f"{who}{what} has dtype {got.dtype}, expected {expected.dtype}"
+    g, e = got.detach().cpu().reshape(-1), expected.detach().cpu().reshape(-1)
+    if g.is_floating_point():
+        bad = ~((g - e).abs() <= atol + rtol * e.abs()) | (g.isnan() != e.isnan())
+        bad &= ~(g.isnan() & e.isnan())
+    else:
+        bad = g != e
+    if not bool(bad.any()):
+        return None
+    idx = int(bad.nonzero()[0])
+    pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(idx), expected.shape)) \
+        if expected.dim() > 1 else idx
+    return (f"{who}{what}[{pos}]: expected {e[idx].item():g}, got {g[idx].item():g} "
+            f"({int(bad.sum())} of {e.numel()} elements wrong)")
+
+
+# --------------------------------------------------------------------------- generic multi-rank
+def _not_implemented(result: Result) -> str | None:
+    """Once the learner's code raises NotImplementedError, the other checks are failed unrun
+    (each run would only fail the same way, and every failed run costs about a second)."""
+    if not result.passed and "NotImplementedError" in result.message:
+        return "the code raises NotImplementedError (not written yet)"
+    return None
+
+
+def _startup_failure(e: RankError) -> bool:
+    """The ranks failed while connecting (before the learner's code ran): not the learner's fault."""
+    return not isinstance(e, RankTimeoutError) and all(
+        "connectFullMesh" in summary or "init_process_group" in details
+        for _, summary, details in e.failures)
+
+
+def _run(fn, world, *args, timeout, retries: int = 2):
+    """:func:`minidist.run`, retried when gloo fails to connect at start-up (seen ~1 launch in 100
+    on a loaded 2-core machine), so a learner is never marked down for it."""
+    for attempt in range(retries + 1):
+        try:
+            return run(fn, world, *args, timeout=timeout)
+        except RankError as e:
+            if attempt == retries or not _startup_failure(e):
+                raise
+
+
+def check_on_ranks(name: str, rank_fn, world_sizes=(1, 2, 3, 4), *args, timeout: float = 30.0,
+                   points: float = 1.0, report: Report | None = None) -> Report:
+    """One check per world size W: ``rank_fn(rank, W, *args)`` runs on W ranks (via
+    :func:`minidist.run`) and returns ``None`` (fine) or a message string, or raises.
+
+    A rank that raises or hangs fails the check with the rank and the reason. Returns the report.
+    """
+    report = report if report is not None else Report(name)
+
+    def one(world):
+        msgs = _run(rank_fn, world, *args, timeout=timeout)
+        bad = [m if m.startswith("rank ") else f"rank {r}: {m}"
+               for r, m in enumerate(msgs) if m not in (None, True)]
+        return "\n".join(str(b) for b in bad[:3]) or None
+
+    todo = None
+    for world in world_sizes:
+        label = f"{name} (world size {world})"
+        if todo:
+            report.add(Result(label, False, 0.0, points, f"not run: {todo}"))
+            continue
+        result = report.check(label, lambda w=world: one(w), points)
+        todo = _not_implemented(result)
+    return report
