@@ -201,3 +201,68 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     load_checkpoint(tmp_path / "wrapped.pt", MLP(12, (16,), 5))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_checkpoint(tmp_path / "missing.pt", bare)
+
+
+# ----------------------------------------------------------------------------- SyncBN inside DDP
+def _cnn_step(model, x, y, opt):
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _syncbn_ddp(rank, world, steps):
+    from minidist.data import load_digits
+    from minidist.models import SmallCNN
+
+    x, y = load_digits(image=True)[0].tensors
+    torch.manual_seed(0)
+    model = convert_sync_batchnorm(SmallCNN(width=4))
+    ddp = BucketedDDP(model, bucket_cap_mb=1e-9)  # many buckets in flight during SyncBN backward
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    n = 8
+    for step in range(steps):
+        sl = slice(16 * step + n * rank, 16 * step + n * (rank + 1))
+        _cnn_step(ddp, x[sl], y[sl], opt)
+    ddp.close()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_sync_batchnorm_inside_bucketed_ddp_equals_batchnorm_on_the_global_batch():
+    from minidist.data import load_digits
+    from minidist.models import SmallCNN
+
+    steps = 3
+    res = minidist.run(_syncbn_ddp, 2, steps, timeout=60)
+    x, y = load_digits(image=True)[0].tensors
+    torch.manual_seed(0)
+    ref = SmallCNN(width=4)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        _cnn_step(ref, x[16 * step: 16 * step + 16], y[16 * step: 16 * step + 16], opt)
+    want = ref.state_dict()
+    for state in res:
+        assert set(state) == set(want)
+        for k in want:
+            if want[k].is_floating_point():
+                assert torch.allclose(state[k], want[k], atol=2e-5), k
+            else:
+                assert torch.equal(state[k], want[k]), k
+    assert not torch.allclose(want["features.0.1.running_mean"], torch.zeros(4))
+
+
+# ----------------------------------------------------------------------------- D6 loss convention
+def _unequal(rank, world, weighted):
+    a = [torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[10.0]])][rank]
+    model = nn.Linear(1, 1, bias=False)
+    ddp = BucketedDDP(model)
+    loss = ddp(a).mean()  # L = w·a: dL/dw is this rank's mean of a
+    if weighted:  # weight every sample equally: scale by W · n_rank / n_global
+        loss = loss * world * len(a) / 4
+    loss.backward()
+    ddp.close()
+    return float(model.weight.grad)
+
+
+def test_unequal_batches_average_ranks_unless_losses_are_weighted():
+    assert minidist.run(_unequal, 2, False, timeout=30) == [6.0, 6.0]   # average of rank means
+    assert minidist.run(_unequal, 2, True, timeout=30) == [4.0, 4.0]    # global mean
