@@ -227,8 +227,9 @@ def _supervise(procs, q, out, shms, dumps, timeout, world_size):
     first_failure = None
     while len(have) < world_size:
         now = time.monotonic()
-        if first_failure is not None and now - first_failure > _GRACE_S:
-            break
+        if first_failure is not None and (now - first_failure > _GRACE_S
+                                          or len(have) + len(errors) == world_size):
+            break  # everyone has reported (or the grace period is over): no need to wait longer
         if first_failure is None and now > deadline:
             _timeout(procs, shms, dumps, timeout, have)
         try:
