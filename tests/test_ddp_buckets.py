@@ -124,3 +124,28 @@ def test_gradients_are_views_of_their_bucket_and_zero_grad_styles_agree():
         opt.step()
     for step in range(3):  # same data on both ranks: the average is the local gradient
         assert max_abs_diff(res[0][0][step], ref[step]) <= 1e-6
+
+
+def _lifecycle(rank, world):
+    import gc
+    import threading
+
+    model = MLP(12, (16,), 5)
+    ddp = BucketedDDP(model)
+    ddp(torch.randn(2, 12)).sum().backward()
+    threads_with = sum(t.name == "comm" for t in threading.enumerate())
+    del ddp
+    gc.collect()
+    model.zero_grad()
+    model(torch.randn(2, 12)).sum().backward()   # hooks gone: plain local backward, no hang
+    closed = BucketedDDP(MLP(12, (16,), 5))
+    closed.close()
+    for t in threading.enumerate():
+        if t.name == "comm":
+            t.join(timeout=5)
+    return threads_with, sum(t.name == "comm" and t.is_alive() for t in threading.enumerate())
+
+
+def test_comm_thread_stops_when_the_wrapper_is_closed_or_collected():
+    for with_ddp, after in minidist.run(_lifecycle, 2, timeout=30):
+        assert with_ddp == 1 and after == 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -127,10 +128,14 @@ class BucketedDDP(DataParallelBase):
         self._comm_group = dist.new_group(ranks=ranks)
         self._thread_comm = Communicator(self.comm, self._comm_group)
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._serve, name="comm", daemon=True)
+        me = weakref.ref(self)  # neither the thread nor the hooks keep the wrapper alive
+        self._thread = threading.Thread(target=_serve, args=(self._queue, me), name="comm",
+                                        daemon=True)
         self._thread.start()
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._handles = [p.register_post_accumulate_grad_hook(_weak_hook(me))
                          for p in self.params]
+        # when the wrapper is closed or garbage-collected: hooks removed, thread stopped
+        self._finalizer = weakref.finalize(self, _shutdown, self._handles, self._queue)
         self._in_backward = False
         self._next_launch = 0
         self.ready_order: list[str] = []  # names, in the order the last backward produced them
@@ -190,21 +195,18 @@ class BucketedDDP(DataParallelBase):
             self._queue.put(self.buckets[self._next_launch])
             self._next_launch += 1
 
-    def _serve(self) -> None:
-        while True:
-            bucket = self._queue.get()
-            if bucket is None:
-                return
-            try:
-                if self.timeline is not None:
-                    with self.timeline.record(f"all-reduce b{bucket.index}", lane="comm"):
-                        self._hook(self._hook_state, bucket, self._thread_comm)
-                else:
+    def _run_bucket(self, bucket: Bucket) -> None:
+        """On the comm thread: apply the hook (default: average) to one bucket."""
+        try:
+            if self.timeline is not None:
+                with self.timeline.record(f"all-reduce b{bucket.index}", lane="comm"):
                     self._hook(self._hook_state, bucket, self._thread_comm)
-            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
-                bucket.error = e
-            finally:
-                bucket.done.set()
+            else:
+                self._hook(self._hook_state, bucket, self._thread_comm)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            bucket.error = e
+        finally:
+            bucket.done.set()
 
     def _finish_backward(self) -> None:
         """End of backward: handle missing gradients, wait for every bucket, copy averages back."""
@@ -253,10 +255,36 @@ class BucketedDDP(DataParallelBase):
             raise RuntimeError("sync_gradients() called during backward")
 
     def close(self) -> None:
-        """Stop the communication thread and remove the hooks."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=5)
+        """Remove the hooks and stop the communication thread (also done when the wrapper is
+        garbage-collected). The wrapped module keeps working as a plain module."""
+        self._finalizer()
+        self._thread.join(timeout=5)
+
+
+def _weak_hook(ref):
+    def hook(p):
+        ddp = ref()
+        if ddp is not None:
+            ddp._on_grad_ready(p)
+    return hook
+
+
+def _serve(q: queue.Queue, ref) -> None:
+    """The communication thread: all-reduce buckets in the order they were queued."""
+    while True:
+        bucket = q.get()
+        if bucket is None:
+            return
+        ddp = ref()
+        if ddp is None:
+            bucket.done.set()
+            return
+        ddp._run_bucket(bucket)
+        del ddp
+
+
+def _shutdown(handles, q) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+    q.put(None)
