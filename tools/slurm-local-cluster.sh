@@ -169,7 +169,8 @@ wait_idle() {
 cmd_up() {
     need_root
     mkdir -p "$DIR/log"
-    if [ -f "$DIR/mode" ] && pid_alive "$DIR/slurmctld.pid" && wait_idle 2>/dev/null; then
+    if [ -f "$DIR/mode" ] && pid_alive "$DIR/slurmctld.pid" && pid_alive "$DIR/slurmd-node1.pid" &&
+       pid_alive "$DIR/slurmd-node2.pid" && wait_idle 2>/dev/null; then
         log "already up ($(cat "$DIR/mode") mode)"; return 0
     fi
     cmd_down quiet
