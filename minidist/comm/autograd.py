@@ -26,10 +26,11 @@ import torch.distributed as dist
 
 from .. import collectives as C
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter"]
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "gather_along", "reduce_scatter_along"]
 
 
-def _gather(x: torch.Tensor, dim: int, group, algorithm: str) -> torch.Tensor:
+def gather_along(x: torch.Tensor, dim: int, group=None, algorithm: str = "ring") -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (not differentiable; see :func:`all_gather`)."""
     world = dist.get_world_size(group)
     if world == 1:
         return x
@@ -39,7 +40,8 @@ def _gather(x: torch.Tensor, dim: int, group, algorithm: str) -> torch.Tensor:
     return torch.cat(pieces, dim=dim)
 
 
-def _scatter_reduce(x: torch.Tensor, dim: int, group, algorithm: str) -> torch.Tensor:
+def reduce_scatter_along(x: torch.Tensor, dim: int, group=None, algorithm: str = "ring") -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's slice of ``dim`` (not differentiable)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world == 1:
         return x
@@ -67,22 +69,22 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, algorithm):
         ctx.dim, ctx.group, ctx.algorithm = dim, group, algorithm
-        return _gather(x, dim, group, algorithm)
+        return gather_along(x, dim, group, algorithm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter_reduce(grad, ctx.dim, ctx.group, ctx.algorithm), None, None, None
+        return reduce_scatter_along(grad, ctx.dim, ctx.group, ctx.algorithm), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, algorithm):
         ctx.dim, ctx.group, ctx.algorithm = dim, group, algorithm
-        return _scatter_reduce(x, dim, group, algorithm)
+        return reduce_scatter_along(x, dim, group, algorithm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group, ctx.algorithm), None, None, None
+        return gather_along(grad, ctx.dim, ctx.group, ctx.algorithm), None, None, None
 
 
 def all_reduce(x: torch.Tensor, group=None, algorithm: str = "ring") -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives as C
-from ..comm import p2p
+from ..comm import autograd as comm_autograd, p2p
 from . import accounting
 
 __all__ = [
@@ -86,25 +86,16 @@ def _all_gather(x, dim, group, phase, where):
     world, _ = tp_world(group)
     if world == 1:
         return x
-    x = x.contiguous()
-    pieces = [torch.empty_like(x) for _ in range(world)]
-    _run("all_gather", phase, where, _bytes(x) * world,
-         lambda: C.all_gather(pieces, x, group=group))
-    return torch.cat(pieces, dim=dim)
+    return _run("all_gather", phase, where, _bytes(x) * world,
+                lambda: comm_autograd.gather_along(x, dim, group))
 
 
 def _reduce_scatter(x, dim, group, phase, where):
-    world, rank = tp_world(group)
+    world, _ = tp_world(group)
     if world == 1:
         return x
-    if x.shape[dim] % world:
-        raise ValueError(f"reduce_scatter (rank {rank}): dimension {dim} of shape "
-                         f"{tuple(x.shape)} is not divisible by the tensor-parallel size {world}")
-    pieces = [p.contiguous() for p in x.chunk(world, dim=dim)]
-    out = torch.empty_like(pieces[rank])
-    _run("reduce_scatter", phase, where, _bytes(x),
-         lambda: C.reduce_scatter(out, pieces, op="sum", group=group))
-    return out
+    return _run("reduce_scatter", phase, where, _bytes(x),
+                lambda: comm_autograd.reduce_scatter_along(x, dim, group))
 
 
 class _Copy(torch.autograd.Function):  # f
