@@ -153,7 +153,8 @@ class DataParallelBase(nn.Module):
 
     def _global_used(self, locally_used: list[bool]) -> list[bool]:
         """Which parameters got a gradient on at least one rank (one small all-reduce)."""
-        mask = torch.tensor([1.0 if u else 0.0 for u in locally_used])
+        device = self.params[0].device if self.params else None
+        mask = torch.tensor([1.0 if u else 0.0 for u in locally_used], device=device)
         self.communicator.all_reduce_(mask, "sum")
         return [bool(m > 0) for m in mask]
 

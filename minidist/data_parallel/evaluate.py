@@ -58,9 +58,10 @@ def evaluate(model, dataset, batch_size: int = 256, group=None, comm: str = "min
         correct += int((logits.argmax(dim=1) == y).sum())
         count += len(items)
     module.train(was_training)
-    totals = torch.tensor([float(correct), float(count), loss_sum], dtype=torch.float64)
+    totals = torch.tensor([float(correct), float(count), loss_sum], dtype=torch.float64,
+                          device=device)  # on the model's device: nccl reduces GPU tensors only
     if world > 1:
         all_reduce_(totals, "sum", comm, group)  # counts < 2^53: exact in float64
     correct, count = int(totals[0]), int(totals[1])
-    return {"accuracy": correct / max(count, 1), "loss": float(totals[2]) / max(count, 1),
+    return {"accuracy": correct / max(count, 1), "loss": float(totals[2].item()) / max(count, 1),
             "correct": correct, "count": count}

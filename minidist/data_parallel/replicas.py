@@ -125,8 +125,9 @@ def broadcast_module(module: nn.Module, comm: str = "minidist", group=None,
 def replicas_max_difference(module: nn.Module, group=None) -> float:
     """Largest |p_rank - p_rank0| over all parameters and buffers and ranks (0.0: identical)."""
     module = unwrap(module)
-    worst = torch.zeros(1, dtype=torch.float64)
-    for t in list(module.parameters()) + list(module.buffers()):
+    tensors = list(module.parameters()) + list(module.buffers())
+    worst = torch.zeros(1, dtype=torch.float64, device=tensors[0].device if tensors else None)
+    for t in tensors:
         ref = t.detach().clone()
         C.broadcast(ref, src=0, group=group)
         if t.numel():

@@ -43,7 +43,7 @@ class _SyncBN(torch.autograd.Function):
         dims, C = _reduce_dims(x), x.shape[1]
         xd = x.double()
         stats = torch.cat([xd.sum(dims), (xd * xd).sum(dims),
-                           torch.tensor([x.numel() // C if C else 0], dtype=torch.float64)])
+                           torch.tensor([x.numel() // C if C else 0], dtype=torch.float64, device=x.device)])
         if dist.get_world_size(group) > 1:
             all_reduce_(stats, "sum", comm, group)
         n = stats[-1]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import env
 from ..data import load_digits
 from ..models import MLP
 from .evaluate import evaluate
@@ -71,9 +72,10 @@ def train_digits(rank: int, world: int, version: str = "bucketed", epochs: int =
         raise ValueError("train_digits(version='single') runs one process: call it outside "
                          "minidist.run (or with world size 1), passing the world to imitate")
     train, test = load_digits(seed=seed)
-    x_all, y_all = train.tensors
+    device = env.device()  # cuda:LOCAL_RANK under nccl, else the CPU
+    x_all, y_all = (t.to(device) for t in train.tensors)
     torch.manual_seed(seed)
-    model = model_fn() if model_fn is not None else MLP(64, (64,), 10)
+    model = (model_fn() if model_fn is not None else MLP(64, (64,), 10)).to(device)
     if version == "single":
         ddp, sync = model, False
     elif version == "torch":
@@ -98,7 +100,7 @@ def train_digits(rank: int, world: int, version: str = "bucketed", epochs: int =
                 batches = _rank_batches(len(x_all), world, rank, epoch, batch_size, seed)
             for idx in batches:
                 opt.zero_grad()
-                ctx = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+                ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                        else contextlib.nullcontext())
                 with ctx:
                     loss = F.cross_entropy(ddp(x_all[idx]), y_all[idx])
