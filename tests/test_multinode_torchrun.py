@@ -80,3 +80,20 @@ def test_two_trees_on_one_host_are_refused_without_no_host_check(tmp_path):
     assert codes != [0, 0]
     assert "appear more than once" in "".join(outs)
     assert not list(tmp_path.glob("rank*.json"))
+
+
+@pytest.mark.slow
+def test_course_script_minidist_ddp_equals_torch_ddp_under_torchrun(tmp_path):
+    """The same script with torch's DDP (the reference) and minidist's BucketedDDP: at 2 ranks the
+    average (g0 + g1) / 2 is computed exactly alike, so the parameters are bit-identical (measured)."""
+    digests = {}
+    for ddp in ("torch", "minidist"):
+        out = tmp_path / ddp
+        codes, outs = run_all([torchrun("--standalone", "--nproc_per_node=2", str(TRAIN), "--epochs=1",
+                                        f"--ddp={ddp}", f"--out={out}")])
+        assert codes == [0], outs[0][-3000:]
+        ranks = read_ranks(out)
+        assert len(ranks) == 2 and len({r["params_sha256"] for r in ranks}) == 1
+        digests[ranks[0]["ddp"]] = ranks[0]["params_sha256"]
+    assert set(digests) == {"torch DDP", "minidist.BucketedDDP"}
+    assert len(set(digests.values())) == 1, digests
