@@ -193,6 +193,10 @@ class _StartupFailure(Exception):
 
 def _launch(fn, world_size, args, backend, timeout, ordered_output, method):
     ctx = mp.get_context(method)
+    if method == "fork":
+        # The first optimizer a process builds imports torch._dynamo (2-3 s); import it once here
+        # so that W forked ranks do not each pay it on 2 cores.
+        import torch._dynamo  # noqa: F401
     # a forked child already has fn in memory (real tracebacks, no pickling); spawn needs bytes
     payload = (fn, args) if method == "fork" else cloudpickle.dumps((fn, args))
     rendezvous = (ctx.Value("i", 0, lock=False), ctx.Event())
