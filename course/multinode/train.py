@@ -33,10 +33,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 import minidist
 from minidist.data import load_digits
+from minidist.data_parallel import (BucketedDDP, DistributedSampler, evaluate, load_checkpoint,
+                                    save_checkpoint)
 from minidist.models import MLP
 
 
@@ -45,8 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.3)
-    p.add_argument("--ddp", default="auto", choices=["auto", "minidist", "torch"],
-                   help="auto: minidist's BucketedDDP when installed, else torch's DDP")
+    p.add_argument("--ddp", default="minidist", choices=["minidist", "torch"],
+                   help="minidist's BucketedDDP (default) or torch's DDP")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a collective may wait before the process group gives up")
@@ -63,14 +65,9 @@ def parse_args(argv=None):
 
 
 def make_ddp(model: nn.Module, which: str, device) -> tuple[nn.Module, str]:
-    """Wrap the model: minidist's bucketed DDP (hand-built, the course's own) or torch's."""
-    if which in ("auto", "minidist"):
-        try:
-            from minidist.data_parallel import BucketedDDP
-            return BucketedDDP(model), "minidist.BucketedDDP"
-        except ImportError:
-            if which == "minidist":
-                raise
+    """Wrap the model: minidist's bucketed DDP (hand-built, the course's own) or torch's (the reference)."""
+    if which == "minidist":
+        return BucketedDDP(model), "minidist.BucketedDDP"
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None), "torch DDP"
 
 
@@ -83,18 +80,6 @@ def param_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-@torch.no_grad()
-def evaluate(model, data, device) -> float:
-    """Accuracy over the whole test set: each rank scores a disjoint shard, counts are summed."""
-    info_rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = data.tensors
-    idx = torch.arange(info_rank, len(x), world)  # disjoint, covers every sample once
-    correct = (model(x[idx].to(device)).argmax(1) == y[idx].to(device)).sum()
-    counts = torch.stack([correct.double(), torch.tensor(float(len(idx)), device=device).double()])
-    dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     info = minidist.init(backend=args.backend, timeout=args.timeout,
@@ -105,18 +90,15 @@ def main(argv=None) -> int:
     hosts = [None] * world
     dist.all_gather_object(hosts, host)  # who runs where: rank 0 may be on any node
     train_set, test_set = load_digits(seed=0)  # the same split on every rank
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=0,
+                                 drop_last=True)  # disjoint shards, a new order every epoch
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     torch.manual_seed(0)  # the same init on every rank (DDP also broadcasts rank 0's values)
     model = MLP(64, (64,), 10).to(device)
     start_epoch = 0
     ckpt_path = os.path.join(args.ckpt, "checkpoint.pt") if args.ckpt else None
-    if ckpt_path and rank == 0:
-        os.makedirs(args.ckpt, exist_ok=True)
-    if ckpt_path and os.path.exists(ckpt_path):
-        state = torch.load(ckpt_path, map_location=device)
-        model.load_state_dict(state["model"])
-        start_epoch = state["epoch"] + 1
+    if ckpt_path and os.path.exists(ckpt_path):  # a shared folder: every rank reads rank 0's file
+        start_epoch = load_checkpoint(ckpt_path, model, map_location=device)["epoch"] + 1
         if rank == 0:
             print(f"resumed from {ckpt_path} at epoch {start_epoch}", flush=True)
     ddp, ddp_name = make_ddp(model, args.ddp, device)
@@ -139,18 +121,17 @@ def main(argv=None) -> int:
             loss = F.cross_entropy(ddp(x.to(device)), y.to(device))
             loss.backward()  # DDP averages gradients over ranks here
             opt.step()
-            total += torch.stack([loss.detach().double() * len(y), torch.tensor(len(y), device=device).double()])
+            total[0] += loss.detach().double() * len(y)  # summed loss and sample count, for the log
+            total[1] += len(y)
         dist.all_reduce(total)
-        acc = evaluate(model, test_set, device)
+        acc = evaluate(model, test_set)["accuracy"]  # every test sample counted once
         if rank == 0:
             print(f"epoch {epoch}: loss {total[0].item() / total[1].item():.4f}  "
                   f"test accuracy {acc:.4f}", flush=True)
-            if ckpt_path:  # save the unwrapped model; write then rename, so a crash never leaves half a file
-                torch.save({"model": model.state_dict(), "epoch": epoch}, ckpt_path + ".tmp")
-                os.replace(ckpt_path + ".tmp", ckpt_path)
-        dist.barrier()  # nobody starts the next epoch (or resumes) before the checkpoint exists
+        if ckpt_path:  # rank 0 writes the unwrapped model atomically; every rank waits for it
+            save_checkpoint(ckpt_path, model, extra={"epoch": epoch})
 
-    acc = evaluate(model, test_set, device) if args.epochs > 0 else float("nan")
+    acc = evaluate(model, test_set)["accuracy"]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         record = dict(rank=rank, local_rank=info.local_rank, world_size=world,
