@@ -26,12 +26,11 @@ from . import p2p
 from .ops import combine_
 
 
-SEGMENT_ELEMS = 1 << 18  # 1 MiB of fp32: reduce one segment while the next is still arriving
 _scratch = threading.local()
 
 
 def _scratch_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
-    """A reusable receive buffer (fresh 32 MiB allocations cost page faults on every call)."""
+    """A reusable receive buffer (fresh 48 MiB allocations cost page faults on every call)."""
     key = (like.dtype, like.device)
     buf = getattr(_scratch, "bufs", {}).get(key)
     if buf is None or buf.numel() < numel:
@@ -45,35 +44,42 @@ def reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, rank: int, world:
     """In place: afterwards ``chunks[rank]`` holds the reduction of every rank's ``chunks[rank]``.
 
     ``chunks`` are W contiguous 1-D tensors (sizes may differ; every rank must pass the same
-    sizes). The other chunks hold partial results afterwards. Each step's chunk travels in
-    segments of ``SEGMENT_ELEMS``, all posted at once, and each segment is reduced as soon as it
-    has arrived, so reduction overlaps the rest of the transfer (as gloo's chunked ring does).
+    sizes). The other chunks hold partial results afterwards.
+
+    All W-1 receives are posted before the first send, each into its own slot of a scratch
+    buffer, so data can land while this rank is still reducing the previous step: only "reduce,
+    then send the result on" is left on the critical path of each step.
     """
     if world == 1:
         return
     right, left = (rank + 1) % world, (rank - 1) % world
-    tmp = _scratch_buffer(max(c.numel() for c in chunks), chunks[0])
+    recv_idx = [(rank - step - 2) % world for step in range(world - 1)]
+    tmp = _scratch_buffer(sum(chunks[i].numel() for i in recv_idx), chunks[0])
+    slots = list(tmp.split([chunks[i].numel() for i in recv_idx]))
+    recvs = [p2p.irecv(slot, left, group) for slot in slots]
+    sends = []
     for step in range(world - 1):
-        send_idx = (rank - step - 1) % world
-        recv_idx = (rank - step - 2) % world
-        target = chunks[recv_idx]
-        incoming = tmp[: target.numel()]
-        pending = [(dst, buf, p2p.irecv(buf, left, group))
-                   for dst, buf in zip(target.split(SEGMENT_ELEMS), incoming.split(SEGMENT_ELEMS))]
-        sends = [p2p.isend(seg, right, group) for seg in chunks[send_idx].split(SEGMENT_ELEMS)]
-        for dst, buf, work in pending:
-            p2p.wait_all([work])
-            combine_(dst, buf, op)
-        p2p.wait_all(sends)
+        # the chunk reduced in the previous step (at step 0: this rank's own) goes right
+        sends.append(p2p.isend(chunks[(rank - step - 1) % world], right, group))
+        p2p.wait_all([recvs[step]])
+        combine_(chunks[recv_idx[step]], slots[step], op)
+    p2p.wait_all(sends)
 
 
 def all_gather_chunks(chunks: list[torch.Tensor], rank: int, world: int, group=None) -> None:
-    """In place: ``chunks[rank]`` is this rank's data; afterwards every chunk is filled on every rank."""
+    """In place: ``chunks[rank]`` is this rank's data; afterwards every chunk is filled on every rank.
+
+    Receives go straight into their chunks, all posted up front; each step forwards the chunk
+    that arrived in the step before.
+    """
     right, left = (rank + 1) % world, (rank - 1) % world
+    recvs = [p2p.irecv(chunks[(rank - step - 1) % world], left, group) for step in range(world - 1)]
+    sends = []
     for step in range(world - 1):
-        send_idx = (rank - step) % world
-        recv_idx = (rank - step - 1) % world
-        p2p.exchange(chunks[send_idx], right, chunks[recv_idx], left, group)
+        if step > 0:
+            p2p.wait_all([recvs[step - 1]])
+        sends.append(p2p.isend(chunks[(rank - step) % world], right, group))
+    p2p.wait_all(recvs[-1:] + sends)
 
 
 def all_reduce(flat: torch.Tensor, op: str, rank: int, world: int, group=None) -> None:
