@@ -10,7 +10,8 @@ Definitions (nccl-tests, doc/PERFORMANCE.md):
   link must sustain, so an optimal algorithm's busbw approaches the link bandwidth.
 
 Each measurement: the input is refilled, ranks meet at a barrier, the op is timed; ``time_s`` is the
-median over iterations of the slowest rank's time. Every result is also checked (the ``wrong``
+median over iterations of the slowest rank's time. Algorithms alternate iteration by iteration, so
+the ratio to torch is measured under the same conditions. Every result is also checked (the ``wrong``
 column, as nccl-tests' ``#wrong``). The latency-bandwidth (alpha-beta) model
 ``time = alpha + beta · bytes`` is fitted by least squares (Hockney 1994; Thakur et al. 2005).
 """
@@ -94,23 +95,29 @@ def _one_op(op: str, algorithm: str, nbytes: int, rank: int, world: int):
 
 
 def _bench_rank(rank, world, plan, iters, warmup):
+    """Time every algorithm of one (op, size) in alternation — torch, ring, naive, torch, ring, ...
+    — so that a load spike on a shared machine hits all of them alike and the ratio stays fair."""
     rows = []
+    groups = {}
     for op, algorithm, nbytes in plan:
-        prep, call, check = _one_op(op, algorithm, nbytes, rank, world)
-        times = []
+        groups.setdefault((op, nbytes), []).append(algorithm)
+    for (op, nbytes), algorithms in groups.items():
+        closures = {a: _one_op(op, a, nbytes, rank, world) for a in algorithms}
+        times = {a: [] for a in algorithms}
         for i in range(warmup + iters):
-            prep()
-            dist.barrier()
-            t0 = time.perf_counter()
-            call()
-            elapsed = time.perf_counter() - t0
-            if i >= warmup:
-                times.append(elapsed)
-        err = check()
-        t = torch.tensor(times + [err], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # slowest rank per iteration, worst error
-        rows.append(dict(op=op, algorithm=algorithm, world_size=world, bytes=nbytes,
-                         time_s=statistics.median(t[:-1].tolist()), max_error=t[-1].item()))
+            for a, (prep, call, _) in closures.items():
+                prep()
+                dist.barrier()
+                t0 = time.perf_counter()
+                call()
+                elapsed = time.perf_counter() - t0
+                if i >= warmup:
+                    times[a].append(elapsed)
+        for a, (_, _, check) in closures.items():
+            t = torch.tensor(times[a] + [check()], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # slowest rank per iteration, worst error
+            rows.append(dict(op=op, algorithm=a, world_size=world, bytes=nbytes,
+                             time_s=statistics.median(t[:-1].tolist()), max_error=t[-1].item()))
     return rows
 
 
