@@ -81,6 +81,7 @@ def strip_solutions(nb: dict, where: str = "notebook") -> dict:
         if cell["cell_type"] == "code":
             cell["outputs"] = []
             cell["execution_count"] = None
+            cell.get("metadata", {}).pop("execution", None)  # run timestamps of the solution
     if total == 0:
         raise ExerciseError(f"{where}: no '### BEGIN SOLUTION' block: nothing for the learner to do")
     return nb
