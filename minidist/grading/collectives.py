@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import p2p
-from .core import Report, Result, _not_implemented, _run, compare
+from ..launch import run
+from .core import Report, Result, _not_implemented, compare
 
 __all__ = ["grade_collective", "REFERENCES"]
 
@@ -148,7 +149,7 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
                 continue
 
             def one(world=world, n=n):
-                outs = _run(_collective_rank, world, learner_fn, reference, n, op, dtype, traffic,
+                outs = run(_collective_rank, world, learner_fn, reference, n, op, dtype, traffic,
                            timeout=timeout)
                 for rank, (got, expected, _) in enumerate(outs):
                     msg = compare(got, expected, rank)

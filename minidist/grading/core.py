@@ -152,24 +152,6 @@ def _not_implemented(result: Result) -> str | None:
     return None
 
 
-def _startup_failure(e: RankError) -> bool:
-    """The ranks failed while connecting (before the learner's code ran): not the learner's fault."""
-    return not isinstance(e, RankTimeoutError) and all(
-        "connectFullMesh" in summary or "init_process_group" in details
-        for _, summary, details in e.failures)
-
-
-def _run(fn, world, *args, timeout, retries: int = 2):
-    """:func:`minidist.run`, retried when gloo fails to connect at start-up (seen ~1 launch in 100
-    on a loaded 2-core machine), so a learner is never marked down for it."""
-    for attempt in range(retries + 1):
-        try:
-            return run(fn, world, *args, timeout=timeout)
-        except RankError as e:
-            if attempt == retries or not _startup_failure(e):
-                raise
-
-
 def check_on_ranks(name: str, rank_fn, world_sizes=(1, 2, 3, 4), *args, timeout: float = 30.0,
                    points: float = 1.0, report: Report | None = None) -> Report:
     """One check per world size W: ``rank_fn(rank, W, *args)`` runs on W ranks (via
@@ -180,7 +162,7 @@ def check_on_ranks(name: str, rank_fn, world_sizes=(1, 2, 3, 4), *args, timeout:
     report = report if report is not None else Report(name)
 
     def one(world):
-        msgs = _run(rank_fn, world, *args, timeout=timeout)
+        msgs = run(rank_fn, world, *args, timeout=timeout)
         bad = [m if m.startswith("rank ") else f"rank {r}: {m}"
                for r, m in enumerate(msgs) if m not in (None, True)]
         return "\n".join(str(b) for b in bad[:3]) or None
