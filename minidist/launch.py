@@ -24,6 +24,7 @@ What the launcher guarantees (each point is a real trap; see docs/ARCHITECTURE.m
 
 from __future__ import annotations
 
+import logging
 import os
 import queue as queue_mod
 import re
@@ -46,6 +47,8 @@ _SECONDARY = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|Socket closed|"
     r"Connection refused|connection was closed|stopped by the launcher|Read error|Timed out waiting",
     re.IGNORECASE)
+_log = logging.getLogger("minidist")
+_START_ATTEMPTS = 3  # gloo's connect can fail under load before any user code ran: safe to redo
 _GRACE_S = 1.0  # after the first failure: how long to wait for the other ranks' own errors
 
 
@@ -173,14 +176,15 @@ def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0
         raise ValueError(f"minidist.run: world_size must be an int >= 1, got {world_size!r}")
     backend = _env.choose_backend(backend, local_world_size=world_size)
     method = _choose_start_method(backend, start_method)
-    for attempt in (1, 2):
+    for attempt in range(1, _START_ATTEMPTS + 1):
         try:
             return _launch(fn, world_size, args, backend, timeout, ordered_output, method)
         except _StartupFailure as e:
-            if attempt == 2:
+            if attempt == _START_ATTEMPTS:
                 raise e.error from None
-            print(f"minidist.run: the ranks could not connect ({e.error.failures[0][1][:80]}...); "
-                  "retrying once", file=sys.stderr)
+            # logged, not printed: a recovered start must not change a notebook's output
+            _log.info("minidist.run: the ranks could not connect (%s); starting again (attempt "
+                      "%d of %d)", e.error.failures[0][1][:80], attempt + 1, _START_ATTEMPTS)
 
 
 class _StartupFailure(Exception):
