@@ -1,4 +1,12 @@
-"""Grade a learner's collective against torch.distributed on many world sizes and sizes."""
+"""Grade a learner's collective against torch.distributed on many world sizes and sizes.
+
+When a sum is wrong, the grader runs the code once more on inputs that name their contributors:
+chunk ``c`` of rank ``k`` holds ``10**(k + W·c)`` (float64, exact for W <= 4), so each decimal digit
+of a sum counts one (rank, chunk) contribution: a result reads "ranks {0, 1, 3}", "rank 2 counted
+2 times" or "chunk 1 of ranks {2}" (data of the wrong chunk). It reports, for every failing rank, which ranks a chunk holds
+and which are missing, and decodes every message each rank sent through ``minidist.comm.p2p`` to
+name the first ring step that differs from the ring taught in chapter 03.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,8 @@ import torch.distributed as dist
 
 from ..comm import p2p
 from ..launch import run
-from .core import Report, Result, _not_implemented, compare
+from ..diagrams import ring_schedule
+from .core import Report, compare
 
 __all__ = ["grade_collective", "REFERENCES"]
 
@@ -104,10 +113,121 @@ def _traffic_problem(sent: list, reference: str, world: int, n: int) -> str | No
     return None
 
 
+def _code(rank: int, chunk: int, world: int) -> float:
+    """What rank ``rank`` holds in chunk ``chunk`` for the decoding run: digit rank + W·chunk."""
+    return float(10 ** (rank + world * chunk))
+
+
+def _decode(v: float, world: int) -> list[list[int]] | None:
+    """``counts[c][k]``: how many times rank k's chunk c is summed into ``v`` (None: not a sum)."""
+    if v != v or v < 0 or v != int(v):
+        return None
+    counts, v = [[0] * world for _ in range(world)], int(v)
+    for c in range(world):
+        for k in range(world):
+            counts[c][k], v = v % 10, v // 10
+    return counts if v == 0 else None
+
+
+def _set(ranks) -> str:
+    return "{" + ", ".join(str(k) for k in ranks) + "}"
+
+
+def _holds(v: float, world: int, chunk: int, complete: bool = True) -> str:
+    """'holds ranks {0, 2}, missing {1, 3}' for a sum that should be chunk ``chunk`` of every rank;
+    names another chunk's data and double counts too."""
+    counts = _decode(v, world)
+    if counts is None:
+        return f"holds {v:g}, which is no sum of the ranks' chunks"
+    own = [k for k in range(world) if counts[chunk][k]]
+    text = f"holds ranks {_set(own)}"
+    missing = [k for k in range(world) if not counts[chunk][k]]
+    if missing and complete:
+        text += f", missing {_set(missing)}"
+    text += "".join(f", rank {k} counted {n} times" for k, n in enumerate(counts[chunk]) if n > 1)
+    for c in range(world):
+        if c != chunk and any(counts[c]):
+            text += f", and chunk {c} of ranks {_set(k for k in range(world) if counts[c][k])}"
+    return text
+
+
+def _spy_rank(rank, world, fn, reference, n):
+    """Run the learner's collective with chunk c of rank k holding _code(k, c); return (result,
+    [(index of the chunk sent, its first value) for every message this rank sent through p2p])."""
+    x = torch.cat([torch.full((c.numel(),), _code(rank, j, world), dtype=torch.float64)
+                   for j, c in enumerate(torch.empty(n).tensor_split(world))])
+    sent, original = [], p2p.isend
+
+    def isend(tensor, dst, group=None, tag=0):
+        if tensor.numel():
+            sent.append(float(tensor.reshape(-1)[0]))
+        return original(tensor, dst, group, tag)
+
+    p2p.isend = isend
+    try:
+        got, _ = REFERENCES[reference][0](fn, x, rank, world, "sum")
+    finally:
+        p2p.isend = original
+    return got, sent
+
+
+def _first_divergence(sent: list, world: int, phases: int) -> str | None:
+    """Compare each rank's decoded messages with the taught ring's (diagrams.ring_schedule)."""
+    steps = ring_schedule(world)
+    for s in range(phases * (world - 1)):
+        before, chunk_sent = steps[s][1], steps[s + 1][2]
+        phase = "reduce-scatter" if s < world - 1 else "all-gather"
+        step = s % (world - 1) + 1
+        for r in range(world):
+            c = chunk_sent[r]
+            want = sum(_code(k, c, world) for k in before[r][c])
+            where = f"first difference from the ring taught above: at {phase} step {step} rank {r}"
+            if len(sent[r]) <= s:
+                return (f"{where} sent nothing (it sent {len(sent[r])} messages in all, the ring "
+                        f"sends {phases * (world - 1)})")
+            if sent[r][s] != want:
+                counts = _decode(sent[r][s], world)
+                got_c = next((j for j in range(world) if counts and any(counts[j])), c)
+                return (f"{where} sent chunk {got_c}, which {_holds(sent[r][s], world, got_c, False)}; "
+                        f"the ring sends chunk {c}, holding ranks {_set(sorted(before[r][c]))}")
+    return None
+
+
+def _diagnose_sum(fn, reference: str, world: int, n: int, timeout: float) -> list[str]:
+    """Lines decoding a wrong sum: which ranks each failing rank's chunk holds, the first bad step."""
+    try:
+        outs = run(_spy_rank, world, fn, reference, n, timeout=timeout)
+    except Exception:  # noqa: BLE001 - the diagnosis is a bonus; the failure is already reported
+        return []
+    sizes = [c.numel() for c in torch.empty(n).tensor_split(world)]
+    owner = [j for j in range(world) for _ in range(sizes[j])]  # chunk of each element
+    lines = []
+    for rank, (got, _) in enumerate(outs):
+        got = got.reshape(-1)
+        if not isinstance(got, torch.Tensor) or got.numel() != (
+                sizes[rank] if reference == "reduce_scatter" else n):
+            continue  # a shape problem: already reported as such
+        chunk_of = [rank] * got.numel() if reference == "reduce_scatter" else owner
+        for i in range(got.numel()):
+            c = chunk_of[i]
+            if float(got[i]) != sum(_code(k, c, world) for k in range(world)):
+                lines.append(f"rank {rank}: chunk {c} {_holds(float(got[i]), world, c)}")
+                break
+    if lines and n >= world:
+        div = _first_divergence([s for _, s in outs], world, REFERENCES[reference][1])
+        if div:
+            lines.append(div)
+    if lines:
+        lines.insert(0, f"decoded (world size {world}, {n} elements; each rank's chunks hold "
+                        "distinct powers of ten, so a sum names its contributors):")
+    return lines
+
+
 def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 2, 3, 4),
                      sizes=(0, 1, 3, 10, 1001), op: str = "sum", dtype=torch.float32,
                      timeout: float = 20.0, traffic: str | None = None, points: float = 1.0,
-                     title: str | None = None) -> Report:
+                     title: str | None = None, total: float | None = None,
+                     requires: dict | None = None) -> Report:
     """Grade a learner's collective against torch.distributed on every (world size, size) pair.
 
     Calling conventions (``REFERENCES``; the function runs inside each rank, process group set up):
@@ -121,11 +241,18 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
       piece, the others are NaN; afterwards ``chunks[j]`` must hold rank j's piece everywhere.
 
     Every rank's data are small random integers (so fp32 sums are exact in any order): results must
-    match exactly. ``traffic="ring"`` also checks, through ``minidist.comm.p2p``'s counters, that the
-    ranks sent what a ring sends ((W-1)·N elements in all per phase). A hang ends after ``timeout``
-    seconds as a failed check naming where every rank waited; the remaining sizes on that world
-    size are then skipped (failed) to keep grading short; once the function raises
-    ``NotImplementedError`` every remaining check is failed without running.
+    match exactly; every failing rank is listed. A wrong sum is decoded (see the module docstring).
+    ``traffic="ring"`` also checks, through ``minidist.comm.p2p``'s counters, that the ranks sent
+    what a ring sends ((W-1)·N elements in all per phase). A hang ends after ``timeout`` seconds as
+    a failed check naming where every rank waited; every later check is then failed unrun (each
+    would wait as long), as after ``NotImplementedError``.
+
+    Args:
+        points: points per check; ``total``: the part's points in the exercise text (the printed
+            score is scaled to it).
+        requires: ``{reference: function}`` of earlier parts this function calls (e.g.
+            ``{"reduce_scatter": ring_reduce_scatter}``); when this one fails, each is checked
+            quickly and the report says "fails because ... fails" if one does.
 
     Returns:
         a :class:`Report`, one check per (world size, size). Call ``.assert_passed()`` on it.
@@ -137,30 +264,39 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
         raise ValueError(f"grade_collective: op must be one of {sorted(_TORCH_OPS)}, got {op!r}")
     name = getattr(learner_fn, "__name__", "learner function")
     what = reference if reference == "all_gather" else f"{reference}, op={op}"
-    report = Report(title or f"{name} graded against torch.distributed ({what})")
-    todo = None
+    report = Report(title or f"{name} graded against torch.distributed ({what})", total=total)
+    decoded = False
     for world in world_sizes:
-        timed_out = None
         for n in sizes:
-            label = f"world size {world}, {n} element{'s' if n != 1 else ''}"
-            if todo or timed_out is not None:
-                why = f"not run: {todo}" if todo else f"skipped: {timed_out} timed out"
-                report.add(Result(label, False, 0.0, points, why))
-                continue
-
             def one(world=world, n=n):
                 outs = run(_collective_rank, world, learner_fn, reference, n, op, dtype, traffic,
                            timeout=timeout)
-                for rank, (got, expected, _) in enumerate(outs):
-                    msg = compare(got, expected, rank)
-                    if msg:
-                        return msg
+                wrong = [m for r, (got, expected, _) in enumerate(outs)
+                         if (m := compare(got, expected, r))]
+                if wrong:
+                    return "\n".join(wrong)
                 if traffic == "ring":
                     return _traffic_problem([o[2] for o in outs], reference, world, n)
                 return None
 
-            result = report.check(label, one, points)
-            todo = _not_implemented(result)
-            if not result.passed and result.message.startswith("minidist.run timed out"):
-                timed_out = f"{n} elements"
+            result = report.check(f"world size {world}, {n} element{'s' if n != 1 else ''}", one,
+                                  points)
+            if (not result.passed and not decoded and not result.stop and op == "sum"
+                    and reference != "all_gather" and "expected" in result.message
+                    and 1 < world <= 4):
+                decoded = True
+                # on at least one element per chunk first, so every ring step sends something
+                extra = _diagnose_sum(learner_fn, reference, world, max(n, world), timeout)
+                if not extra and n < world:
+                    extra = _diagnose_sum(learner_fn, reference, world, n, timeout)
+                if extra:
+                    result.message += "\n" + "\n".join(extra)
+    if report.failed and requires:
+        for ref, fn in requires.items():
+            sub = grade_collective(fn, ref, world_sizes=(2, 3), sizes=(10,), timeout=timeout)
+            if sub.failed:
+                first = sub.failed[0]
+                report.notes.append(
+                    f"fails because {getattr(fn, '__name__', ref)} fails ({first.name}: "
+                    f"{first.message.splitlines()[0]}); fix that part first")
     return report

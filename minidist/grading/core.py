@@ -20,6 +20,7 @@ class Result:
     points: float = 1.0
     max_points: float = 1.0
     message: str = ""
+    stop: str = ""  # why later checks of the same code are not worth running ("timeout", ...)
 
     def line(self) -> str:
         if self.passed:
@@ -53,12 +54,21 @@ def describe_exception(e: BaseException, max_lines: int = 6) -> str:
     return f"{type(e).__name__}: {e}"[:500]
 
 
+def _stop_kind(e: BaseException) -> str:
+    if isinstance(e, RankTimeoutError):
+        return "timeout"
+    if isinstance(e, NotImplementedError) or (
+            isinstance(e, RankError) and e.failures[0][1].startswith("NotImplementedError")):
+        return "not_implemented"
+    return ""
+
+
 def check(name: str, fn, points: float = 1.0) -> Result:
     """Run ``fn()`` as one check; see the module docstring for what passes and fails."""
     try:
         out = fn()
     except Exception as e:  # noqa: BLE001 - a learner's bug of any kind is a failed check
-        return Result(name, False, 0.0, points, describe_exception(e))
+        return Result(name, False, 0.0, points, describe_exception(e), stop=_stop_kind(e))
     if out is None or out is True:
         return Result(name, True, points, points)
     return Result(name, False, 0.0, points, out if isinstance(out, str) and out else "failed")
@@ -66,26 +76,67 @@ def check(name: str, fn, points: float = 1.0) -> Result:
 
 @dataclass
 class Report:
-    """A list of :class:`Result` with a score. ``print(report)`` shows one line per check."""
+    """A list of :class:`Result` with a score. ``print(report)`` shows one line per check.
+
+    ``total``: the points the exercise text gives this part; the printed score is then scaled to
+    it (``score: 3/4``), so the text and the grader say the same numbers. ``notes`` are printed
+    under the title (e.g. "fails because ring_reduce_scatter fails").
+
+    Once a check times out (a deadlock) or hits ``NotImplementedError``, every later check added
+    through :meth:`check`, :func:`check_on_ranks` or ``grade_collective`` is failed unrun with a
+    message saying why: each would only wait out the same timeout, so feedback comes after about
+    one timeout instead of one per check.
+    """
 
     title: str = "checks"
     results: list = field(default_factory=list)
+    total: float | None = None
+    notes: list = field(default_factory=list)
 
     def add(self, result: Result) -> Result:
         self.results.append(result)
         return result
 
+    @property
+    def blocked(self) -> str | None:
+        """Why the remaining checks are not run (``None``: run them)."""
+        said = any(r.message.startswith("not run:") for r in self.results)
+        for r in self.results:
+            if r.stop == "timeout" and said:
+                return "not run (a check above timed out)"
+            if r.stop == "not_implemented" and said:
+                return "not run (NotImplementedError above)"
+            if r.stop == "timeout":
+                return (f"not run: '{r.name}' timed out (a deadlock?) and every later check would "
+                        "wait out the same timeout; fix that first, then run this cell again")
+            if r.stop == "not_implemented":
+                return "not run: the code raises NotImplementedError (not written yet)"
+        return None
+
     def check(self, name: str, fn, points: float = 1.0) -> Result:
-        """Run :func:`check` and add its result."""
+        """Run :func:`check` and add its result (or a failed, unrun one when :attr:`blocked`)."""
+        if (why := self.blocked) is not None:
+            return self.add(Result(name, False, 0.0, points, why))
         return self.add(check(name, fn, points))
 
     @property
-    def score(self) -> float:
+    def raw_score(self) -> float:
         return sum(r.points for r in self.results)
 
     @property
-    def max_score(self) -> float:
+    def raw_max(self) -> float:
         return sum(r.max_points for r in self.results)
+
+    @property
+    def score(self) -> float:
+        """Points earned; scaled to :attr:`total` when it is set (rounded to 2 decimals)."""
+        if self.total is None:
+            return self.raw_score
+        return round(self.total * self.raw_score / self.raw_max, 2) if self.raw_max else 0.0
+
+    @property
+    def max_score(self) -> float:
+        return self.raw_max if self.total is None else self.total
 
     @property
     def passed(self) -> bool:
@@ -96,7 +147,8 @@ class Report:
         return [r for r in self.results if not r.passed]
 
     def __str__(self) -> str:
-        lines = [f"{self.title}:"] + ["  " + r.line().replace("\n", "\n  ") for r in self.results]
+        lines = [f"{self.title}:"] + [f"  ! {n}" for n in self.notes]
+        lines += ["  " + r.line().replace("\n", "\n  ") for r in self.results]
         lines.append(f"score: {self.score:g}/{self.max_score:g}")
         return "\n".join(lines)
 
@@ -111,8 +163,9 @@ class Report:
         if not self.results:
             raise AssertionError(f"{self.title}: no checks ran")
         if self.failed:
+            note = f" {self.notes[0]}." if self.notes else ""
             raise AssertionError(f"{self.title}: {len(self.failed)} of {len(self.results)} checks "
-                                 f"failed (score {self.score:g}/{self.max_score:g}); first: "
+                                 f"failed (score {self.score:g}/{self.max_score:g}).{note} First: "
                                  f"{self.failed[0].line()}")
 
 
@@ -144,20 +197,14 @@ def compare(got, expected: torch.Tensor, rank: int | None = None, what: str = "r
 
 
 # --------------------------------------------------------------------------- generic multi-rank
-def _not_implemented(result: Result) -> str | None:
-    """Once the learner's code raises NotImplementedError, the other checks are failed unrun
-    (each run would only fail the same way, and every failed run costs about a second)."""
-    if not result.passed and "NotImplementedError" in result.message:
-        return "the code raises NotImplementedError (not written yet)"
-    return None
-
-
 def check_on_ranks(name: str, rank_fn, world_sizes=(1, 2, 3, 4), *args, timeout: float = 30.0,
                    points: float = 1.0, report: Report | None = None) -> Report:
     """One check per world size W: ``rank_fn(rank, W, *args)`` runs on W ranks (via
     :func:`minidist.run`) and returns ``None`` (fine) or a message string, or raises.
 
-    A rank that raises or hangs fails the check with the rank and the reason. Returns the report.
+    A rank that raises or hangs fails the check with the rank and the reason; every failing rank
+    is listed. After a timeout or ``NotImplementedError`` the remaining checks of ``report`` are
+    failed unrun (see :class:`Report`). Returns the report.
     """
     report = report if report is not None else Report(name)
 
@@ -165,14 +212,8 @@ def check_on_ranks(name: str, rank_fn, world_sizes=(1, 2, 3, 4), *args, timeout:
         msgs = run(rank_fn, world, *args, timeout=timeout)
         bad = [m if m.startswith("rank ") else f"rank {r}: {m}"
                for r, m in enumerate(msgs) if m not in (None, True)]
-        return "\n".join(str(b) for b in bad[:3]) or None
+        return "\n".join(str(b) for b in bad) or None
 
-    todo = None
     for world in world_sizes:
-        label = f"{name} (world size {world})"
-        if todo:
-            report.add(Result(label, False, 0.0, points, f"not run: {todo}"))
-            continue
-        result = report.check(label, lambda w=world: one(w), points)
-        todo = _not_implemented(result)
+        report.check(f"{name} (world size {world})", lambda w=world: one(w), points)
     return report
