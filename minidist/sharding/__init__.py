@@ -1,0 +1,13 @@
+"""Sharded data parallelism from scratch: ZeRO stages 1-3 and activation recomputation.
+
+* :class:`ShardedOptimizer` — ZeRO-1 (optimizer states) and ZeRO-2 (gradients too) (:mod:`.zero`);
+* flat padded buffers, the layout every stage uses (:mod:`.flat`);
+* the collectives they need, hand-built or torch's, and a communication thread (:mod:`.comms`).
+
+Source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", §5; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel".
+"""
+
+from .comms import Collectives, CommWorker  # noqa: F401
+from .flat import FlatBuffer, padded_numel, plan_buckets  # noqa: F401
+from .zero import ShardedOptimizer  # noqa: F401

@@ -1,0 +1,102 @@
+"""Flat, padded, sharded buffers: the one data layout every ZeRO stage here uses.
+
+A :class:`FlatBuffer` packs tensors (parameters, in a given order) one after the other into a 1-D
+buffer padded with zeros to ``W · S`` elements, ``S = ceil(numel / W)``; rank r owns
+``[r·S, (r+1)·S)``. Balancing is therefore by *element count*: every rank owns exactly S elements
+of every buffer (a parameter may straddle two ranks), the imbalance is at most the W-1 padding
+elements of each buffer — unlike assigning whole tensors to ranks, where one large embedding can
+leave the other ranks idle (Rajbhandari et al. 2020, ZeRO, §5: each rank updates 1/N_d of the
+parameters). Optimizers like SGD and Adam(W) are element-wise, so stepping a flat shard gives the
+same numbers as stepping the parameters it covers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FlatBuffer", "plan_buckets", "padded_numel"]
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """Smallest multiple of ``world_size`` that is ≥ ``numel`` (0 stays 0... padded to W)."""
+    return max(1, -(-numel // world_size)) * world_size
+
+
+def plan_buckets(params: list, cap_bytes: int | None) -> list[list]:
+    """Split ``params`` (in order) into groups of at most ``cap_bytes`` (never splitting a
+    parameter; one larger than the cap gets a group of its own). ``None``: one group."""
+    if cap_bytes is None:
+        return [list(params)] if params else []
+    groups, cur, size = [], [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if cur and size + nbytes > cap_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(p)
+        size += nbytes
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+class FlatBuffer:
+    """Layout of ``tensors`` in one flat buffer of ``padded`` elements split into W shards.
+
+    Attributes: ``offsets``/``numels``/``shapes`` (per tensor), ``numel`` (sum of numels),
+    ``padded`` (= W · ``shard_numel``), ``world_size``, ``rank``.
+    Raises ``ValueError`` for an empty list or mixed dtypes/devices.
+    """
+
+    def __init__(self, tensors: list, world_size: int, rank: int):
+        if not tensors:
+            raise ValueError("FlatBuffer: no tensors to flatten")
+        dtypes = {t.dtype for t in tensors}
+        devices = {t.device for t in tensors}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(f"FlatBuffer: tensors of one flat buffer must share dtype and device, "
+                             f"got {sorted(map(str, dtypes))} on {sorted(map(str, devices))}")
+        self.dtype, self.device = dtypes.pop(), devices.pop()
+        self.shapes = [tuple(t.shape) for t in tensors]
+        self.numels = [t.numel() for t in tensors]
+        self.offsets, n = [], 0
+        for k in self.numels:
+            self.offsets.append(n)
+            n += k
+        self.numel, self.world_size, self.rank = n, world_size, rank
+        self.padded = padded_numel(n, world_size)
+        self.shard_numel = self.padded // world_size
+
+    def empty(self, dtype=None, zero: bool = True) -> torch.Tensor:
+        """A new [padded] buffer (zeros by default: the padding must stay zero)."""
+        make = torch.zeros if zero else torch.empty
+        return make(self.padded, dtype=dtype or self.dtype, device=self.device)
+
+    def pack(self, tensors: list, out: torch.Tensor | None = None, dtype=None) -> torch.Tensor:
+        """Copy ``tensors`` (``None`` = zeros) into a [padded] buffer (new unless ``out``)."""
+        out = self.empty(dtype) if out is None else out
+        for t, o, k in zip(tensors, self.offsets, self.numels):
+            if t is None:
+                out[o:o + k].zero_()
+            else:
+                out[o:o + k].copy_(t.reshape(-1))
+        return out
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-tensor views of ``flat`` [padded], in their original shapes."""
+        return [flat[o:o + k].view(s) for o, k, s in zip(self.offsets, self.numels, self.shapes)]
+
+    def shard(self, flat: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """Rank ``rank``'s (default: this rank's) slice [shard_numel] of ``flat``: a view."""
+        r = self.rank if rank is None else rank
+        return flat[r * self.shard_numel:(r + 1) * self.shard_numel]
+
+    def pieces(self, rank: int | None = None) -> list[tuple[int, int, int, int]]:
+        """(tensor index, start in tensor, start in shard, length) of what a rank's shard covers."""
+        r = self.rank if rank is None else rank
+        lo, hi, out = r * self.shard_numel, (r + 1) * self.shard_numel, []
+        for i, (o, k) in enumerate(zip(self.offsets, self.numels)):
+            a, b = max(lo, o), min(hi, o + k)
+            if a < b:
+                out.append((i, a - o, a - lo, b - a))
+        return out

@@ -1,0 +1,271 @@
+"""ZeRO stages 1 and 2: optimizer states (and gradients) sharded over the data-parallel ranks.
+
+:class:`ShardedOptimizer` has the signature of torch's ``ZeroRedundancyOptimizer``. Each param
+group's trainable parameters are packed (in reverse registration order: the order backward
+produces their gradients) into flat padded buffers (:class:`~.flat.FlatBuffer`, at most
+``bucket_cap_mb`` each); the parameters become views of them. Rank r owns the r-th 1/W slice of
+every buffer, and the wrapped optimizer (any element-wise ``torch.optim`` class: SGD, Adam, AdamW)
+is built on those slices only, so it keeps state for ``Ψ/N_d`` elements (Rajbhandari et al. 2020,
+§5.1, P_os). After its step the buffers are **all-gathered** — not broadcast from owners: every
+rank owns an equal slice, so one ring all-gather per buffer sends (W-1)/W of it per rank, the
+second half of a ring all-reduce, and reduce-scatter (grads) + all-gather (params) together move
+exactly what plain data parallelism's all-reduce moves (§7.2.1). Broadcasting from owners would
+need W broadcasts of unequal sizes and, with the gradients all-reduced, 1.5x DP's traffic.
+
+``stage=1`` with ``grads="averaged"`` (default, as torch's): ``p.grad`` was already averaged
+(e.g. by DDP). ``grads="local"``: ``p.grad`` is this rank's gradient and :meth:`step`
+reduce-scatters it (average), so each rank only ever reduces its own slice.
+
+``stage=2`` (§5.2, P_os+g): a post-accumulate-grad hook copies each gradient into its bucket and
+frees ``p.grad``; a full bucket is reduce-scattered on a communication thread while backward
+continues (the overlap of :class:`minidist.data_parallel.BucketedDDP`); each rank keeps only its
+[S] slice of the averaged gradient. Backward then accumulates (micro-batches add up in the slices).
+
+Parameters with ``requires_grad=False`` are left as they are (never stepped, no state). Tied
+parameters appear once. A trainable parameter without a gradient at :meth:`step` is a
+``RuntimeError`` (torch's optimizers would skip it; a flat slice cannot skip part of itself).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comms import Collectives, CommWorker
+from .flat import FlatBuffer, plan_buckets
+
+__all__ = ["ShardedOptimizer"]
+
+
+class _Bucket:
+    def __init__(self, params, names, layout: FlatBuffer, group_index: int):
+        self.params, self.names, self.layout, self.group_index = params, names, layout, group_index
+        with torch.no_grad():
+            self.flat = layout.pack(params)          # [padded]: the parameters live here
+        for p, v in zip(params, layout.views(self.flat)):
+            p.data = v
+        self.shard = layout.shard(self.flat)         # [S] what the inner optimizer steps
+        self.grad_flat = None                        # stage 2: full bucket during backward
+        self.filled, self.handle, self.reduced = 0, None, None
+
+
+class ShardedOptimizer:
+    """ZeRO-1/2 optimizer wrapper. See the module docstring.
+
+    Args:
+        params: tensors or param-group dicts (as for any ``torch.optim`` optimizer).
+        optimizer_class: e.g. ``torch.optim.AdamW``; built on this rank's flat slices.
+        group: data-parallel process group (default: the world), e.g. ``ProcessGrid.dp_group``.
+        collectives: ``"hand-built"`` (minidist's ring) or ``"torch"``.
+        stage: 1 (optimizer states sharded) or 2 (gradients too, reduce-scattered in backward).
+        grads: stage 1 only — ``"averaged"`` (p.grad already averaged) or ``"local"``.
+        bucket_cap_mb: MiB per flat buffer (default: one buffer per param group for stage 1,
+            25 MiB for stage 2).
+        **defaults: the optimizer's hyperparameters (lr, momentum, weight_decay, ...).
+    """
+
+    def __init__(self, params, optimizer_class, group=None, *, collectives: str = "hand-built",
+                 stage: int = 1, grads: str = "averaged", bucket_cap_mb: float | None = None,
+                 **defaults):
+        if stage not in (1, 2):
+            raise ValueError(f"ShardedOptimizer: stage must be 1 or 2, got {stage!r}")
+        if grads not in ("averaged", "local"):
+            raise ValueError(f"ShardedOptimizer: grads must be 'averaged' or 'local', got {grads!r}")
+        self.comm = Collectives(collectives, group)
+        self.rank, self.world_size, self.stage, self.grads = (self.comm.rank, self.comm.world_size,
+                                                              stage, grads)
+        groups = list(params)
+        if not groups:
+            raise ValueError("ShardedOptimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        if stage == 2 and bucket_cap_mb is None:
+            bucket_cap_mb = 25.0
+        cap = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
+        self.all_params, seen, inner_groups, self.buckets = [], set(), [], []
+        self._group_meta = []
+        for gi, g in enumerate(groups):
+            ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+            for p in ps:
+                if id(p) in seen:
+                    raise ValueError("ShardedOptimizer: a parameter appears in two param groups")
+                seen.add(id(p))
+            self.all_params.extend(ps)
+            trainable = [p for p in reversed(ps) if p.requires_grad]
+            where = {id(p): i for i, p in enumerate(ps)}
+            mine = []
+            for chunk in plan_buckets(trainable, cap):
+                names = [f"group {gi} param {where[id(p)]} {tuple(p.shape)}" for p in chunk]
+                b = _Bucket(chunk, names, FlatBuffer(chunk, self.world_size, self.rank), gi)
+                self.buckets.append(b)
+                mine.append(b.shard)
+            opts = {k: v for k, v in g.items() if k != "params"}
+            inner_groups.append({"params": mine, **opts})
+            self._group_meta.append(len(ps))
+        if not self.buckets:
+            raise ValueError("ShardedOptimizer: no parameter requires a gradient")
+        self.optim = optimizer_class(inner_groups, **defaults)
+        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._handles, self._in_backward, self._next = [], False, 0
+        if stage == 2:
+            self.worker = CommWorker(collectives, group)
+            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
+                             for p in self._where]
+
+    # ------------------------------------------------------------------ inspection
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's groups (hyperparameters; their params are this rank's slices)."""
+        return self.optim.param_groups
+
+    def shard_numels(self) -> list[int]:
+        """Elements this rank owns per flat buffer (equal on every rank)."""
+        return [b.layout.shard_numel for b in self.buckets]
+
+    def gradient_divisor(self) -> float:
+        """What the summed gradients are divided by: the data-parallel world size."""
+        return self.world_size
+
+    # ------------------------------------------------------------------ stage 2: backward hooks
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._in_backward, self._next = True, 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        b, i = self._where[p]
+        if b.grad_flat is None:
+            b.grad_flat, b.filled = b.layout.empty(), 0
+        o, k = b.layout.offsets[i], b.layout.numels[i]
+        b.grad_flat[o:o + k].copy_(p.grad.reshape(-1))
+        p.grad = None                                    # the full gradient is not kept
+        b.filled += 1
+        while self._next < len(self.buckets):            # launch in bucket order on every rank
+            nb = self.buckets[self._next]
+            if nb.grad_flat is None or nb.filled < len(nb.params):
+                break
+            nb.reduced = torch.empty(nb.layout.shard_numel, dtype=nb.layout.dtype,
+                                     device=nb.layout.device)
+            nb.handle = self.worker.submit(f"ZeRO-2 reduce-scatter of bucket {self._next} "
+                                           f"(rank {self.rank})", _reduce_scatter, nb.reduced,
+                                           nb.grad_flat, self.gradient_divisor())
+            self._next += 1
+
+    def _finish_backward(self) -> None:
+        self._in_backward = False
+        missing = [n for b in self.buckets if b.grad_flat is None or b.filled < len(b.params)
+                   for n in b.names]
+        if missing:
+            for b in self.buckets[:self._next]:
+                b.handle.wait()
+            raise RuntimeError(f"ShardedOptimizer (rank {self.rank}): stage 2 got no gradient for "
+                               f"{', '.join(missing)} in this backward; freeze them "
+                               "(requires_grad=False) before building the optimizer")
+        with torch.no_grad():
+            for b in self.buckets:
+                b.handle.wait()
+                if b.shard.grad is None:
+                    b.shard.grad = b.reduced
+                else:
+                    b.shard.grad.add_(b.reduced)
+                b.grad_flat = b.reduced = b.handle = None
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def _stage1_grads(self) -> None:
+        for b in self.buckets:
+            grads = [p.grad for p in b.params]
+            if all(g is None for g in grads):
+                b.shard.grad = None
+                continue
+            if any(g is None for g in grads):
+                bad = [n for n, g in zip(b.names, grads) if g is None]
+                raise RuntimeError(f"ShardedOptimizer (rank {self.rank}): no gradient for "
+                                   f"{', '.join(bad)}; freeze it or use it in the loss")
+            flat = b.layout.pack(grads)
+            shard = b.layout.shard(flat)
+            if self.grads == "local":
+                self.comm.reduce_scatter(shard, flat, divisor=self.gradient_divisor())
+            b.shard.grad = shard.clone()
+
+    def step(self, closure=None):
+        """Step this rank's slices, then all-gather every flat buffer (params on every rank)."""
+        if closure is not None:
+            raise ValueError("ShardedOptimizer.step: closures are not supported")
+        if self.stage == 1:
+            self._stage1_grads()
+        self.optim.step()
+        with torch.no_grad():
+            for b in self.buckets:
+                self.comm.all_gather(b.flat, b.shard)
+                if self.stage == 1:
+                    b.shard.grad = None       # stage 1: the slice was a temporary
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.all_params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        if self.stage == 2:
+            self.worker.close()
+
+    # ------------------------------------------------------------------ state dicts
+    def state_dict(self) -> dict:
+        """The full (consolidated) optimizer state in torch's format, on every rank.
+
+        Collective: every rank must call it. ``state`` is keyed by the index of the parameter in
+        the order given at construction (frozen ones count, and have no state).
+        """
+        state, index = {}, {id(p): i for i, p in enumerate(self.all_params)}
+        for b in self.buckets:
+            own = self.optim.state.get(b.shard, {})
+            for key in sorted(own):
+                val = own[key]
+                if torch.is_tensor(val) and val.shape == b.shard.shape:
+                    full = b.layout.empty(val.dtype, zero=False)
+                    self.comm.all_gather(full, val)
+                    for p, v in zip(b.params, b.layout.views(full)):
+                        state.setdefault(index[id(p)], {})[key] = v.clone()
+                else:
+                    for p in b.params:
+                        state.setdefault(index[id(p)], {})[key] = (
+                            val.clone() if torch.is_tensor(val) else val)
+        groups, start = [], 0
+        for g, n in zip(self.optim.param_groups, self._group_meta):
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": list(range(start, start + n))})
+            start += n
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a full optimizer state (from :meth:`state_dict` at any world size, or from a
+        plain ``torch.optim`` optimizer over the same parameters); keep this rank's slices."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.optim.param_groups):
+            raise ValueError(f"load_state_dict (rank {self.rank}): {len(groups)} param groups, "
+                             f"this optimizer has {len(self.optim.param_groups)}")
+        for mine, saved in zip(self.optim.param_groups, groups):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+        full = {int(k): v for k, v in state_dict["state"].items()}
+        index = {id(p): i for i, p in enumerate(self.all_params)}
+        for b in self.buckets:
+            per = [full.get(index[id(p)], {}) for p in b.params]
+            keys = set().union(*per)
+            new = {}
+            for key in sorted(keys):
+                vals = [s.get(key) for s in per]
+                if key != "step" and all(torch.is_tensor(v) and v.shape == p.shape
+                                         for v, p in zip(vals, b.params)):
+                    flat = b.layout.pack(vals, dtype=vals[0].dtype)
+                    new[key] = b.layout.shard(flat).clone()
+                else:
+                    new[key] = vals[0].clone() if torch.is_tensor(vals[0]) else vals[0]
+            self.optim.state[b.shard] = new
+
+
+def _reduce_scatter(comm: Collectives, out, flat, divisor) -> None:
+    comm.reduce_scatter(out, flat, divisor=divisor)
