@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .comm import naive, p2p, ring, tree
-from .comm.ops import (check_same_across_ranks, contiguous, debug_enabled, finish_avg_,
-                       normalize_op)
+from .comm.ops import (check_same_across_ranks, check_sizes_agree, contiguous, debug_enabled,
+                       finish_avg_, normalize_op)
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
            "ALGORITHMS"]
@@ -119,6 +119,8 @@ def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring
         if debug_enabled(debug):
             check_same_across_ranks("reduce_scatter", group, sizes=[c.numel() for c in chunks],
                                     dtype=out.dtype, op=op, algorithm=algorithm)
+        else:  # always on: cheap, and a disagreement would leave a stale element (ops.py)
+            check_sizes_agree("reduce_scatter", group, [c.numel() for c in chunks], out.device)
         chunks = [c.view(-1) for c in chunks]
         with p2p.collective(f"reduce_scatter/{algorithm}"):
             ALGORITHMS["reduce_scatter"][algorithm](chunks, op, rank, world, group)
@@ -140,6 +142,8 @@ def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
     if debug_enabled(debug):
         check_same_across_ranks("all_gather", group, sizes=[c.numel() for c in chunks],
                                 dtype=input.dtype, algorithm=algorithm)
+    else:  # always on: cheap, and a disagreement would leave a stale element (ops.py)
+        check_sizes_agree("all_gather", group, [c.numel() for c in chunks], input.device)
     chunks = [c.view(-1) for c in chunks]
     chunks[rank].copy_(input.reshape(-1))
     with p2p.collective(f"all_gather/{algorithm}"):
@@ -155,6 +159,8 @@ def broadcast(tensor: torch.Tensor, src: int, algorithm: str = "tree", group=Non
     if debug_enabled(debug):
         check_same_across_ranks("broadcast", group, shape=tuple(tensor.shape), dtype=tensor.dtype,
                                 src=src, algorithm=algorithm)
+    else:  # always on: cheap, and a disagreement would leave a stale element (ops.py)
+        check_sizes_agree("broadcast", group, [tensor.numel()], tensor.device, root=src)
     with contiguous(tensor) as t, p2p.collective(f"broadcast/{algorithm}"):
         if world > 1 and t.numel() > 0:
             ALGORITHMS["broadcast"][algorithm](t.view(-1), src, rank, world, group)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["normalize_op", "combine_", "finish_avg_", "contiguous", "check_same_across_ranks",
-           "CollectiveMismatchError", "debug_enabled"]
+           "CollectiveMismatchError", "debug_enabled", "check_sizes_agree"]
 
 OPS = ("sum", "avg", "max", "min")
 
@@ -93,3 +93,39 @@ def check_same_across_ranks(opname: str, group, **fields) -> None:
             f"{opname}: ranks disagree before any data moved (rank {dist.get_rank(group)} "
             f"reporting):\n{rows}\nEvery rank must call the same collective with the same "
             "shape, dtype and arguments, in the same order.")
+
+
+def check_sizes_agree(opname: str, group, sizes, device=None, root: int | None = None) -> None:
+    """Raise on every rank if the ranks passed different per-rank sizes; always on, and cheap.
+
+    ``sizes``: the element count of each of this rank's W pieces (all_gather, reduce_scatter) or
+    of its one tensor (broadcast, with ``root`` the rank whose size is the right one). To gloo, a receive buffer larger than the message that arrives
+    is not an error (the rest of the buffer keeps its old values), so without this check one rank
+    could silently keep a stale element. The check is one all-reduce (max) of 2·len(sizes) int64
+    values, each size and its negation: max(s) == -max(-s) for every entry exactly when every rank
+    passed the same list. Only when they differ are the lists gathered, to name the ranks.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = [int(s) for s in sizes]
+    both = torch.tensor(mine + [-s for s in mine], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    n = len(mine)
+    if torch.equal(both[:n], -both[n:]):
+        return
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    rows = "\n".join(f"  rank {r}: {e}" for r, e in enumerate(everyone))
+    diffs = []
+    for j in range(n):
+        owner = root if root is not None else j  # piece j belongs to rank j
+        for r, e in enumerate(everyone):
+            if e[j] != everyone[owner][j]:
+                diffs.append(f"rank {r} has {e[j]} elements for piece {j} where rank {owner} has "
+                             f"{everyone[owner][j]}")
+    raise CollectiveMismatchError(
+        f"{opname}: ranks disagree on the sizes (elements per piece) before any data moved "
+        f"(rank {dist.get_rank(group)} reporting):\n{rows}\n" + "; ".join(diffs[:8]) +
+        ".\nEvery rank must pass the same sizes to " + opname + (
+            f": rank {root}'s size." if root is not None else ": piece r has rank r's size on every rank."))

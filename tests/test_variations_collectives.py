@@ -1,0 +1,90 @@
+"""Collectives whose ranks disagree on sizes: a clear error on every rank, never a stale element.
+
+Found by trying the product as users do (issue 14): with per-rank sizes, ``all_gather`` on ranks
+that pass inconsistent size lists left one rank silently holding a stale value (gloo accepts a
+message shorter than the receive buffer; the rest of the buffer keeps what it held). The same held
+for ``broadcast`` when the root's tensor is smaller than a receiver's, and a root with an empty
+tensor left the others waiting for the timeout. Each case here is run with debug mode off.
+"""
+
+import pytest
+import torch
+
+import minidist
+from minidist import collectives as C
+
+STALE = -7.0  # what an output holds before the call: it must never survive one
+
+
+def _disagree_rank(rank, world, op, algorithm, case):
+    if op == "all_gather":
+        if case == "receiver-larger":  # rank 0 expects more from the last rank than it sends
+            sizes = [3] * world
+            if rank == 0:
+                sizes[-1] = 5
+        elif case == "receiver-smaller":
+            sizes = [3] * world
+            if rank == 0:
+                sizes[-1] = 2
+        else:  # "tensor-form": each rank's own input size differs
+            n = 3 if rank == 0 else 4
+            out = torch.full((n * world,), STALE)
+            C.all_gather(out, torch.full((n,), float(rank)), algorithm=algorithm, debug=False)
+            return out.tolist()
+        outs = [torch.full((s,), STALE) for s in sizes]
+        C.all_gather(outs, torch.full((sizes[rank],), float(rank)), algorithm=algorithm,
+                     debug=False)
+        return [o.tolist() for o in outs]
+    if op == "reduce_scatter":
+        sizes = [3] * world
+        if rank == 0:
+            sizes[-1] = 5 if case == "receiver-larger" else 2
+        out = torch.full((sizes[rank],), STALE)
+        C.reduce_scatter(out, [torch.ones(s) for s in sizes], algorithm=algorithm, debug=False)
+        return out.tolist()
+    if op == "broadcast":
+        n = {"receiver-larger": (4 if rank == 0 else 6), "receiver-smaller": (6 if rank == 0 else 4),
+             "empty-root": (0 if rank == 0 else 3)}[case]
+        t = torch.full((n,), STALE if rank else 1.0)
+        C.broadcast(t, 0, algorithm=algorithm, debug=False)
+        return t.tolist()
+    raise AssertionError(op)
+
+
+CASES = [(op, alg, case, world)
+         for world in (2, 3)
+         for op, algs, cases in [
+             ("all_gather", ("naive", "ring"), ("receiver-larger", "receiver-smaller", "tensor-form")),
+             ("reduce_scatter", ("naive", "ring"), ("receiver-larger", "receiver-smaller")),
+             ("broadcast", ("naive", "ring", "tree"), ("receiver-larger", "receiver-smaller",
+                                                       "empty-root"))]
+         for alg in algs for case in cases]
+
+
+@pytest.mark.parametrize("op,algorithm,case,world", CASES)
+def test_size_disagreement_is_an_error_naming_the_ranks(op, algorithm, case, world):
+    with pytest.raises(minidist.RankError) as info:
+        got = minidist.run(_disagree_rank, world, op, algorithm, case, timeout=60)
+        pytest.fail(f"no error; results by rank: {got}")  # a silent (possibly stale) answer
+    msg = str(info.value)
+    assert "ranks disagree on the sizes" in msg, msg[-2000:]
+    assert "rank 0: [" in msg and "rank 1: [" in msg, msg[-2000:]
+
+
+def _agree_rank(rank, world, algorithm):
+    """Sizes that differ by rank but agree across ranks still work (and nothing stale remains)."""
+    sizes = [r + 1 for r in range(world)]
+    outs = [torch.full((s,), STALE) for s in sizes]
+    C.all_gather(outs, torch.full((sizes[rank],), float(rank)), algorithm=algorithm, debug=False)
+    assert all(torch.equal(o, torch.full_like(o, float(r))) for r, o in enumerate(outs)), outs
+    out = torch.full((sizes[rank],), STALE)
+    C.reduce_scatter(out, [torch.full((s,), float(rank)) for s in sizes], algorithm=algorithm,
+                     debug=False)
+    assert torch.equal(out, torch.full_like(out, float(sum(range(world))))), out
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("algorithm", ["naive", "ring"])
+def test_per_rank_sizes_that_agree_still_work(world, algorithm):
+    assert minidist.run(_agree_rank, world, algorithm, timeout=60) == [True] * world
