@@ -1,7 +1,9 @@
 """Mixed precision for data-parallel training: low-precision compute, fp32 gradients and reduction.
 
-* **CPU:** bf16 autocast. bf16 keeps fp32's exponent range, so no loss scaling is needed.
-* **GPU:** fp16 autocast with dynamic loss scaling (``torch.amp.GradScaler``): the loss is
+* **Default, CPU and GPU:** bf16 autocast. bf16 keeps fp32's exponent range, so no loss scaling
+  is needed; every NVIDIA GPU since Ampere (A100, H100) computes in bf16 at fp16's speed.
+* **fp16, only where bf16 is unsupported** (``torch.cuda.is_bf16_supported()`` is false: V100,
+  T4 and older): fp16 autocast with dynamic loss scaling (``torch.amp.GradScaler``): the loss is
   multiplied by S before backward so small gradients do not flush to zero in fp16; the optimizer
   step unscales, and is skipped (S halved) when a gradient is inf/NaN.
 
@@ -10,7 +12,7 @@ Parameters stay fp32 (autocast casts per op), so ``p.grad`` is fp32 and DDP aver
 decision is the same on every rank, because it is taken *after* the all-reduce, on identical
 gradients. Reference: Micikevicius et al. 2018, "Mixed Precision Training" (ICLR), §3.
 
-    mp = MixedPrecision()                 # bf16 on CPU, fp16 + scaling on CUDA
+    mp = MixedPrecision()                 # bf16; fp16 + scaling on a GPU without bf16
     with mp.autocast():
         loss = loss_fn(model(x), y)
     mp.backward(loss)
@@ -23,7 +25,15 @@ import torch
 
 from .. import env
 
-__all__ = ["MixedPrecision"]
+__all__ = ["MixedPrecision", "default_dtype"]
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16, except on a CUDA device without bf16 support, where fp16 (with loss scaling)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
 
 
 class MixedPrecision:
@@ -31,15 +41,15 @@ class MixedPrecision:
 
     Args:
         device: where the model runs (default: this rank's device from ``minidist.env``).
-        dtype: ``torch.bfloat16`` (default on CPU), ``torch.float16`` (default on CUDA; loss scaling
-            on), or ``None``/``torch.float32`` to disable.
+        dtype: ``"auto"`` (default: :func:`default_dtype`), ``torch.bfloat16``, ``torch.float16``
+            (loss scaling on), or ``None``/``torch.float32`` to disable.
     """
 
     def __init__(self, device: torch.device | str | None = None, dtype: torch.dtype | None = "auto",
                  init_scale: float = 2.0**16):
         self.device = torch.device(device) if device is not None else env.device()
         if dtype == "auto":
-            dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+            dtype = default_dtype(self.device)
         if dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"MixedPrecision: dtype must be bfloat16, float16 or None, got {dtype}")
         self.dtype = None if dtype == torch.float32 else dtype
