@@ -83,3 +83,65 @@ def test_zero1_param_groups():
         assert max_abs_diff(out["local"], single) <= TOL
         assert max_abs_diff(out["averaged"], out["torch zero"]) <= TOL
         assert [g["lr"] for g in out["local state"]["param_groups"]] == [1e-2, 5e-3]
+
+
+class _WrongDivisor(ShardedOptimizer):
+    """Broken on purpose: sums the gradients instead of averaging them."""
+
+    def gradient_divisor(self):
+        return 1
+
+
+def _zero2(rank, world, name, cap, broken=False, dp=None):
+    cls, hyper = OPTIMIZERS[name]
+    group, dp_rank, dp_size = None, rank, world
+    if dp is not None:
+        from minidist.grid import ProcessGrid
+        grid = ProcessGrid(dp=dp, pp=world // dp)
+        group, dp_rank, dp_size = grid.dp_group, grid.dp_rank, grid.dp_size
+    kind = _WrongDivisor if broken else ShardedOptimizer
+    opt_ref = []
+
+    def make(m):
+        opt_ref.append(kind(m.parameters(), cls, group, stage=2, bucket_cap_mb=cap, **hyper))
+        return opt_ref[0]
+
+    m, opt = _train(dp_rank, dp_size, make, False)
+    grads_kept = [p.grad for p in m.parameters() if p.grad is not None]
+    shard = sum(b.shard.grad.numel() for b in opt.buckets)
+    out = {"params": named_state(m), "full grads kept": len(grads_kept), "grad numel": shard,
+           "buckets": len(opt.buckets), "state": opt.state_dict()}
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_zero2_equals_single_process(world, name):
+    cls, hyper = OPTIMIZERS[name]
+    single, single_opt = train_single(cls, STEPS, with_optimizer=True, **hyper)
+    res = minidist.run(_zero2, world, name, 0.0005, timeout=120)
+    for r, out in enumerate(res):
+        assert out["buckets"] >= 3  # several buckets, reduce-scattered during backward
+        assert out["full grads kept"] == 0  # only the slices of the averaged gradient remain
+        n = 499 - 7  # trainable elements (the frozen vector has none)
+        assert out["grad numel"] <= -(-n // world) + out["buckets"], "more than 1/W kept"
+        assert max_abs_diff(out["params"], res[0]["params"]) == 0.0, f"rank {r} diverged"
+        assert max_abs_diff(out["params"], single) <= TOL, f"rank {r} vs one process"
+        assert max_abs_diff(_flat_state(out["state"]), _flat_state(single_opt)) <= TOL
+
+
+def test_zero2_wrong_divisor_is_caught():
+    cls, hyper = OPTIMIZERS["sgd"]
+    single = train_single(cls, STEPS, **hyper)
+    good = minidist.run(_zero2, 2, "sgd", 0.0005, timeout=120)
+    bad = minidist.run(_zero2, 2, "sgd", 0.0005, True, timeout=120)
+    assert max_abs_diff(good[0]["params"], single) <= TOL
+    assert max_abs_diff(bad[0]["params"], single) > 1e-3  # the equality check rejects it
+
+
+def test_zero2_on_the_data_parallel_group_of_a_grid():
+    cls, hyper = OPTIMIZERS["adamw"]
+    single = train_single(cls, STEPS, **hyper)
+    for r, out in enumerate(minidist.run(_zero2, 4, "adamw", 0.0005, False, 2, timeout=120)):
+        assert max_abs_diff(out["params"], single) <= TOL, f"rank {r}"

@@ -125,8 +125,11 @@ class CommWorker:
     """
 
     def __init__(self, kind: str = "hand-built", group=None):
+        # a group of its own: collectives on the main thread never share a wire with it. Only the
+        # members create it (a data-parallel subgroup's peers do not call this at the same time)
         ranks = dist.get_process_group_ranks(group) if group is not None else None
-        self.comm = Collectives(kind, dist.new_group(ranks=ranks))  # collective: every rank
+        self.comm = Collectives(kind, dist.new_group(ranks=ranks, use_local_synchronization=True)
+                                if ranks is not None else dist.new_group())
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=_serve, args=(self._queue,), daemon=True,
                                         name="sharding-comm")
