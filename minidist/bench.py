@@ -31,12 +31,8 @@ __all__ = ["run_bench", "busbw_factor", "fit_alpha_beta", "plot_busbw", "format_
            "ALGORITHMS", "OPS", "parse_size"]
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-ALGORITHMS = {
-    "all_reduce": ("torch", "ring", "naive", "tree"),
-    "reduce_scatter": ("torch", "ring", "naive"),
-    "all_gather": ("torch", "ring", "naive"),
-    "broadcast": ("torch", "tree", "ring", "naive"),
-}
+# per op: torch's built-in (the reference) and every hand-built algorithm the library offers
+ALGORITHMS = {op: ("torch", *C.ALGORITHMS[op]) for op in OPS}
 
 
 def busbw_factor(op: str, world_size: int) -> float:

@@ -151,7 +151,7 @@ def comm_bytes_per_rank(op: str, nbytes: float, world_size: int, algorithm: str 
     full gathered / scattered tensor).
 
     ring: all-reduce 2(W-1)/W · N; reduce-scatter and all-gather (W-1)/W · N.
-    tree (recursive doubling, W a power of two): all-reduce log2(W) · N.
+    recursive_doubling (W a power of two): all-reduce log2(W) · N.
     naive (all-reduce through rank 0): rank 0 sends (W-1) · N (after receiving as much) — the
     busiest rank.
     """
@@ -161,7 +161,7 @@ def comm_bytes_per_rank(op: str, nbytes: float, world_size: int, algorithm: str 
         raise ValueError(f"op must be one of {sorted(_PHASES)}, got {op!r}")
     if algorithm == "ring":
         return _PHASES[op] * (w - 1) / w * nbytes
-    if algorithm == "tree" and op == "all_reduce":
+    if algorithm == "recursive_doubling" and op == "all_reduce":
         return math.ceil(math.log2(w)) * nbytes
     if algorithm == "naive" and op == "all_reduce":
         return (w - 1) * nbytes
@@ -173,14 +173,14 @@ def comm_time(op: str, nbytes: float, world_size: int, alpha: float, beta: float
     """Alpha-beta model time (s): ``steps · alpha + bytes sent per rank · beta``.
 
     ``alpha``: latency per message (s); ``beta``: seconds per byte (1 / link bandwidth). Steps:
-    ring all-reduce 2(W-1), ring reduce-scatter/all-gather W-1, tree all-reduce ceil(log2 W),
+    ring all-reduce 2(W-1), ring reduce-scatter/all-gather W-1, recursive-doubling all-reduce ceil(log2 W),
     naive all-reduce 2(W-1) messages through rank 0 (Thakur et al. 2005, §4).
     """
     w = world_size
     per_rank = comm_bytes_per_rank(op, nbytes, w, algorithm)
     if algorithm == "ring":
         steps = _PHASES[op] * (w - 1)
-    elif algorithm == "tree":
+    elif algorithm == "recursive_doubling":
         steps = math.ceil(math.log2(w)) if w > 1 else 0
     else:
         steps = 2 * (w - 1)

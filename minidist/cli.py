@@ -10,38 +10,25 @@ import time
 
 __all__ = ["main"]
 
-# (op, algorithms) the demo checks against torch's built-in
-_DEMO_OPS = {
-    "all_reduce": ("ring", "naive", "tree"),
-    "reduce_scatter": ("ring", "naive"),
-    "all_gather": ("ring", "naive"),
-    "broadcast": ("tree", "ring", "naive"),
-    "reduce": ("tree", "naive"),
-    "all_to_all": ("naive",),
-}
 _DEMO_SIZES = (0, 3, 10, 100_003)  # elements: empty, fewer than ranks, uneven, large-ish
 _SECTIONS = ("data_parallel", "tensor_parallel", "pipeline_parallel")
 
 
-def _broken_ring_all_reduce(flat, op, rank, world, group=None):
-    """A deliberately wrong ring (reduce-scatter only): proves the demo's checker can fail."""
-    from .comm import ring
-    ring.reduce_scatter_chunks(list(flat.tensor_split(world)), op, rank, world, group)
+def _demo_ops(C) -> dict:
+    """(op, algorithms) the demo checks against torch's built-in: every entry of the library's table."""
+    return {**{op: tuple(algs) for op, algs in C.ALGORITHMS.items()}, "all_to_all": ("naive",)}
 
 
-def _demo_rank(rank, world, inject):
+def _demo_rank(rank, world):
     import torch
     import torch.distributed as dist
 
     from . import bench
     from . import collectives as C
 
-    if inject:
-        op_name, alg = inject.split("/")
-        C.ALGORITHMS[op_name][alg] = _broken_ring_all_reduce
     gen = torch.Generator().manual_seed(1234 + rank)
     rows = []
-    for op, algs in _DEMO_OPS.items():
+    for op, algs in _demo_ops(C).items():
         for alg in algs:
             worst, timing_elems, t_ours, t_torch = 0.0, _DEMO_SIZES[-1], None, None
             for n in _DEMO_SIZES:
@@ -112,7 +99,6 @@ def demo(argv=None) -> int:
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--sections", nargs="*", default=["collectives", *_SECTIONS],
                    help="which sections to run (default: all that are installed)")
-    p.add_argument("--inject-bug", default="", metavar="OP/ALG", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     from . import launch
 
@@ -121,7 +107,7 @@ def demo(argv=None) -> int:
     if "collectives" in args.sections:
         print(f"minidist demo: hand-built collectives against torch.distributed, "
               f"world size {args.world_size} (gloo on CPU unless GPUs are available)\n")
-        rows = launch.run(_demo_rank, args.world_size, args.inject_bug, timeout=300)[0]
+        rows = launch.run(_demo_rank, args.world_size, timeout=300)[0]
         head = f"{'op/algorithm':<24}{'W':>3}{'max error':>12}{'busbw GB/s':>12}{'vs torch':>10}  ok"
         print(head + "\n" + "-" * len(head))
         for r in rows:
@@ -158,7 +144,8 @@ def bench(argv=None) -> int:
     p.add_argument("what", nargs="?", default="collectives", choices=["collectives", "ddp", "pp"])
     p.add_argument("--ops", nargs="*", default=list(B.OPS), choices=B.OPS)
     p.add_argument("--algorithms", nargs="*", default=None,
-                   help="torch ring naive tree (default: all that apply to each op)")
+                   help="torch and the names in minidist.collectives.ALGORITHMS (default: all "
+                        "that apply to each op)")
     p.add_argument("--world-sizes", nargs="*", type=int, default=[2, 4])
     p.add_argument("--min-bytes", default="1K")
     p.add_argument("--max-bytes", default="64M")

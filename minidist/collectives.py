@@ -8,7 +8,7 @@ algorithms in ``minidist.comm`` — built only from point-to-point isend/irecv:
 collective         algorithms                 torch.distributed equivalent
 =================  =========================  ============================================
 all_reduce         ring (default), naive,     ``dist.all_reduce``
-                   tree (recursive doubling)
+                   recursive_doubling
 reduce_scatter     ring (default), naive      ``dist.reduce_scatter`` / ``reduce_scatter_tensor``
 all_gather         ring (default), naive      ``dist.all_gather`` / ``all_gather_into_tensor``
 broadcast          tree (default), naive,     ``dist.broadcast``
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm import naive, p2p, ring, tree
+from .comm import naive, p2p, recursive_doubling, ring, tree
 from .comm.ops import (check_same_across_ranks, check_sizes_agree, contiguous, debug_enabled,
                        finish_avg_, normalize_op)
 
@@ -36,7 +36,8 @@ __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", 
            "ALGORITHMS"]
 
 ALGORITHMS = {
-    "all_reduce": {"ring": ring.all_reduce, "naive": naive.all_reduce, "tree": tree.all_reduce},
+    "all_reduce": {"ring": ring.all_reduce, "naive": naive.all_reduce,
+                   "recursive_doubling": recursive_doubling.all_reduce},
     "reduce_scatter": {"ring": ring.reduce_scatter_chunks, "naive": naive.reduce_scatter_chunks},
     "all_gather": {"ring": ring.all_gather_chunks, "naive": naive.all_gather_chunks},
     "broadcast": {"tree": tree.broadcast, "naive": naive.broadcast, "ring": ring.broadcast},
@@ -51,12 +52,16 @@ def _setup(opname: str, algorithm: str, tensor, group):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{opname}: expected a torch.Tensor, got {type(tensor).__name__}")
     table = ALGORITHMS.get(opname)
+    if opname == "all_reduce" and algorithm == "tree":
+        raise ValueError("all_reduce: algorithm 'tree' is now called 'recursive_doubling' (log2 W "
+                         "rounds of pairwise exchange; 'tree' names only the binomial-tree "
+                         "broadcast and reduce)")
     if table is not None and algorithm not in table:
         raise ValueError(f"{opname}: algorithm must be one of {sorted(table)}, got {algorithm!r}")
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _check_root(opname: str, root: int, world: int, rank: int) -> None:
+def _check_root(opname: str, root: int, rank: int, world: int) -> None:
     if not isinstance(root, int) or not 0 <= root < world:
         raise ValueError(f"{opname} (rank {rank}): root must be a rank in 0..{world - 1}, got {root!r}")
 
@@ -80,7 +85,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", algorithm: str = "ring", group=No
     return tensor
 
 
-def _as_chunks(big: torch.Tensor | list, small: torch.Tensor, world: int, opname: str, rank: int,
+def _as_chunks(big: torch.Tensor | list, small: torch.Tensor, rank: int, world: int, opname: str,
                role: str) -> list[torch.Tensor]:
     """The W per-rank pieces of ``big``: a list of W tensors, or one tensor of W·small.numel()."""
     if isinstance(big, (list, tuple)):
@@ -115,7 +120,7 @@ def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring
     rank, world = _setup("reduce_scatter", algorithm, output, group)
     op = normalize_op(op, output.dtype, f"reduce_scatter (rank {rank})")
     with contiguous(output) as out:
-        chunks = _as_chunks(input, out, world, "reduce_scatter", rank, "input")
+        chunks = _as_chunks(input, out, rank, world, "reduce_scatter", "input")
         if debug_enabled(debug):
             check_same_across_ranks("reduce_scatter", group, sizes=[c.numel() for c in chunks],
                                     dtype=out.dtype, op=op, algorithm=algorithm)
@@ -138,7 +143,7 @@ def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
     Traffic per rank (ring): (W-1) · input.numel() elements sent.
     """
     rank, world = _setup("all_gather", algorithm, input, group)
-    chunks = _as_chunks(output, input, world, "all_gather", rank, "output")
+    chunks = _as_chunks(output, input, rank, world, "all_gather", "output")
     if debug_enabled(debug):
         check_same_across_ranks("all_gather", group, sizes=[c.numel() for c in chunks],
                                 dtype=input.dtype, algorithm=algorithm)
@@ -155,7 +160,7 @@ def broadcast(tensor: torch.Tensor, src: int, algorithm: str = "tree", group=Non
               debug: bool | None = None) -> torch.Tensor:
     """Copy ``tensor`` from rank ``src`` to every rank, in place."""
     rank, world = _setup("broadcast", algorithm, tensor, group)
-    _check_root("broadcast", src, world, rank)
+    _check_root("broadcast", src, rank, world)
     if debug_enabled(debug):
         check_same_across_ranks("broadcast", group, shape=tuple(tensor.shape), dtype=tensor.dtype,
                                 src=src, algorithm=algorithm)
@@ -171,7 +176,7 @@ def reduce(tensor: torch.Tensor, dst: int, op="sum", algorithm: str = "tree", gr
            debug: bool | None = None) -> torch.Tensor:
     """Reduce ``tensor`` across ranks into rank ``dst`` (in place there; others hold scratch)."""
     rank, world = _setup("reduce", algorithm, tensor, group)
-    _check_root("reduce", dst, world, rank)
+    _check_root("reduce", dst, rank, world)
     op = normalize_op(op, tensor.dtype, f"reduce (rank {rank})")
     if debug_enabled(debug):
         check_same_across_ranks("reduce", group, shape=tuple(tensor.shape), dtype=tensor.dtype,

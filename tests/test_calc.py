@@ -65,13 +65,13 @@ def test_ring_traffic_formula(w):
     assert calc.comm_bytes_per_rank("all_reduce", n, w, "naive") == (w - 1) * n
 
 
-def test_alpha_beta_model_tree_wins_small_ring_wins_large():
+def test_alpha_beta_model_recursive_doubling_wins_small_ring_wins_large():
     alpha, beta, w = 10e-6, 1 / 10e9, 8
     small, large = 1e3, 1e9
-    assert calc.comm_time("all_reduce", small, w, alpha, beta, "tree") < \
+    assert calc.comm_time("all_reduce", small, w, alpha, beta, "recursive_doubling") < \
         calc.comm_time("all_reduce", small, w, alpha, beta, "ring")
     assert calc.comm_time("all_reduce", large, w, alpha, beta, "ring") < \
-        calc.comm_time("all_reduce", large, w, alpha, beta, "tree")
+        calc.comm_time("all_reduce", large, w, alpha, beta, "recursive_doubling")
     ring = calc.comm_time("all_reduce", large, w, alpha, beta, "ring")
     assert ring == pytest.approx(2 * (w - 1) * alpha + 2 * (w - 1) / w * large * beta)
     assert calc.comm_time("all_reduce", large, 1, alpha, beta) == 0

@@ -37,7 +37,7 @@ def _err(a, b):
 def _all_reduce_rank(rank, world, dtype, ops, sizes):
     errs = []
     for op in ops:
-        for alg in ("ring", "naive", "tree"):
+        for alg in ("ring", "naive", "recursive_doubling"):
             for n in sizes:
                 x = _input(n, dtype, rank, n)
                 ref = x.clone()
@@ -64,7 +64,7 @@ def test_all_reduce_matches_torch(world):
 
 def _bit_identical_rank(rank, world, n):
     out = {}
-    for alg in ("ring", "naive", "tree"):
+    for alg in ("ring", "naive", "recursive_doubling"):
         out[alg] = C.all_reduce(_input(n, torch.float32, rank), algorithm=alg)
     return out
 
@@ -74,7 +74,7 @@ def test_all_reduce_large_and_identical_on_every_rank(world):
     """C1 at 2^20+3 elements; and every rank ends with bit-identical values (DDP relies on it)."""
     res = minidist.run(_bit_identical_rank, world, BIG, timeout=120)
     ref = sum(_input(BIG, torch.float64, r) for r in range(world))
-    for alg in ("ring", "naive", "tree"):
+    for alg in ("ring", "naive", "recursive_doubling"):
         for r in range(world):
             assert torch.equal(res[r][alg], res[0][alg]), (alg, r)
         assert _err(res[0][alg], ref) < 1e-5
@@ -306,3 +306,17 @@ def test_all_reduce_up_to_eight_ranks(world):
     for rank_errs in results:
         for op, alg, n, err in rank_errs:
             assert err <= 1e-5, (op, alg, n, err)
+
+
+def _old_tree_name_rank(rank, world):
+    try:
+        C.all_reduce(torch.ones(3), algorithm="tree")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_all_reduce_tree_is_a_clear_error_naming_recursive_doubling():
+    """all-reduce's log2(W) algorithm is recursive doubling; "tree" stays for broadcast/reduce."""
+    msg = minidist.run(_old_tree_name_rank, 2, timeout=60)[0]
+    assert "recursive_doubling" in msg and "all_reduce" in msg, msg

@@ -19,15 +19,15 @@ from minidist.data_parallel.reference import max_abs_diff, torch_ddp, train_ddp,
 TOL = 1e-6
 
 
-def _wrap(version, comm, cap=None):
-    kw = {"comm": comm}
+def _wrap(version, collectives, cap=None):
+    kw = {"collectives": collectives}
     if version == "bucketed":
         kw["bucket_cap_mb"] = cap if cap is not None else 0.0005  # several buckets on the toy MLP
     return functools.partial(VERSIONS[version], **kw)
 
 
-def _three_way(rank, world, version, comm, accumulation=1, dtype=None, cap=None):
-    ours = train_ddp(rank, world, _wrap(version, comm, cap), accumulation=accumulation, dtype=dtype)
+def _three_way(rank, world, version, collectives, accumulation=1, dtype=None, cap=None):
+    ours = train_ddp(rank, world, _wrap(version, collectives, cap), accumulation=accumulation, dtype=dtype)
     ref = train_ddp(rank, world, torch_ddp, accumulation=accumulation, dtype=dtype)
     single = train_single(accumulation=accumulation, dtype=dtype)
     return ours, ref, single
@@ -46,7 +46,7 @@ def _check(results, tol_single=TOL, tol_torch=TOL):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("version", ["naive", "flat", "bucketed"])
 def test_matches_torch_ddp_and_single_process(version, world):
-    _check(minidist.run(_three_way, world, version, "minidist", timeout=60))
+    _check(minidist.run(_three_way, world, version, "hand-built", timeout=60))
 
 
 @pytest.mark.parametrize("version", ["naive", "bucketed"])
@@ -58,19 +58,19 @@ def test_torch_collectives_switch(version):
 @pytest.mark.parametrize("version", ["naive", "flat", "bucketed"])
 def test_accumulation_over_k_micro_batches_equals_one_large_batch(version, world):
     # 3 micro-batches of 12 per step, synced on the last one only
-    _check(minidist.run(_three_way, world, version, "minidist", 3, timeout=60))
+    _check(minidist.run(_three_way, world, version, "hand-built", 3, timeout=60))
 
 
 def test_bf16_autocast_reduces_in_fp32():
-    res = minidist.run(_three_way, 2, "bucketed", "minidist", 1, torch.bfloat16, timeout=60)
+    res = minidist.run(_three_way, 2, "bucketed", "hand-built", 1, torch.bfloat16, timeout=60)
     _check(res, tol_single=2e-2, tol_torch=TOL)
 
 
 def _bucket_caps(rank, world):
     out = {}
     for cap in (1e-6, 0.0003, 0.0008, 25.0):
-        out[cap] = train_ddp(rank, world, _wrap("bucketed", "minidist", cap))
-    out["naive"] = train_ddp(rank, world, _wrap("naive", "minidist"))
+        out[cap] = train_ddp(rank, world, _wrap("bucketed", "hand-built", cap))
+    out["naive"] = train_ddp(rank, world, _wrap("naive", "hand-built"))
     return out
 
 

@@ -12,7 +12,7 @@ all_gather (dim)       reduce_scatter (sum) along dim  ColumnParallelLinear gath
 reduce_scatter (dim)   all_gather along dim            sequence parallelism
 =====================  ==============================  ===================================
 
-Example (failure case C4): x = ones(3, requires_grad), y = all_reduce(x), loss = ((rank+1)*y).sum()
+Example (a plain collective has no backward, so the gradient would stay local): x = ones(3, requires_grad), y = all_reduce(x), loss = ((rank+1)*y).sum()
 on 2 ranks gives x.grad = 3 = 1 + 2 on both ranks (a plain collective gives 1 or 2).
 
 All are out of place: the input is not modified. Shapes: all_gather along ``dim`` multiplies that

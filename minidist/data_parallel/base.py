@@ -4,17 +4,18 @@ The three versions (:mod:`.naive`, :mod:`.flat`, :mod:`.bucketed`) differ only i
 gradients are averaged. Everything else lives here:
 
 * **construction** checks that every rank holds the same structure and broadcasts rank 0's
-  parameters and buffers (:mod:`.replicas`, failure case D8);
+  parameters and buffers (:mod:`.replicas`: ranks that start apart would train apart);
 * **forward** broadcasts buffers from rank 0 (``broadcast_buffers=True``, like torch's DDP) and
   **takes the sync decision**: a backward synchronises iff its forward ran outside
   :meth:`no_sync`. Entering or leaving ``no_sync()`` between a forward and its backward is rejected
-  with :class:`SyncDecisionError` (failure case D2: the sync must happen on the last micro-batch);
-* **unused parameters** (failure case D1): a parameter that got no gradient is an
+  with :class:`SyncDecisionError` (the sync must happen on the last micro-batch, or gradients are
+  averaged before accumulation ends);
+* **unused parameters** (a rank waiting for a gradient that never comes would hang): a parameter that got no gradient is an
   :class:`UnusedParametersError` naming it — or, with ``find_unused_parameters=True``, it counts as
   a zero gradient, so a parameter used on some ranks only gets (g + 0 + ...)/W, and one used on no
   rank keeps ``grad=None`` (as in torch's DDP; a usage mask is all-reduced to know).
 
-Loss convention (failure case D6): each rank averages its loss over its own micro-batch and DDP
+Loss convention (unequal per-rank batches): each rank averages its loss over its own micro-batch and DDP
 averages the gradients over ranks, which equals the gradient of the global-batch mean loss when
 every rank has the same batch size. With unequal batches it weights every *rank* equally; to weight
 every *sample* equally, scale each rank's loss by W·n_rank/n_global before backward.
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .replicas import all_reduce_, broadcast_module, check_same_structure
+from .replicas import all_reduce_, broadcast_module, check_collectives, check_same_structure
 
 __all__ = ["DataParallelBase", "UnusedParametersError", "SyncDecisionError", "Communicator"]
 
@@ -44,23 +45,22 @@ class SyncDecisionError(RuntimeError):
 class Communicator:
     """The collectives a gradient hook may use, bound to one process group and implementation.
 
-    ``comm="minidist"`` uses minidist's hand-built ring; ``"torch"`` uses ``torch.distributed``.
+    ``collectives="hand-built"`` uses minidist's hand-built ring; ``"torch"`` uses
+    ``torch.distributed``.
     """
 
-    def __init__(self, comm: str, group=None):
-        if comm not in ("minidist", "torch"):
-            raise ValueError(f"comm must be 'minidist' or 'torch', got {comm!r}")
-        self.comm, self.group = comm, group
+    def __init__(self, collectives: str, group=None):
+        self.collectives, self.group = check_collectives(collectives), group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "avg") -> torch.Tensor:
-        return all_reduce_(tensor, op, self.comm, self.group)
+        return all_reduce_(tensor, op, self.collectives, self.group)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` (same shape on all ranks), stacked: [W, *tensor.shape]."""
         out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        if self.comm == "minidist":
+        if self.collectives == "hand-built":
             from .. import collectives as C
             C.all_gather(out, tensor.contiguous(), group=self.group)
         else:
@@ -73,14 +73,15 @@ class DataParallelBase(nn.Module):
 
     Args:
         module: the model, identical in structure on every rank.
-        comm: ``"minidist"`` (hand-built collectives) or ``"torch"`` (``torch.distributed``).
+        collectives: ``"hand-built"`` (:mod:`minidist.collectives`) or ``"torch"``
+            (``torch.distributed``).
         group: process group of the data-parallel ranks (default: the world).
         find_unused_parameters: treat a missing gradient as zero instead of raising.
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm running stats) at every forward.
         reduce_dtype: dtype gradients are averaged in (fp32: bf16 gradients are upcast first).
     """
 
-    def __init__(self, module: nn.Module, comm: str = "minidist", group=None,
+    def __init__(self, module: nn.Module, collectives: str = "hand-built", group=None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  reduce_dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -88,14 +89,14 @@ class DataParallelBase(nn.Module):
             raise RuntimeError(f"{type(self).__name__}: the process group is not initialised; run "
                                "inside minidist.run(...) or call minidist.init() first")
         self.module = module
-        self.communicator = Communicator(comm, group)
-        self.comm, self.group = comm, group
+        self.communicator = Communicator(collectives, group)
+        self.collectives, self.group = collectives, group
         self.rank, self.world_size = self.communicator.rank, self.communicator.world_size
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.reduce_dtype = reduce_dtype
         check_same_structure(module, group, what=f"{type(self).__name__} construction")
-        broadcast_module(module, comm, group)
+        broadcast_module(module, collectives, group)
         self.param_names = {p: n for n, p in module.named_parameters() if p.requires_grad}
         self.params = list(self.param_names)  # registration order
         self._sync_enabled = True         # False inside no_sync()
@@ -104,7 +105,7 @@ class DataParallelBase(nn.Module):
     # ------------------------------------------------------------------ forward & the sync decision
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.world_size > 1 and any(True for _ in self.module.buffers()):
-            broadcast_module(self.module, self.comm, self.group, buffers_only=True)
+            broadcast_module(self.module, self.collectives, self.group, buffers_only=True)
         self._sync_this_backward = self._sync_enabled
         return self.module(*args, **kwargs)
 
@@ -163,4 +164,4 @@ class DataParallelBase(nn.Module):
         raise NotImplementedError
 
     def extra_repr(self) -> str:
-        return f"comm={self.comm!r}, world_size={self.world_size}"
+        return f"collectives={self.collectives!r}, world_size={self.world_size}"

@@ -31,7 +31,7 @@ def _model(name: str):
     raise ValueError(f"bench_ddp: model must be 'resnet18' or 'mlp', got {name!r}")
 
 
-def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_mb, comm,
+def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_mb, collectives,
                 with_flat, first_bucket_cap_mb):
     from ..trace import Timeline
     from .bucketed import BucketedDDP
@@ -40,13 +40,13 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
     tl = Timeline()
     variants = {}
     m, shape = _model(model_name)
-    variants["minidist"] = BucketedDDP(m, bucket_cap_mb=bucket_cap_mb, comm=comm, timeline=tl,
-                                      first_bucket_cap_mb=first_bucket_cap_mb)
+    variants["minidist"] = BucketedDDP(m, bucket_cap_mb=bucket_cap_mb, collectives=collectives,
+                                       timeline=tl, first_bucket_cap_mb=first_bucket_cap_mb)
     m, _ = _model(model_name)
     variants["torch"] = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb)
     if with_flat:
         m, _ = _model(model_name)
-        variants["flat"] = FlatDDP(m, comm=comm)
+        variants["flat"] = FlatDDP(m, collectives=collectives)
     opts = {k: torch.optim.SGD(v.parameters(), lr=0.01) for k, v in variants.items()}
     times = {k: [] for k in variants}
     g = torch.Generator().manual_seed(rank)
@@ -81,7 +81,7 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
 
 def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
               model: str = "resnet18", batch_size: int = 16, warmup: int = 2,
-              comm: str = "minidist", with_flat: bool = True, timeout: float = 600,
+              collectives: str = "hand-built", with_flat: bool = True, timeout: float = 600,
               verbose: bool = True, first_bucket_cap_mb: float | None = 1.0) -> dict:
     """Median step time of minidist's BucketedDDP vs torch's DDP (same run, same model).
 
@@ -96,19 +96,20 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
     from ..launch import run
     import torch._dynamo  # noqa: F401  (optimizers import it; do it once before forking)
 
-    results = run(_rank_bench, world_size, model, steps, warmup, batch_size, bucket_cap_mb, comm,
-                  with_flat, first_bucket_cap_mb, timeout=timeout)
+    results = run(_rank_bench, world_size, model, steps, warmup, batch_size, bucket_cap_mb,
+                  collectives, with_flat, first_bucket_cap_mb, timeout=timeout)
     med = {k: max(r[0][k] for r in results) for k in results[0][0]}
     hidden = min(r[1] for r in results)
     out = {"world_size": world_size, "model": model, "batch_size": batch_size, "steps": steps,
-           "bucket_cap_mb": bucket_cap_mb, "comm": comm, "minidist_s": med["minidist"],
+           "bucket_cap_mb": bucket_cap_mb, "collectives": collectives, "minidist_s": med["minidist"],
            "torch_s": med["torch"], "ratio": max(r[3] for r in results),
            "hidden_share": hidden, "n_buckets": results[0][2]}
     if with_flat:
         out["flat_s"] = med["flat"]
     if verbose:
         print(f"DDP step time, {model}, world size {world_size}, batch {batch_size}/rank, "
-              f"bucket cap {bucket_cap_mb} MiB ({out['n_buckets']} buckets), comm={comm}, "
+              f"bucket cap {bucket_cap_mb} MiB ({out['n_buckets']} buckets), "
+              f"collectives={collectives}, "
               f"median of {steps} steps")
         print(f"  {'variant':<28}{'step (ms)':>10}{'vs torch':>10}")
         print(f"  {'torch DDP':<28}{1e3 * out['torch_s']:>10.1f}{1.0:>10.2f}")

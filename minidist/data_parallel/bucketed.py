@@ -6,14 +6,14 @@ and 2) leaves the network idle during backward and the CPU/GPU idle during commu
 1. **Buckets.** At construction the parameters, in *reverse registration order* (≈ the order
    their gradients become ready), are packed into buckets of at most ``bucket_cap_mb`` MiB
    (in ``reduce_dtype``). No parameter is split; one bigger than the cap gets a bucket of its own
-   (failure case D9). :meth:`BucketedDDP.bucket_layout` shows the layout.
+   (it is never left out of every bucket). :meth:`BucketedDDP.bucket_layout` shows the layout.
 2. **Hooks.** ``Tensor.register_post_accumulate_grad_hook`` runs right after a parameter's
    ``.grad`` is final for this backward: the hook copies it into its bucket's slot. When a bucket's
    last slot is filled the bucket is *ready*.
 3. **Overlap.** Ready buckets are launched strictly in bucket order (so every rank issues the same
    collectives in the same order, even if readiness differs) onto a queue served by a dedicated
    communication thread, which all-reduces them with minidist's blocking ring (the GIL is released
-   while gloo waits) — or ``torch.distributed`` with ``comm="torch"`` — while backward continues on
+   while gloo waits) — or ``torch.distributed`` with ``collectives="torch"`` — while backward continues on
    the main thread. The thread talks on its own process group, so nothing on the main thread
    (SyncBatchNorm, a metric) can interleave with it on the wire.
 4. **Wait.** At the end of backward (an autograd-engine callback, as in torch's DDP) the main
@@ -126,7 +126,7 @@ class BucketedDDP(DataParallelBase):
         # own group: the comm thread never shares a wire with collectives on the main thread
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
         self._comm_group = dist.new_group(ranks=ranks)
-        self._thread_comm = Communicator(self.comm, self._comm_group)
+        self._thread_comm = Communicator(self.collectives, self._comm_group)
         self._queue: queue.Queue = queue.Queue()
         me = weakref.ref(self)  # neither the thread nor the hooks keep the wrapper alive
         self._thread = threading.Thread(target=_serve, args=(self._queue, me), name="comm",

@@ -1,4 +1,5 @@
-"""Distributed evaluation that counts every sample exactly once (failure case D5).
+"""Distributed evaluation that counts every sample exactly once (a training sampler's
+padding would count some twice).
 
 A training sampler pads shards to equal length with duplicates: with 10 samples on 4 ranks, 12
 would be evaluated and the accuracy would depend on W. Here rank r evaluates indices r, r+W, ...
@@ -25,7 +26,7 @@ def shard_indices(n: int, rank: int, world: int) -> list[int]:
 
 
 @torch.no_grad()
-def evaluate(model, dataset, batch_size: int = 256, group=None, comm: str = "minidist",
+def evaluate(model, dataset, batch_size: int = 256, group=None, collectives: str = "hand-built",
              autocast_dtype: torch.dtype | None = None) -> dict:
     """Accuracy and mean cross-entropy of ``model`` over the whole ``dataset``, across ranks.
 
@@ -61,7 +62,7 @@ def evaluate(model, dataset, batch_size: int = 256, group=None, comm: str = "min
     totals = torch.tensor([float(correct), float(count), loss_sum], dtype=torch.float64,
                           device=device)  # on the model's device: nccl reduces GPU tensors only
     if world > 1:
-        all_reduce_(totals, "sum", comm, group)  # counts < 2^53: exact in float64
+        all_reduce_(totals, "sum", collectives, group)  # counts < 2^53: exact in float64
     correct, count = int(totals[0]), int(totals[1])
     return {"accuracy": correct / max(count, 1), "loss": float(totals[2].item()) / max(count, 1),
             "correct": correct, "count": count}

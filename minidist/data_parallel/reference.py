@@ -3,7 +3,8 @@
 Used by the tests, the exercise grader and ``minidist demo``. A training run here is a few SGD
 steps of a small MLP on a seeded synthetic global batch; each rank trains on its contiguous shard
 (``global_batch`` must be divisible by the world size: equal shards are what makes DDP's average of
-per-rank means equal to the global mean, failure case D6).
+per-rank means equal to the global mean; with unequal shards the average weights ranks, not
+samples).
 
     ours  = train_ddp(rank, world, lambda m: BucketedDDP(m, bucket_cap_mb=0.001))
     torch_ = train_ddp(rank, world, torch_ddp)

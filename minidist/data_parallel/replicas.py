@@ -1,7 +1,7 @@
 """Replicas: the same model on every rank. Broadcast it, check its structure, check it stayed equal.
 
 Data parallelism is only correct while every rank holds bit-identical parameters. Three things
-guard that (failure case D8):
+guard that (a rank-dependent model or an unsynchronised seed would otherwise train silently apart):
 
 * :func:`check_same_structure` — before any data moves, every rank's list of (name, shape, dtype,
   requires_grad) is gathered; a difference (rank-dependent construction, a frozen layer on one rank)
@@ -22,7 +22,8 @@ from torch import nn
 from .. import collectives as C
 
 __all__ = ["ReplicaMismatchError", "check_same_structure", "broadcast_module", "unwrap",
-           "replicas_max_difference", "assert_replicas_identical", "all_reduce_"]
+           "replicas_max_difference", "assert_replicas_identical", "all_reduce_", "COLLECTIVES",
+           "check_collectives"]
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -79,20 +80,30 @@ def _fmt(entry) -> str:
     return f"{kind} {name} {list(shape)} {dtype}" + ("" if rg or kind == "buffer" else " frozen")
 
 
-def all_reduce_(tensor: torch.Tensor, op: str, comm: str, group=None) -> torch.Tensor:
-    """In-place sum or average with minidist's ring (``comm="minidist"``) or ``dist.all_reduce``."""
-    if comm == "minidist":
+COLLECTIVES = ("hand-built", "torch")
+
+
+def check_collectives(collectives: str) -> str:
+    """``collectives`` selects the implementation: ``"hand-built"`` (:mod:`minidist.collectives`) or
+    ``"torch"`` (``torch.distributed``); anything else is a ValueError."""
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"collectives must be 'hand-built' or 'torch', got {collectives!r}")
+    return collectives
+
+
+def all_reduce_(tensor: torch.Tensor, op: str, collectives: str, group=None) -> torch.Tensor:
+    """In-place sum or average with the hand-built ring (``collectives="hand-built"``) or
+    ``dist.all_reduce`` (``"torch"``)."""
+    if check_collectives(collectives) == "hand-built":
         return C.all_reduce(tensor, op=op, group=group)
-    if comm != "torch":
-        raise ValueError(f"comm must be 'minidist' or 'torch', got {comm!r}")
-    dist.all_reduce(tensor, group=group)  # gloo has no AVG: sum, then divide (failure case C3)
+    dist.all_reduce(tensor, group=group)  # gloo has no AVG (ReduceOp.AVG raises): sum, then divide
     if op == "avg":
         tensor.div_(dist.get_world_size(group))
     return tensor
 
 
-def _broadcast(t: torch.Tensor, comm: str, group) -> None:
-    if comm == "minidist":
+def _broadcast(t: torch.Tensor, collectives: str, group) -> None:
+    if check_collectives(collectives) == "hand-built":
         C.broadcast(t, src=0, group=group)
     else:
         dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0,
@@ -100,7 +111,7 @@ def _broadcast(t: torch.Tensor, comm: str, group) -> None:
 
 
 @torch.no_grad()
-def broadcast_module(module: nn.Module, comm: str = "minidist", group=None,
+def broadcast_module(module: nn.Module, collectives: str = "hand-built", group=None,
                      buffers_only: bool = False) -> None:
     """Copy rank 0's parameters and buffers to every rank, in place.
 
@@ -116,7 +127,7 @@ def broadcast_module(module: nn.Module, comm: str = "minidist", group=None,
             by_kind.setdefault((t.dtype, t.device), []).append(t)
     for same in by_kind.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        _broadcast(flat, comm, group)
+        _broadcast(flat, collectives, group)
         for t, piece in zip(same, flat.split([t.numel() for t in same])):
             t.copy_(piece.view_as(t))
 

@@ -1,4 +1,5 @@
-"""Which samples each rank sees: a DistributedSampler with ``set_epoch`` (failure case D4).
+"""Which samples each rank sees: a DistributedSampler with ``set_epoch`` (without it
+every epoch repeats the first epoch's order).
 
 Every epoch the indices 0..N-1 are shuffled with a generator seeded by ``seed + epoch`` — the same
 permutation on every rank, no communication — then rank r takes every W-th index starting at r.
@@ -47,6 +48,8 @@ class DistributedSampler(Sampler[int]):
         self.n, self.num_replicas, self.rank = n, num_replicas, rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
+        self.position = 0  # indices of this epoch handed out so far (see state_dict)
+        self._skip = 0  # set by load_state_dict: indices of the resumed epoch already seen
         if drop_last:
             self.num_samples = n // num_replicas
         else:
@@ -56,7 +59,28 @@ class DistributedSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Call before each epoch: the shuffle is seeded with ``seed + epoch``."""
+        if epoch != self.epoch:
+            self._skip = 0
         self.epoch = epoch
+
+    def state_dict(self) -> dict:
+        """Epoch, seed and position in the epoch: a checkpoint resumes mid-epoch with it.
+
+        ``position`` counts the indices this sampler has handed out in the current epoch. A
+        DataLoader with workers reads ahead of the training loop: there, save the position of the
+        batches actually trained on instead (``state["position"] = steps * batch_size``).
+        """
+        return {"epoch": self.epoch, "seed": self.seed, "position": self.position,
+                "num_replicas": self.num_replicas}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`: the next pass over epoch ``state["epoch"]`` skips the
+        first ``position`` indices of this rank's shard. Raises ValueError on another world size."""
+        if state["num_replicas"] != self.num_replicas:
+            raise ValueError(f"DistributedSampler (rank {self.rank}): the saved state is for "
+                             f"{state['num_replicas']} replicas, this sampler has {self.num_replicas}")
+        self.epoch, self.seed = state["epoch"], state["seed"]
+        self._skip, self.position, self._iterated_epoch = state["position"], state["position"], None
 
     def __iter__(self):
         if self.shuffle and self._iterated_epoch == self.epoch:
@@ -74,7 +98,14 @@ class DistributedSampler(Sampler[int]):
         elif self.total_size > len(indices) and indices:
             pad = self.total_size - len(indices)
             indices += (indices * math.ceil(pad / len(indices)))[:pad]
-        return iter(indices[self.rank: self.total_size: self.num_replicas])
+        start, self._skip = self._skip, 0
+        self.position = start
+        return self._counted(indices[self.rank: self.total_size: self.num_replicas][start:])
+
+    def _counted(self, indices):
+        for i in indices:
+            self.position += 1
+            yield i
 
     def __len__(self) -> int:
-        return self.num_samples
+        return self.num_samples - self._skip

@@ -1,4 +1,5 @@
-"""SyncBatchNorm from scratch: batch statistics over the *global* batch (failure case D3).
+"""SyncBatchNorm from scratch: batch statistics over the *global* batch (per-rank
+statistics of small per-rank batches are noisy and differ from single-process training).
 
 DDP averages gradients, but BatchNorm's statistics are computed per rank: with small per-rank
 batches each rank normalises with a noisy mean, and the running statistics (buffers, not
@@ -39,13 +40,13 @@ def _bcast(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 class _SyncBN(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, comm):
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, collectives):
         dims, C = _reduce_dims(x), x.shape[1]
         xd = x.double()
         stats = torch.cat([xd.sum(dims), (xd * xd).sum(dims),
                            torch.tensor([x.numel() // C if C else 0], dtype=torch.float64, device=x.device)])
         if dist.get_world_size(group) > 1:
-            all_reduce_(stats, "sum", comm, group)
+            all_reduce_(stats, "sum", collectives, group)
         n = stats[-1]
         if n < 2 and running_var is not None:
             raise ValueError(f"SyncBatchNorm (rank {dist.get_rank(group)}): {int(n)} value(s) per "
@@ -61,7 +62,7 @@ class _SyncBN(torch.autograd.Function):
                 unbiased = var * n / (n - 1)
                 running_var.mul_(1 - momentum).add_(momentum * unbiased.to(running_var.dtype))
         ctx.save_for_backward(xhat, weight, invstd.to(x.dtype))
-        ctx.n, ctx.group, ctx.comm = float(n), group, comm
+        ctx.n, ctx.group, ctx.collectives = float(n), group, collectives
         return y
 
     @staticmethod
@@ -74,7 +75,7 @@ class _SyncBN(torch.autograd.Function):
         grad_b = sum_dy.clone() if weight is not None else None
         both = torch.cat([sum_dy, sum_dy_xhat])
         if dist.get_world_size(ctx.group) > 1:
-            all_reduce_(both, "sum", ctx.comm, ctx.group)
+            all_reduce_(both, "sum", ctx.collectives, ctx.group)
         g_dy, g_dy_xhat = both[:C], both[C:]
         scale = invstd if weight is None else invstd * weight
         dx = _bcast(scale / ctx.n, dy) * (ctx.n * dy - _bcast(g_dy, dy) - xhat * _bcast(g_dy_xhat, dy))
@@ -85,14 +86,14 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm over inputs [N, C, *] whose training statistics span every rank of ``group``.
 
     Same arguments and state dict as ``nn.BatchNorm1d/2d/3d`` plus ``group`` (default: the world)
-    and ``comm`` ("minidist" ring or "torch"). Every rank must call forward and backward together.
+    and ``collectives`` ("hand-built" ring or "torch"). Every rank must call forward and backward together.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, group=None,
-                 comm: str = "minidist"):
+                 collectives: str = "hand-built"):
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
-        self.group, self.comm = group, comm
+        self.group, self.collectives = group, collectives
 
     def _check_input_dim(self, x):
         if x.dim() < 2:
@@ -115,16 +116,17 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         track = self.training and self.track_running_stats
         return _SyncBN.apply(x, self.weight, self.bias, self.running_mean if track else None,
                              self.running_var if track else None, self.eps, factor, self.group,
-                             self.comm)
+                             self.collectives)
 
 
-def convert_sync_batchnorm(module: nn.Module, group=None, comm: str = "minidist") -> nn.Module:
+def convert_sync_batchnorm(module: nn.Module, group=None,
+                           collectives: str = "hand-built") -> nn.Module:
     """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` by a :class:`SyncBatchNorm` holding
     the same parameters and running statistics. Returns the (possibly new) module."""
     out = module
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
         out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats, group, comm)
+                            module.track_running_stats, group, collectives)
         if module.affine:
             with torch.no_grad():
                 out.weight.copy_(module.weight)
@@ -137,5 +139,5 @@ def convert_sync_batchnorm(module: nn.Module, group=None, comm: str = "minidist"
             out.num_batches_tracked.copy_(module.num_batches_tracked)
         out.train(module.training)
     for name, child in module.named_children():
-        out.add_module(name, convert_sync_batchnorm(child, group, comm))
+        out.add_module(name, convert_sync_batchnorm(child, group, collectives))
     return out

@@ -34,7 +34,7 @@ def scaled_lr(base_lr: float, global_batch: int, base_batch: int = 32) -> float:
     return base_lr * global_batch / base_batch
 
 
-def _rank_batches(n, world, rank, epoch, batch_size, seed):
+def _rank_batches(n, rank, world, epoch, batch_size, seed):
     sampler = DistributedSampler(n, world, rank, shuffle=True, seed=seed, drop_last=True)
     sampler.set_epoch(epoch)
     idx = list(sampler)
@@ -43,13 +43,13 @@ def _rank_batches(n, world, rank, epoch, batch_size, seed):
 
 def global_batches(n: int, world: int, epoch: int, batch_size: int, seed: int = 0) -> list[list[int]]:
     """The index lists one process should train on to match ``world`` ranks of ``batch_size``."""
-    per_rank = [_rank_batches(n, world, r, epoch, batch_size, seed) for r in range(world)]
+    per_rank = [_rank_batches(n, r, world, epoch, batch_size, seed) for r in range(world)]
     return [sum((per_rank[r][s] for r in range(world)), []) for s in range(len(per_rank[0]))]
 
 
 def train_digits(rank: int, world: int, version: str = "bucketed", epochs: int = 5,
                  batch_size: int = 32, base_lr: float = 0.05, momentum: float = 0.9,
-                 seed: int = 0, comm: str = "minidist", model_fn=None, autocast_dtype=None,
+                 seed: int = 0, collectives: str = "hand-built", model_fn=None, autocast_dtype=None,
                  hook=None, hook_state=None, progress: bool = False, **ddp_kwargs) -> dict:
     """Train ``model_fn()`` (default MLP 64→64→10) on the digits with DDP on this rank.
 
@@ -81,7 +81,7 @@ def train_digits(rank: int, world: int, version: str = "bucketed", epochs: int =
     elif version == "torch":
         ddp, sync = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs), False
     else:
-        ddp, sync = VERSIONS[version](model, comm=comm, **ddp_kwargs), True
+        ddp, sync = VERSIONS[version](model, collectives=collectives, **ddp_kwargs), True
         if hook is not None:
             ddp.register_comm_hook(hook_state, hook)
     lr = scaled_lr(base_lr, world * batch_size)
@@ -97,7 +97,7 @@ def train_digits(rank: int, world: int, version: str = "bucketed", epochs: int =
             if version == "single":
                 batches = global_batches(len(x_all), world, epoch, batch_size, seed)
             else:
-                batches = _rank_batches(len(x_all), world, rank, epoch, batch_size, seed)
+                batches = _rank_batches(len(x_all), rank, world, epoch, batch_size, seed)
             for idx in batches:
                 opt.zero_grad()
                 ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None

@@ -135,7 +135,7 @@ class TPGPT(nn.Module):
         super().__init__()
         self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
         sp = sequence_parallel
-        world, self.tp_rank = R.tp_world(group)
+        self.tp_rank, world = R.tp_rank_world(group)
         self.tp_size = world
         self.padded_vocab = pad_to_multiple(cfg.vocab_size, world)
         self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, group, sp)

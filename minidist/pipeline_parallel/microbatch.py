@@ -4,7 +4,7 @@
 4 is [3, 3, 2, 2]); ``torch.chunk`` can give fewer (6 into 4 gives 3 pieces of 2). With a mean
 loss, micro-batch ``m`` of ``n_m`` samples contributes ``(n_m / N) · loss_m``: the sum over
 micro-batches is exactly the full-batch mean, and so are the gradients, for any ``N >= M``
-(failure case P2). Compare torchgpipe's ``microbatch.py`` (Kim et al. 2020).
+(dividing each micro-batch's mean by M instead would over-weight the smaller ones). Compare torchgpipe's ``microbatch.py`` (Kim et al. 2020).
 """
 
 from __future__ import annotations

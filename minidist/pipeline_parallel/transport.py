@@ -8,7 +8,8 @@ bug shows up as an error naming both stages, not as a silently wrong tensor.
 
 Why the engine cannot deadlock on sends: every send is non-blocking (``isend``) and is only waited
 for at the end of the step, so a rank blocks only in a *receive* of something its schedule needs
-next. Two neighbours that both block in a send (failure case P1) cannot happen; what is left is a
+next. Two neighbours that both block in a send, each waiting for the other to receive, cannot
+happen; what is left is a
 circular wait between the ranks' orders, which ``simulator.simulate`` detects ahead of time and
 which :func:`minidist.run`'s timeout reports at run time (each transport call is labelled
 ``pp/recv act mb 3 stage 1->2`` etc., which the timeout message prints).

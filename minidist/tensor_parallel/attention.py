@@ -35,7 +35,7 @@ class ParallelSelfAttention(nn.Module):
     def __init__(self, hidden: int, n_head: int, attn_dropout: float = 0.0,
                  resid_dropout: float = 0.0, group=None, sequence_parallel: bool = False):
         super().__init__()
-        world, rank = R.tp_world(group)
+        rank, world = R.tp_rank_world(group)
         if hidden % n_head:
             raise ValueError(f"ParallelSelfAttention (rank {rank}): hidden={hidden} is not "
                              f"divisible by n_head={n_head}")

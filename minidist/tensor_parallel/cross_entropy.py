@@ -28,7 +28,7 @@ __all__ = ["vocab_parallel_cross_entropy"]
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_size, label_smoothing, group):
-        world, rank = R.tp_world(group)
+        rank, world = R.tp_rank_world(group)
         local = logits.shape[-1]
         start = rank * local
         cols = torch.arange(start, start + local, device=logits.device)
@@ -84,7 +84,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
     Raises ``ValueError`` (naming the rank) for targets out of range, a shape mismatch, or a
     vocabulary that does not fit ``W x`` the local columns.
     """
-    world, rank = R.tp_world(group)
+    rank, world = R.tp_rank_world(group)
     where = f"vocab_parallel_cross_entropy (rank {rank})"
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"{where}: logits {tuple(logits.shape)} and target {tuple(target.shape)} "

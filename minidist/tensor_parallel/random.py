@@ -63,7 +63,7 @@ def get_rng_tracker() -> RNGTracker:
 def model_parallel_seed(seed: int, group=None, tracker: RNGTracker | None = None) -> RNGTracker:
     """Seed ``"replicated"`` with ``seed`` and ``"model-parallel"`` with ``seed + 2718 + tp_rank``."""
     tracker = tracker or _TRACKER
-    _, rank = R.tp_world(group)
+    rank, _ = R.tp_rank_world(group)
     tracker.add("replicated", seed)
     tracker.add("model-parallel", seed + MODEL_PARALLEL_OFFSET + rank)
     return tracker
@@ -84,7 +84,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True, region: str = "rep
     gen = (tracker or _TRACKER).generator(region, x.device)
     shape = list(x.shape)
     if sequence_parallel:
-        world, _ = R.tp_world(group)
+        _, world = R.tp_rank_world(group)
         shape[seq_dim] *= world
     keep = torch.rand(shape, generator=gen, device=x.device) >= p
     if sequence_parallel:

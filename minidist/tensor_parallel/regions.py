@@ -39,17 +39,17 @@ __all__ = [
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region", "tp_world", "split_along",
+    "reduce_scatter_to_sequence_parallel_region", "tp_rank_world", "split_along",
 ]
 
 
-def tp_world(group=None) -> tuple[int, int]:
-    """``(world_size, rank)`` of the TP group; ``(1, 0)`` when no process group is initialised."""
+def tp_rank_world(group=None) -> tuple[int, int]:
+    """``(rank, world_size)`` of the TP group; ``(0, 1)`` when no process group is initialised."""
     if not dist.is_initialized():
         if group is not None:
             raise RuntimeError("a TP group was given but torch.distributed is not initialised")
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -64,7 +64,7 @@ def _run(op: str, phase: str, where: str, payload: int, fn):
 
 
 def _all_reduce(x, group, phase, where):
-    world, _ = tp_world(group)
+    _, world = tp_rank_world(group)
     if world == 1:
         return x
     return _run("all_reduce", phase, where, _bytes(x),
@@ -73,7 +73,7 @@ def _all_reduce(x, group, phase, where):
 
 def split_along(x: torch.Tensor, dim: int, group=None, what: str = "split") -> torch.Tensor:
     """This rank's contiguous slice of ``x`` along ``dim`` (sizes must divide by the TP size)."""
-    world, rank = tp_world(group)
+    rank, world = tp_rank_world(group)
     if world == 1:
         return x
     if x.shape[dim] % world:
@@ -83,7 +83,7 @@ def split_along(x: torch.Tensor, dim: int, group=None, what: str = "split") -> t
 
 
 def _all_gather(x, dim, group, phase, where):
-    world, _ = tp_world(group)
+    _, world = tp_rank_world(group)
     if world == 1:
         return x
     return _run("all_gather", phase, where, _bytes(x) * world,
@@ -91,7 +91,7 @@ def _all_gather(x, dim, group, phase, where):
 
 
 def _reduce_scatter(x, dim, group, phase, where):
-    world, _ = tp_world(group)
+    _, world = tp_rank_world(group)
     if world == 1:
         return x
     return _run("reduce_scatter", phase, where, _bytes(x),

@@ -46,7 +46,7 @@ def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> int:
 
     All ranks of the group must call it after ``backward()`` and before the optimizer step.
     """
-    world, _ = R.tp_world(group)
+    _, world = R.tp_rank_world(group)
     n = 0
     for _, p in model.named_parameters():
         if getattr(p, "sequence_parallel", False) and p.grad is not None:

@@ -31,7 +31,7 @@ def shard_tensor(full: torch.Tensor, partition_dim, local_shape, group=None) -> 
     """This rank's shard of ``full`` (padded with zeros to W x the local size along the dim)."""
     if partition_dim is None:
         return full.clone()
-    world, rank = R.tp_world(group)
+    rank, world = R.tp_rank_world(group)
     padded = local_shape[partition_dim] * world
     if full.shape[partition_dim] > padded:
         raise ValueError(f"shard_tensor (rank {rank}): full size {full.shape[partition_dim]} along "
@@ -45,7 +45,7 @@ def shard_tensor(full: torch.Tensor, partition_dim, local_shape, group=None) -> 
 
 def gather_tensor(shard: torch.Tensor, partition_dim, full_size=None, group=None) -> torch.Tensor:
     """All-gather the shards along ``partition_dim`` and drop the padding (collective)."""
-    world, _ = R.tp_world(group)
+    _, world = R.tp_rank_world(group)
     if partition_dim is None or world == 1:
         full = shard.detach().clone()
     else:

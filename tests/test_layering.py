@@ -1,0 +1,152 @@
+"""Arrows point down only (docs/ARCHITECTURE.md): no module imports from a floor above its own.
+
+Every module of the package is parsed (``ast``), every import counted — at the top, inside a
+function, or relative — and compared with the floor of the module it imports from:
+
+* floor 0, the ground: ``env``, ``comm``, ``trace``, ``grid``, ``models``, ``data``, ``text``
+* floor 1, the launcher and the public collectives: ``collectives``, ``launch``, ``launch_errors``,
+  ``rank_process``
+* floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``, ``sharding``
+* floor 3, what reads or drives them: ``lessons``, ``bench``, ``grading``, ``exercises``, ``cli``,
+  ``doctor``, ``calc``, ``diagrams``
+
+Importing sideways (same floor) or down is allowed; a module the table does not know fails the
+test, so a new module has to be given a floor.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "minidist"
+
+FLOORS = {
+    0: ("env", "comm", "trace", "grid", "models", "data", "text"),
+    1: ("collectives", "launch", "launch_errors", "rank_process"),
+    2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding"),
+    3: ("lessons", "bench", "grading", "exercises", "cli", "doctor", "calc", "diagrams"),
+}
+FLOOR_OF = {name: floor for floor, names in FLOORS.items() for name in names}
+
+# Edges known to point up, each with the reason it is still there. Remove an entry when it is
+# fixed: the test then fails if the edge comes back.
+KNOWN = {
+    ("env", "doctor"): "env.init() runs doctor's interface checks; moving them under env is the "
+                       "launcher floor's work (issue 10, in progress)",
+}
+
+
+def top_name(module: str) -> str | None:
+    """``minidist.comm.ring`` -> ``comm``; ``minidist`` itself -> None (the package root)."""
+    parts = module.split(".")
+    if parts[0] != "minidist":
+        raise ValueError(f"not a minidist module: {module}")
+    return parts[1] if len(parts) > 1 else None
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Absolute names of the minidist modules ``source`` (the text of ``module``) imports,
+    wherever the import statement sits. ``from . import x`` counts as importing ``pkg.x``."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "minidist")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "minidist":
+                continue
+            if target == "minidist":  # from minidist import collectives, run
+                found.update(f"minidist.{a.name}" for a in node.names)
+            else:
+                found.add(target)
+    return found
+
+
+def upward_edges(source: str, module: str, is_package: bool = False) -> list[tuple[str, str]]:
+    """``(importer floor name, imported floor name)`` pairs where the import points up."""
+    me = top_name(module)
+    if me is None:
+        return []  # minidist/__init__.py exposes everything (lazily): it is the front door
+    edges = []
+    for target in sorted(imported_modules(source, module, is_package)):
+        other = top_name(target)
+        if other is None or other == me:
+            continue
+        if other not in FLOOR_OF:
+            if target.count(".") == 1 and other in ("run", "init", "RankError", "RankTimeoutError"):
+                other = "launch" if other != "init" else "env"
+            else:
+                raise KeyError(f"{module} imports {target}: give minidist.{other} a floor in FLOORS")
+        if FLOOR_OF[other] > FLOOR_OF[me]:
+            edges.append((me, other))
+    return sorted(set(edges))
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = list(rel.parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        yield ".".join(parts), path, is_package
+
+
+def test_every_module_has_a_floor():
+    unknown = sorted({top_name(m) for m, _, _ in _modules()} - set(FLOOR_OF) - {None})
+    assert not unknown, f"give these a floor in FLOORS: {unknown}"
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
+    bad = []
+    for module, path, is_package in _modules():
+        for edge in upward_edges(path.read_text(), module, is_package):
+            if edge not in KNOWN:
+                bad.append(f"{module} (floor {FLOOR_OF[edge[0]]}) imports minidist.{edge[1]} "
+                           f"(floor {FLOOR_OF[edge[1]]})")
+    assert not bad, "imports that point up:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("edge", sorted(KNOWN))
+def test_known_upward_edge_is_still_there(edge):
+    """A known exception that has been fixed must leave KNOWN (else it could silently return)."""
+    importer, imported = edge
+    still = any(e == edge for module, path, is_package in _modules()
+                if top_name(module) == importer
+                for e in upward_edges(path.read_text(), module, is_package))
+    if not still:
+        pytest.fail(f"{importer} no longer imports {imported}: remove the entry from KNOWN")
+    pytest.xfail(KNOWN[edge])
+
+
+# ---------------------------------------------------------------- the checker itself can fail
+@pytest.mark.parametrize("module,source,expected", [
+    # a function-level import, as a lazy import would be written
+    ("minidist.comm.ring", "def f():\n    from .. import collectives\n", [("comm", "collectives")]),
+    ("minidist.comm.ring", "from ..collectives import all_reduce\n", [("comm", "collectives")]),
+    ("minidist.models.gpt", "from minidist.tensor_parallel import regions\n",
+     [("models", "tensor_parallel")]),
+    ("minidist.tensor_parallel.layers", "import minidist.lessons.tp_checks\n",
+     [("tensor_parallel", "lessons")]),
+    ("minidist.data_parallel.base", "from minidist import run\n", []),   # launch: floor 1 < 2
+    ("minidist.collectives", "from .comm import ring\nimport torch\n", []),
+    ("minidist.lessons.ddp_demo", "from ..data_parallel import NaiveDDP\n", []),
+    ("minidist.tensor_parallel", "from . import layers\n", []),          # a package's own module
+])
+def test_checker_finds_upward_imports_in_synthetic_modules(module, source, expected):
+    is_package = module == "minidist.tensor_parallel"
+    assert upward_edges(source, module, is_package) == expected
+
+
+def test_checker_rejects_a_module_without_a_floor():
+    with pytest.raises(KeyError, match="give minidist.newthing a floor"):
+        upward_edges("from ..newthing import x\n", "minidist.comm.ring")
