@@ -1,6 +1,8 @@
 """Sharded data parallelism from scratch: ZeRO stages 1-3 and activation recomputation.
 
 * :class:`ShardedOptimizer` — ZeRO-1 (optimizer states) and ZeRO-2 (gradients too) (:mod:`.zero`);
+* :func:`fully_shard` — ZeRO-3 / FSDP units with a flat sharded parameter each (:mod:`.fsdp`);
+  full and sharded checkpoints, global-norm clipping (:mod:`.fsdp_state`);
 * flat padded buffers, the layout every stage uses (:mod:`.flat`);
 * the collectives they need, hand-built or torch's, and a communication thread (:mod:`.comms`).
 
@@ -11,3 +13,8 @@ Models", §5; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Shar
 from .comms import Collectives, CommWorker  # noqa: F401
 from .flat import FlatBuffer, padded_numel, plan_buckets  # noqa: F401
 from .zero import ShardedOptimizer  # noqa: F401
+from .fsdp import (FlatParamUnit, MixedPrecision, fully_shard,  # noqa: F401
+                   set_requires_gradient_sync, units)
+from .fsdp_state import (clip_grad_norm_, full_optim_state_dict, full_state_dict,  # noqa: F401
+                         load_full_optim_state_dict, load_full_state_dict, load_sharded,
+                         save_sharded)

@@ -42,20 +42,21 @@ class TiedLM(nn.Module):
     no parameter size is divisible by 2, 3 or 4."""
 
     def __init__(self, vocab: int = VOCAB, dim: int = DIM, hidden: int = HIDDEN, blocks: int = 2,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, frozen: bool = True):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, hidden, dropout) for _ in range(blocks))
         self.head = nn.Linear(dim, vocab)
         self.head.weight = self.emb.weight
-        self.frozen = nn.Parameter(torch.randn(dim) * 0.1, requires_grad=False)
+        self.frozen = nn.Parameter(torch.randn(dim) * 0.1, requires_grad=False) if frozen else None
         self.register_buffer("scale", torch.tensor(0.75))
 
     def forward(self, idx):
         h = self.emb(idx)
         for b in self.blocks:
             h = b(h)
-        return self.head(h * self.scale + self.frozen)
+        h = h * self.scale
+        return self.head(h if self.frozen is None else h + self.frozen)
 
 
 def make_model(seed: int = 0, **kw) -> TiedLM:

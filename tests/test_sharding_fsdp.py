@@ -1,0 +1,193 @@
+"""ZeRO-3 (minidist.sharding.fully_shard) equals one process, torch's DDP and torch's own FSDP2.
+
+Tolerance 1e-6 in fp32: sums of the same gradients in a different order (ring vs torch vs one
+process). The model (minidist.sharding.reference) has tied weights, a frozen parameter, a buffer
+and no parameter size divisible by W; units are its two blocks (auto-wrap) and the root.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it)
+import torch.distributed as dist
+
+import minidist
+from minidist.sharding import fsdp, fsdp_state
+from minidist.sharding.reference import (OPTIMIZERS, Block, global_batch, local_batch, loss_fn,
+                                         make_model, max_abs_diff, named_state, train_single)
+
+TOL, STEPS = 1e-6, 5
+
+
+def _steps(model, opt, rank, world, steps, start=0, clip=None, accumulation=1):
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        x, y = local_batch(step, rank, world)
+        for k, (xk, yk) in enumerate(zip(x.chunk(accumulation), y.chunk(accumulation))):
+            last = k == accumulation - 1
+            if not last:
+                fsdp.set_requires_gradient_sync(model, False)
+            (loss_fn(model(xk), yk) / accumulation).backward()
+            fsdp.set_requires_gradient_sync(model, True)
+        if clip is not None:
+            fsdp_state.clip_grad_norm_(model, clip)
+        opt.step()
+
+
+def _ours(rank, world, name, collectives="hand-built", clip=None, accumulation=1, dp=None):
+    cls, hyper = OPTIMIZERS[name]
+    group, r, w = None, rank, world
+    if dp is not None:
+        from minidist.grid import ProcessGrid
+        grid = ProcessGrid(dp=dp, pp=world // dp)
+        group, r, w = grid.dp_group, grid.dp_rank, grid.dp_size
+    model = fsdp.fully_shard(make_model(), auto_wrap=(Block,), group=group,
+                             collectives=collectives)
+    opt = cls(model.parameters(), **hyper)
+    _steps(model, opt, r, w, STEPS, clip=clip, accumulation=accumulation)
+    return fsdp_state.full_state_dict(model)
+
+
+def _torch_ddp(rank, world, name):
+    from torch.nn.parallel import DistributedDataParallel
+    cls, hyper = OPTIMIZERS[name]
+    model = make_model()
+    ddp = DistributedDataParallel(model)
+    opt = cls(ddp.parameters(), **hyper)
+    _steps_plain(ddp, opt, rank, world)
+    return named_state(model)
+
+
+def _steps_plain(model, opt, rank, world):
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = local_batch(step, rank, world)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+
+def _torch_fsdp2(rank, world, name):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    cls, hyper = OPTIMIZERS[name]
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model()
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = cls(model.parameters(), **hyper)
+    _steps_plain(model, opt, rank, world)
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _three(rank, world, name):
+    return _ours(rank, world, name), _torch_ddp(rank, world, name), _torch_fsdp2(rank, world, name)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_zero3_equals_single_process_torch_ddp_and_fsdp2(world, name):
+    cls, hyper = OPTIMIZERS[name]
+    single = train_single(cls, STEPS, **hyper)
+    res = minidist.run(_three, world, name, timeout=180)
+    for r, (ours, ddp, fsdp2) in enumerate(res):
+        assert max_abs_diff(ours, res[0][0]) == 0.0, f"rank {r} diverged"
+        assert max_abs_diff(ours, single) <= TOL, f"rank {r} vs one process"
+        assert max_abs_diff(ours, ddp) <= TOL, f"rank {r} vs torch DDP"
+        assert max_abs_diff(ours, fsdp2) <= TOL, f"rank {r} vs torch FSDP2"
+    assert max_abs_diff(res[0][0], train_single(cls, 0, **hyper)) > 1e-3  # training moved them
+
+
+def test_torch_collectives_and_a_grid_subgroup():
+    cls, hyper = OPTIMIZERS["adamw"]
+    single = train_single(cls, STEPS, **hyper)
+    for out in minidist.run(_ours, 2, "adamw", "torch", timeout=120):
+        assert max_abs_diff(out, single) <= TOL
+    for out in minidist.run(_ours, 4, "adamw", "hand-built", None, 1, 2, timeout=120):
+        assert max_abs_diff(out, single) <= TOL
+
+
+def _single_clip_accumulate(name, clip):
+    cls, hyper = OPTIMIZERS[name]
+    model = make_model()
+    opt = cls(model.parameters(), **hyper)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = global_batch(step)
+        loss_fn(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return named_state(model)
+
+
+def test_no_sync_accumulation_and_global_norm_clipping():
+    # 2 micro-batches per rank, the first without communication; clip at a norm that binds
+    single = _single_clip_accumulate("sgd", 0.05)
+    for out in minidist.run(_ours, 3, "sgd", "hand-built", 0.05, 2, timeout=120):
+        assert max_abs_diff(out, single) <= TOL
+    assert max_abs_diff(single, train_single(*OPTIMIZERS["sgd"][:1], **OPTIMIZERS["sgd"][1])) > 1e-3
+
+
+class _FreesBeforeBackward(fsdp.FlatParamUnit):
+    """Broken on purpose: does not all-gather again before the unit's backward."""
+
+    def pre_backward(self):
+        ctx = self.ctx
+        if not ctx.in_backward:
+            ctx.in_backward, ctx.recording = True, False
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+
+def _broken(rank, world):
+    fsdp.FlatParamUnit = _FreesBeforeBackward  # this rank's copy of the module only
+    try:
+        return _ours(rank, world, "sgd")
+    except RuntimeError as e:
+        return f"failed: {e}"
+
+
+def test_freeing_before_backward_is_caught():
+    single = train_single(*OPTIMIZERS["sgd"][:1], **OPTIMIZERS["sgd"][1])
+    for out in minidist.run(_broken, 2, timeout=120):
+        assert isinstance(out, str) or max_abs_diff(out, single) > 1e-3, "not caught"
+
+
+def _save_w2(rank, world, path, name):
+    cls, hyper = OPTIMIZERS[name]
+    model = fsdp.fully_shard(make_model(), auto_wrap=(Block,))
+    opt = cls(model.parameters(), **hyper)
+    _steps(model, opt, rank, world, 3)
+    sd, osd = fsdp_state.full_state_dict(model), fsdp_state.full_optim_state_dict(model, opt)
+    if rank == 0:
+        torch.save((sd, osd), path)
+    fsdp_state.save_sharded(model, path + ".sharded", opt)
+    _steps(model, opt, rank, world, 1, start=3)
+    return fsdp_state.full_state_dict(model)
+
+
+def _load(rank, world, path, name, sharded):
+    cls, hyper = OPTIMIZERS[name]
+    model = fsdp.fully_shard(make_model(seed=1), auto_wrap=(Block,))
+    opt = cls(model.parameters(), **hyper)
+    if sharded:
+        fsdp_state.load_sharded(model, path + ".sharded", opt)
+    else:
+        sd, osd = torch.load(path, weights_only=False)
+        fsdp_state.load_full_state_dict(model, sd)
+        fsdp_state.load_full_optim_state_dict(model, opt, osd)
+    _steps(model, opt, rank, world, 1, start=3)
+    return fsdp_state.full_state_dict(model)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_state_dict_saved_at_w2_loads_at_w1_and_gives_the_same_next_step(tmp_path, name):
+    path = str(tmp_path / "ckpt.pt")
+    w2 = minidist.run(_save_w2, 2, path, name, timeout=120)[0]
+    w1 = minidist.run(_load, 1, path, name, False, timeout=120)[0]
+    assert max_abs_diff(w1, w2) <= TOL
+    again = minidist.run(_load, 2, path, name, True, timeout=120)  # sharded, same W
+    assert max_abs_diff(again[0], w2) <= TOL
+    with pytest.raises(minidist.RankError, match="written by 2 ranks"):
+        minidist.run(_load, 1, path, name, True, timeout=120)
