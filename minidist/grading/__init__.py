@@ -22,12 +22,18 @@ Example (a grading cell)::
 :func:`compare` describes the first mismatch between two tensors; reuse it in your own checks.
 
 Files: ``core.py`` (Result, Report, check, compare, check_on_ranks), ``collectives.py``
-(grade_collective and its calling conventions, ``REFERENCES``).
+(grade_collective and its calling conventions, ``REFERENCES``), ``ddp.py`` (exercise 04's
+bucket layout and DDP wrapper against torch's DDP), ``walls.py`` (exercise 00, against
+``minidist.calc``), ``composition.py`` (exercise 02: collectives from broadcast/reduce, busbw
+factors), ``sampling.py`` (exercise 05: sampler and exact evaluation), ``launch_env.py``
+(exercise 08: launch variables and broken launch logs, against ``minidist.env``).
 """
 
 from .collectives import REFERENCES, grade_collective  # noqa: F401
+from . import composition, launch_env, sampling, walls  # noqa: F401  (exercises 02, 08, 05, 00)
+from .ddp import grade_bucket_layout, grade_ddp  # noqa: F401
 from .core import (Report, Result, check, check_on_ranks, compare,  # noqa: F401
                    describe_exception)
 
 __all__ = ["Result", "Report", "check", "compare", "check_on_ranks", "grade_collective",
-           "REFERENCES", "describe_exception"]
+           "REFERENCES", "describe_exception", "grade_bucket_layout", "grade_ddp"]

@@ -210,9 +210,15 @@ def check_on_ranks(name: str, rank_fn, world_sizes=(1, 2, 3, 4), *args, timeout:
 
     def one(world):
         msgs = run(rank_fn, world, *args, timeout=timeout)
-        bad = [m if m.startswith("rank ") else f"rank {r}: {m}"
-               for r, m in enumerate(msgs) if m not in (None, True)]
-        return "\n".join(str(b) for b in bad) or None
+        by_text = {}  # the same message on several ranks is shown once: "ranks 0, 1: ..."
+        for r, m in enumerate(msgs):
+            if m not in (None, True):
+                m = str(m)
+                by_text.setdefault(m.split(": ", 1)[1] if m.startswith(f"rank {r}: ") else m,
+                                   []).append(r)
+        return "\n".join((f"rank {rs[0]}: " if len(rs) == 1 else
+                          f"ranks {', '.join(map(str, rs))}: ") + m
+                         for m, rs in by_text.items()) or None
 
     for world in world_sizes:
         report.check(f"{name} (world size {world})", lambda w=world: one(w), points)
