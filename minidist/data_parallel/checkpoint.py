@@ -16,7 +16,8 @@ or a device-bound tensor must not stop a resume).
   sampler's ``state_dict()`` (epoch and position) are gathered into the file (``"ranks"``, one
   entry per rank); ``load_checkpoint`` gives each rank back its own. Resuming is then bit-identical
   to the run that never stopped (tested at W = 2 and 4 with dropout). Resuming on a different
-  number of ranks warns and leaves the random state as it is (it cannot be identical then).
+  number of ranks warns and leaves the random state as it is (it cannot be identical then); a
+  single process without a process group loading a W-rank checkpoint (to evaluate) is quiet.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, map_location
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         if len(ranks) == world:
             restore_rank_state(ranks[rank], sampler, rng=restore_rng)
-        else:
+        elif dist.is_initialized():  # (a single process loading for evaluation: nothing to say)
             warnings.warn(f"load_checkpoint (rank {rank}): {path!r} holds the random state of "
                           f"{len(ranks)} ranks, this job has {world}: random state and sampler "
                           "position not restored, so the run will not repeat the original one",
