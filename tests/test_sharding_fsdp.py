@@ -191,3 +191,26 @@ def test_state_dict_saved_at_w2_loads_at_w1_and_gives_the_same_next_step(tmp_pat
     assert max_abs_diff(again[0], w2) <= TOL
     with pytest.raises(minidist.RankError, match="written by 2 ranks"):
         minidist.run(_load, 1, path, name, True, timeout=120)
+
+
+def _prefetch_and_free(rank, world, prefetch):
+    model = fsdp.fully_shard(make_model(), auto_wrap=(Block,), prefetch=prefetch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _steps(model, opt, rank, world, 3)
+    us = fsdp.units(model)
+    return {"prefetched": us[0].ctx.prefetched, "units": len(us),
+            "gathered bytes after step": sum(u.full.untyped_storage().size() for u in us),
+            "shard sizes": [u.flat_shard.numel() for u in us],
+            "params": [n for n, _ in model.named_parameters()]}
+
+
+def test_prefetch_happens_and_everything_is_freed_after_a_step():
+    on, off = minidist.run(_prefetch_and_free, 2, True, timeout=120)[0], \
+        minidist.run(_prefetch_and_free, 2, False, timeout=120)[0]
+    assert on["units"] == 3 and on["gathered bytes after step"] == 0
+    # steps 2 and 3: each unit is prefetched before its forward and (but one) before its backward
+    assert on["prefetched"] >= 2 * 2 * 2 and off["prefetched"] == 0
+    # units: blocks.0 (91+13+91+7 = 202 → 101), blocks.1, root (77 + 11 = 88 → 44); frozen kept
+    assert on["shard sizes"] == [101, 101, 44]
+    assert sorted(on["params"]) == ["blocks.0.flat_shard", "blocks.1.flat_shard", "flat_shard",
+                                    "frozen"]

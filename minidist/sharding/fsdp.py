@@ -56,6 +56,7 @@ class _Context:
         self.recording = True
         self.pending: list = []          # (unit, handle, reduced shard) of this backward
         self.in_backward = False
+        self.prefetched = 0              # all-gathers that were started early on the comm thread
 
 
 class FlatParamUnit:
@@ -128,6 +129,7 @@ class FlatParamUnit:
         if self.handle is not None:
             self.handle.wait()
             self.handle, self.state = None, "gathered"
+            self.ctx.prefetched += 1
         self.gather()
 
     def _set_views(self) -> None:
