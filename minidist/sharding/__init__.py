@@ -3,6 +3,7 @@
 * :class:`ShardedOptimizer` — ZeRO-1 (optimizer states) and ZeRO-2 (gradients too) (:mod:`.zero`);
 * :func:`fully_shard` — ZeRO-3 / FSDP units with a flat sharded parameter each (:mod:`.fsdp`);
   full and sharded checkpoints, global-norm clipping (:mod:`.fsdp_state`);
+* :func:`checkpoint` — activation recomputation, RNG replayed (:mod:`.recompute`);
 * flat padded buffers, the layout every stage uses (:mod:`.flat`);
 * the collectives they need, hand-built or torch's, and a communication thread (:mod:`.comms`).
 
@@ -18,3 +19,4 @@ from .fsdp import (FlatParamUnit, MixedPrecision, fully_shard,  # noqa: F401
 from .fsdp_state import (clip_grad_norm_, full_optim_state_dict, full_state_dict,  # noqa: F401
                          load_full_optim_state_dict, load_full_state_dict, load_sharded,
                          save_sharded)
+from .recompute import Checkpointed, checkpoint  # noqa: F401

@@ -1,0 +1,118 @@
+"""Activation recomputation (gradient checkpointing) from scratch: keep the inputs, drop the rest.
+
+``y = checkpoint(fn, *args)`` runs ``fn`` once, but every tensor autograd wants to *save* for the
+backward of the operations inside ``fn`` is replaced by a ticket number (a saved-tensor "pack"
+hook, ``torch.autograd.graph.saved_tensors_hooks``). The first time backward asks for one of them
+("unpack"), ``fn`` is run again on the same inputs under ``enable_grad`` with the RNG state it had
+the first time (so dropout draws the same mask), and the tensors that run saves, numbered in the
+same order, are handed to the original graph one by one. No nested backward runs, so gradient
+hooks (bucketed DDP's, ZeRO-2's, ZeRO-3's) fire once, in the outer backward, exactly as without
+recomputation. This is the design of torch's non-reentrant ``torch.utils.checkpoint``; the
+reentrant one instead runs a whole nested backward in a custom autograd function.
+
+Memory: for a chain of n blocks with activations A per block, saved activations go from n·A to
+n·(size of a block input) + A (one block recomputed at a time) for one extra forward of compute
+(Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"; Korthikanti et al. 2022 §4 for
+transformers). Restriction: ``fn`` must save the same tensors in the same order when run again
+(no data-dependent control flow), else ``RuntimeError``; ``retain_graph`` backwards are not
+supported (each recomputed tensor is handed over once).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["checkpoint", "Checkpointed"]
+
+
+class _Frame:
+    def __init__(self):
+        self.count, self.recomputed = 0, None
+
+
+def _rng_state(args):
+    devices = sorted({a.device for a in args if torch.is_tensor(a) and a.device.type == "cuda"},
+                     key=str)
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+
+
+def _set_rng_state(state) -> None:
+    cpu, devs = state
+    torch.set_rng_state(cpu)
+    for d, s in devs.items():
+        torch.cuda.set_rng_state(s, d)
+
+
+def checkpoint(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, saving only ``args`` for backward and recomputing the rest there.
+
+    Shapes: whatever ``fn`` takes and returns. Gradients equal those without recomputation
+    (bit for bit on CPU), including dropout. Raises ``RuntimeError`` if the recomputation saves a
+    different number of tensors than the first run.
+    """
+    rng = _rng_state(args)
+    frame = _Frame()
+
+    def pack(t):
+        frame.count += 1
+        return frame.count - 1
+
+    def unpack(i):
+        if frame.recomputed is None:
+            frame.recomputed = _recompute(fn, args, kwargs, rng, frame.count)
+        t = frame.recomputed.pop(i, None)
+        if t is None:
+            raise RuntimeError("checkpoint: a saved tensor was asked for twice; backward with "
+                               "retain_graph=True through a checkpoint is not supported")
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(*args, **kwargs)
+
+
+def _recompute(fn, args, kwargs, rng, expected: int) -> dict:
+    saved = {}
+
+    def pack(t):
+        saved[len(saved)] = t
+        return t
+
+    def unpack(t):
+        return t
+
+    detached = [a.detach().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a
+                for a in args]
+    now = _rng_state(args)
+    _set_rng_state(rng)
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            fn(*detached, **kwargs)
+    finally:
+        _set_rng_state(now)
+    if len(saved) != expected:
+        raise RuntimeError(f"checkpoint: the recomputation saved {len(saved)} tensors, the first "
+                           f"run {expected}; the function must do the same operations both times")
+    return saved
+
+
+class Checkpointed(nn.Module):
+    """``module`` whose forward runs through :func:`checkpoint` (or not, ``enabled=False``).
+
+    ``impl``: ``"minidist"`` (this file), ``"torch-reentrant"`` or ``"torch-non-reentrant"``
+    (``torch.utils.checkpoint`` with ``use_reentrant=True/False``), for comparisons.
+    """
+
+    def __init__(self, module: nn.Module, enabled: bool = True, impl: str = "minidist"):
+        super().__init__()
+        if impl not in ("minidist", "torch-reentrant", "torch-non-reentrant"):
+            raise ValueError(f"Checkpointed: unknown impl {impl!r}")
+        self.module, self.enabled, self.impl = module, enabled, impl
+
+    def forward(self, *args):
+        if not self.enabled or not torch.is_grad_enabled():
+            return self.module(*args)
+        if self.impl == "minidist":
+            return checkpoint(self.module, *args)
+        from torch.utils.checkpoint import checkpoint as torch_checkpoint
+        return torch_checkpoint(self.module, *args, use_reentrant=self.impl == "torch-reentrant")
