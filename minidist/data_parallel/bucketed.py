@@ -230,7 +230,9 @@ class BucketedDDP(DataParallelBase):
                 raise RuntimeError(f"BucketedDDP (rank {self.rank}): all-reduce of bucket "
                                    f"{b.index} failed: {b.error}") from b.error
         unused_everywhere = set()
-        if missing:  # which of them did no rank use? (all-reduce of a usage mask)
+        if self.find_unused_parameters:  # which did no rank use? (all-reduce of a usage mask)
+            # on every rank, also one that used every parameter: ranks must issue the same
+            # collectives (a rank with nothing missing skipping it made gloo abort)
             used = [i in b.seen for b in self.buckets for i in range(len(b.params))]
             anywhere = self._global_used(used)
             flat = [(b, i) for b in self.buckets for i in range(len(b.params))]

@@ -26,7 +26,9 @@ class FlatDDP(DataParallelBase):
         used = [p.grad is not None for p in self.params]
         if not all(used) and not self.find_unused_parameters:
             raise self._unused_error([p for p, u in zip(self.params, used) if not u])
-        used_anywhere = self._global_used(used) if not all(used) else used
+        # with find_unused_parameters every rank joins the usage all-reduce, also one that used
+        # every parameter: otherwise ranks disagree on the collectives they issue (gloo aborts)
+        used_anywhere = self._global_used(used) if self.find_unused_parameters else used
         if not self.params:
             return
         flat = torch.cat([(p.grad if u else torch.zeros_like(p)).reshape(-1).to(self.reduce_dtype)
