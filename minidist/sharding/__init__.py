@@ -4,6 +4,7 @@
 * :func:`fully_shard` — ZeRO-3 / FSDP units with a flat sharded parameter each (:mod:`.fsdp`);
   full and sharded checkpoints, global-norm clipping (:mod:`.fsdp_state`);
 * :func:`checkpoint` — activation recomputation, RNG replayed (:mod:`.recompute`);
+* :func:`account`, :class:`ActivationMeter`, :func:`zero_formula` — memory per rank (:mod:`.memory`);
 * flat padded buffers, the layout every stage uses (:mod:`.flat`);
 * the collectives they need, hand-built or torch's, and a communication thread (:mod:`.comms`).
 
@@ -20,3 +21,4 @@ from .fsdp_state import (clip_grad_norm_, full_optim_state_dict, full_state_dict
                          load_full_optim_state_dict, load_full_state_dict, load_sharded,
                          save_sharded)
 from .recompute import Checkpointed, checkpoint  # noqa: F401
+from .memory import ActivationMeter, account, zero_formula  # noqa: F401
