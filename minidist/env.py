@@ -8,20 +8,24 @@ Device and backend are chosen here and nowhere else:
 
 Sources: torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK) and
 Slurm's (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_NODEID, SLURM_NNODES,
-SLURM_NTASKS_PER_NODE) — see the torchrun and srun manuals.
+SLURM_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE) — see the torchrun manual and the "OUTPUT ENVIRONMENT
+VARIABLES" of srun(1)/sbatch(1). The interface checks ``init`` makes before it connects
+(:func:`check_socket_ifnames`, :func:`interfaces`) live here too; ``minidist doctor`` only reads them.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "detect", "choose_backend", "device_for", "set_device", "init", "EnvError"]
+__all__ = ["DistEnv", "detect", "choose_backend", "device_for", "set_device", "init", "EnvError",
+           "parse_tasks_per_node", "check_socket_ifnames", "interfaces"]
 
 
 class EnvError(RuntimeError):
@@ -50,6 +54,41 @@ def _int(environ, key, default=None):
         return int(value.split("(")[0])  # SLURM_NTASKS_PER_NODE may read "4(x2)"
     except ValueError:
         raise EnvError(f"{key}={value!r} is not an integer") from None
+
+
+_TASKS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+def parse_tasks_per_node(value: str) -> list[int]:
+    """Slurm's ``SLURM_TASKS_PER_NODE`` -> the task count of each node, in node-list order.
+
+    Slurm compresses runs of equal counts: ``"2(x3),1"`` means three nodes with 2 tasks, then one
+    with 1 (srun(1), OUTPUT ENVIRONMENT VARIABLES). ``"4"`` -> ``[4]``; ``"2,1"`` -> ``[2, 1]``;
+    ``"2(x3),1"`` -> ``[2, 2, 2, 1]``; ``"1(x2),3(x2)"`` -> ``[1, 1, 3, 3]``.
+
+    Raises:
+        EnvError: a piece is neither ``N`` nor ``N(xM)``.
+    """
+    counts = []
+    for piece in value.split(","):
+        m = _TASKS.match(piece.strip())
+        if not m:
+            raise EnvError(f"SLURM_TASKS_PER_NODE={value!r}: cannot read {piece!r} (expected a "
+                           "comma-separated list of N or N(xM), e.g. 2(x3),1)")
+        counts += [int(m[1])] * int(m[2] or 1)
+    return counts
+
+
+def _slurm_local_world(environ, node: int, world: int, nnodes: int) -> int:
+    """Tasks on this node: SLURM_TASKS_PER_NODE at SLURM_NODEID (nodes may differ: 2,1)."""
+    value = environ.get("SLURM_TASKS_PER_NODE")
+    if value:
+        counts = parse_tasks_per_node(value)
+        if not 0 <= node < len(counts):
+            raise EnvError(f"SLURM_NODEID={node} but SLURM_TASKS_PER_NODE={value!r} lists "
+                           f"{len(counts)} node(s)")
+        return counts[node]
+    return _int(environ, "SLURM_NTASKS_PER_NODE") or max(1, world // max(1, nnodes))
 
 
 def detect(environ=None) -> DistEnv:
@@ -86,8 +125,8 @@ def detect(environ=None) -> DistEnv:
         launcher = "slurm"
         rank, world = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_NTASKS")
         local_rank = _int(environ, "SLURM_LOCALID", 0)
-        local_world = slurm_tasks_per_node or max(1, world // max(1, slurm_nnodes))
         node = _int(environ, "SLURM_NODEID", 0)  # SLURM_PROCID is a task id, not a node index
+        local_world = _slurm_local_world(environ, node, world, slurm_nnodes)
     else:
         return DistEnv(0, 0, 1, 1, 0, "single")
     if not 0 <= rank < world or not 0 <= local_rank < max(local_world, 1):
@@ -142,10 +181,8 @@ def init(backend: str = "auto", timeout: float = 300.0, check_hosts: bool = True
     process group (env://), then all-gathers ``(hostname, local_rank)`` and checks that no pair is
     duplicated. Without a launcher it initialises a single-rank group. Returns the :class:`DistEnv`.
     """
-    from .doctor import check_socket_ifnames  # a wrong interface name fails here, not in a hang
-
     info = detect()
-    check_socket_ifnames()
+    check_socket_ifnames()  # a wrong interface name fails here, not in a hang
     backend = choose_backend(backend, info.local_world_size)
     set_device(backend, info.local_rank)
     kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
@@ -166,3 +203,56 @@ def init(backend: str = "auto", timeout: float = 300.0, check_hosts: bool = True
             raise EnvError(f"rank {info.rank}: (hostname, local_rank) pairs {sorted(dup)} appear "
                            "more than once: two processes share a device. Check LOCAL_RANK.")
     return info
+
+
+# --------------------------------------------------------------------------- network interfaces
+def interfaces() -> dict[str, str | None]:
+    """``{interface name: IPv4 address or None}`` for every network interface of this machine."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return {name: _ipv4_of(name) for name in names}
+
+
+def _ipv4_of(name: str) -> str | None:
+    try:  # Linux: SIOCGIFADDR on a throwaway datagram socket
+        import fcntl
+        import struct
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+        return socket.inet_ntoa(packed[20:24])
+    except (OSError, ImportError):
+        return None
+
+
+def check_socket_ifnames(environ=None, existing=None) -> None:
+    """Fail early when ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name missing interfaces.
+
+    Gloo takes a comma-separated list of exact names; NCCL takes prefixes (``eth`` matches eth0),
+    ``=name`` for an exact name and ``^...`` for exclusions (never an error). Without this check a
+    wrong name shows up as a failed or hanging ``init_process_group``.
+
+    Args:
+        environ: mapping to read (``os.environ`` by default).
+        existing: interface names to check against (this machine's by default).
+
+    Raises:
+        EnvError: naming the variable, the interface and the interfaces that exist, e.g.
+            ``GLOO_SOCKET_IFNAME=doesnotexist0: no such network interface on host 'vm'; this
+            host has: eth0, lo``.
+    """
+    environ = os.environ if environ is None else environ
+    existing = sorted(interfaces() if existing is None else existing)
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        value = environ.get(var, "").strip()
+        if not value or (var == "NCCL_SOCKET_IFNAME" and value.startswith("^")):
+            continue
+        exact = var == "GLOO_SOCKET_IFNAME" or value.startswith("=")
+        for want in (w.strip() for w in value.lstrip("=").split(",")):
+            if not want:
+                continue
+            found = want in existing if exact else any(e.startswith(want) for e in existing)
+            if not found:
+                kind = "no such network interface" if exact else "no network interface starts with it"
+                raise EnvError(
+                    f"{var}={value}: {kind} ({want!r}) on host {socket.gethostname()!r}; this host "
+                    f"has: {', '.join(existing) or '(none found)'}. Set {var} to the interface "
+                    "that carries traffic between the nodes (same name on every node), or unset it.")

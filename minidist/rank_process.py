@@ -1,11 +1,26 @@
 """What runs inside each rank that :func:`minidist.run` starts.
 
 In order: one intra-op thread (a forked child of a process that already used intra-op threads
-hangs on its first parallel op otherwise), die with the parent (PR_SET_PDEATHSIG), environment
-like torchrun's (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), stdout/stderr forwarded to the
-parent line by line, a faulthandler stack dump on SIGUSR1 (the launcher's timeout report), the
-rendezvous (rank 0 binds the TCPStore on a free port), the process group, the user's function, and
-the result or the traceback sent back as bytes.
+hangs on its first parallel op otherwise), die with the parent (PR_SET_PDEATHSIG) and lead a
+process group of its own (so the launcher can stop what the rank started, e.g. data loader
+workers), environment like torchrun's (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE),
+stdout/stderr forwarded to the parent line by line, a faulthandler stack dump on SIGUSR1 (the
+launcher's timeout report), the rendezvous, the process group, a barrier (below), the user's
+function, and the result or the traceback sent back as bytes.
+
+The barrier after ``init_process_group``: gloo's init returns on a rank as soon as *its* side of
+every connection is up. A rank whose function returns at once could then tear down its process
+group and exit while a slower rank is still inside gloo's connect; the slower rank then fails
+with "Gloo connectFullMesh failed ... Connection closed by peer" (about 1 launch in 10 here when
+the machine is busy, e.g. several launches at the same moment). Every rank therefore waits until
+all ranks have returned from init before it runs any user code.
+
+The rendezvous opens no network port: a ``FileStore`` in the launch's private temporary folder
+(mode 0700, a new folder per launch), and gloo's device on the loopback interface
+(``GLOO_SOCKET_IFNAME=lo``). Two launches at the same moment therefore share nothing: each has its
+own store file, and gloo's listeners accept connections from this machine only. (With a TCPStore
+listening on every interface and gloo bound to the address the hostname resolves to, concurrent
+launches could reach each other's listeners; see ``tools/concurrent_launches.py``.)
 """
 
 from __future__ import annotations
@@ -59,6 +74,12 @@ def _die_with_parent() -> None:
             pass
 
 
+def _all_connected(store, rank: int, world_size: int) -> None:
+    """Wait until every rank has returned from init_process_group (see the module docstring)."""
+    store.set(f"minidist/connected/{rank}", b"1")
+    store.wait([f"minidist/connected/{r}" for r in range(world_size)])
+
+
 def _to_cpu(obj):
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu() if obj.device.type != "cpu" else obj.detach()
@@ -69,11 +90,14 @@ def _to_cpu(obj):
     return obj
 
 
-def main(rank, world_size, payload, rendezvous, backend, pg_timeout_s, q, shm, dump_path):
+def main(rank, world_size, payload, tmpdir, backend, pg_timeout_s, q, shm, dump_path):
     torch.set_num_threads(1)  # first: see the module docstring
     _die_with_parent()
+    os.setpgrp()  # the launcher stops this rank's whole group: the rank and what it started
+    for var in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK"):
+        os.environ.pop(var, None)  # an outer torchrun's values do not describe this job
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      LOCAL_WORLD_SIZE=str(world_size), GLOO_SOCKET_IFNAME="lo",
                       OMP_NUM_THREADS="1", MINIDIST_RUN="1")
     sys.stdout = _QueueWriter(q, rank, "stdout")
     sys.stderr = _QueueWriter(q, rank, "stderr")
@@ -87,10 +111,12 @@ def main(rank, world_size, payload, rendezvous, backend, pg_timeout_s, q, shm, d
     try:
         fn, args = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
         timeout = datetime.timedelta(seconds=pg_timeout_s)
-        store = _rendezvous(rank, world_size, rendezvous, timeout)
+        store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
+        store.set_timeout(timeout)
         _env.set_device(backend, local_rank=rank)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
+        _all_connected(store, rank, world_size)
         p2p.publish("running user code (no minidist op yet)")
         result = fn(rank, world_size, *args)
         q.put(("result", rank, cloudpickle.dumps(_to_cpu(result))))
@@ -105,23 +131,3 @@ def main(rank, world_size, payload, rendezvous, backend, pg_timeout_s, q, shm, d
             dist.destroy_process_group()
     sys.exit(code)
 
-
-def _rendezvous(rank, world_size, rendezvous, timeout):
-    """Rank 0 binds a TCPStore on a free port (port 0) and publishes it; the others connect.
-
-    The parent holds no store: forking a process whose store-server thread holds a lock can
-    deadlock the child (seen here about once in 200 launches), so the parent stays thread-free.
-    """
-    port_value, ready = rendezvous
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
-        port_value.value = store.port
-        ready.set()
-    else:
-        if not ready.wait(timeout.total_seconds()):
-            raise TimeoutError(f"rank {rank}: rank 0 did not publish the store port in time")
-        store = dist.TCPStore("127.0.0.1", port_value.value, world_size, is_master=False,
-                              timeout=timeout)
-    os.environ["MASTER_PORT"] = str(port_value.value)
-    return store

@@ -46,7 +46,7 @@ def _fails(rank, world, bad_rank):
 
 
 def test_a_rank_that_raises_is_the_root_cause_and_the_others_are_stopped():
-    """L6: W=3, rank 2 raises before the first all-reduce."""
+    """W=3, rank 2 raises before the first all-reduce: rank 2 is named, not a peer's secondary error."""
     t0 = time.monotonic()
     with pytest.raises(minidist.RankError) as info:
         minidist.run(_fails, 3, 2, timeout=60)
@@ -96,14 +96,14 @@ def test_a_deadlock_ends_within_the_timeout_naming_the_waiting_ranks():
     assert elapsed < 4 + 5
     assert "timed out after 4 s; 3 of 3 ranks were still running" in msg
     for r in range(3):
-        assert f"rank {r}: p2p: irecv from rank {(r + 1) % 3}, 4000 bytes, seq 1 (waiting)" in msg
+        assert f"rank {r}: p2p: recv from rank {(r + 1) % 3}, 4000 bytes, seq 1 (waiting)" in msg
         # and the Python line each rank was stuck on
     assert msg.count("in _deadlock") == 3
 
 
 def _blocking_send_first(rank, world):
     t = torch.zeros(4 * 1024 * 1024)
-    dist.send(t, (rank + 1) % world)  # plain torch: the classic send/send deadlock (trap 5)
+    dist.send(t, (rank + 1) % world)  # plain torch: the classic send/send deadlock
     dist.recv(t, (rank - 1) % world)
 
 
@@ -142,7 +142,7 @@ def test_bad_arguments_are_rejected_before_starting_anything():
 
 
 def test_a_busy_port_29500_does_not_matter():
-    """L1: something already listens on the default port; the launcher picks a free one."""
+    """Something already listens on the default port 29500: the launcher needs no port at all."""
     s = socket.socket()
     try:
         s.bind(("127.0.0.1", 29500))
@@ -178,10 +178,10 @@ def test_two_launches_at_the_same_moment_do_not_collide():
 
 _NOTEBOOK_CELLS = [
     "import minidist, torch, torch.distributed as dist",
-    # a function defined in a cell, run on forked and on spawned ranks (N1)
+    # a function defined in a cell, run on forked and on spawned ranks
     "def f(rank, world):\n    t = torch.tensor([rank + 1.0])\n    dist.all_reduce(t)\n"
     "    print('rank', rank, 'sees', t.item())\n    return t.item()",
-    "torch.ones(512, 512) @ torch.ones(512, 512)  # the kernel has used intra-op threads (trap 1)",
+    "torch.ones(512, 512) @ torch.ones(512, 512)  # the kernel has used intra-op threads before forking",
     "assert minidist.run(f, 3, ordered_output=True) == [6.0] * 3",
     "assert minidist.run(f, 2, start_method='spawn', timeout=120) == [3.0] * 2",
     "def g(rank, world):\n    if rank == 1:\n        raise KeyError('oops')\n    dist.barrier()",

@@ -1,4 +1,5 @@
-"""minidist.doctor: environment checks that catch multi-node problems before a run (failure cases L2-L5)."""
+"""minidist.doctor: environment checks that catch multi-node problems before a run (localhost with several nodes,
+the device from LOCAL_RANK, srun x torchrun, missing interfaces, a busy port)."""
 
 import socket
 
@@ -62,7 +63,7 @@ def test_doctor_reports_the_rank_a_torchrun_environment_implies():
            "GROUP_RANK": "1", "TORCHELASTIC_RUN_ID": "j", "MASTER_ADDR": "node0",
            "MASTER_PORT": "29500"}
     status, detail = rows_by_check(doc.doctor(environ=env))["launch"]
-    # L3: the device index is LOCAL_RANK (1), never RANK (5) or RANK % devices
+    # the device index is LOCAL_RANK (1), never RANK (5) or RANK % devices
     assert status == "ok" and "rank=5 local_rank=1 world_size=8" in detail and "node_rank=1" in detail
     assert detect(env).local_rank == 1
 
@@ -102,3 +103,18 @@ def test_main_exit_status(monkeypatch, capsys):
     for var in doc.LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)
     assert doc.main(["--nodes", "1"]) == 0
+
+
+def test_doctor_reports_nccls_version_and_variables():
+    import torch
+    import torch.distributed as dist
+    if not dist.is_nccl_available():
+        pytest.skip("this torch build has no NCCL")
+    env = {"NCCL_DEBUG": "INFO", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    rows = rows_by_check(doc.doctor(environ=env))
+    assert rows["nccl version"][1] == ".".join(map(str, torch.cuda.nccl.version()))
+    detail = rows["nccl variables"][1]
+    assert "NCCL_DEBUG=INFO" in detail and "TORCH_NCCL_BLOCKING_WAIT=1" in detail
+    for unset in ("NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        assert unset in detail.split("unset:")[1]
+    assert not torch.cuda.is_initialized(), "doctor must not initialise CUDA"

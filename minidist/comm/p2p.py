@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 __all__ = [
     "send", "recv", "isend", "irecv", "wait_all", "exchange",
-    "traffic", "reset_traffic", "count_traffic", "collective", "current_op", "publish", "Traffic",
+    "traffic", "reset_traffic", "count_traffic", "collective", "publish", "Traffic",
 ]
 
 
@@ -77,11 +77,6 @@ def publish(text: str) -> None:
         _state.shm.raw = data + b"\0" * (len(_state.shm) - len(data))
 
 
-def current_op() -> str:
-    """Human-readable description of what this rank is doing (or did last) in minidist."""
-    return _state.last
-
-
 def _scope_name() -> str:
     return _state.scopes.stack[-1] if _state.scopes.stack else "p2p"
 
@@ -118,14 +113,32 @@ def _record(kind: str, tensor: torch.Tensor, peer: int) -> None:
 
 
 def _check(tensor: torch.Tensor, kind: str, peer: int, group) -> None:
+    """Refuse what gloo would turn into a hang or an opaque C++ error, naming rank, op and peer."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{kind}: expected a torch.Tensor, got {type(tensor).__name__}")
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    where = f"{kind} on rank {dist.get_rank()}" + ("" if group is None else f" (group rank {me})")
+    role = "dst" if kind.endswith("send") else "src"
+    if me < 0:
+        raise ValueError(f"{where}: this rank is not a member of the group it passed; only the "
+                         "group's members may call point-to-point operations on it (check the "
+                         "ranks given to new_group, or pass the group this rank belongs to)")
+    if not isinstance(peer, int) or not 0 <= peer < size:
+        raise ValueError(f"{where}: {role}={peer!r} is not a rank of the group (ranks 0..{size - 1}"
+                         f", world size {size}). Peers are ranks inside the group; wrap around "
+                         "with % world_size, e.g. (rank + 1) % world_size")
+    if peer == me:
+        verb, other = ("send to", "receive from") if kind.endswith("send") else ("receive from", "send to")
+        raise ValueError(
+            f"{where}: {role}={peer} is this rank itself; a rank cannot {verb} itself "
+            f"(gloo has no connection to self). At world size {size} "
+            + ("there is no other rank: copy the tensor locally instead, or skip the "
+               "exchange when world_size == 1" if size == 1 else
+               f"pick another rank as the peer (e.g. (rank + 1) % world_size), and have that "
+               f"rank {other} this one"))
     if not tensor.is_contiguous():
-        raise ValueError(f"{kind} (rank {dist.get_rank()}, peer {peer}): tensor must be contiguous; "
-                         "call .contiguous() first")
-    size = dist.get_world_size(group)
-    if not 0 <= peer < size:
-        raise ValueError(f"{kind} (rank {dist.get_rank()}): peer {peer} is not in 0..{size - 1}")
+        raise ValueError(f"{where}, {role}={peer}: tensor must be contiguous; call .contiguous() "
+                         "first")
 
 
 class _Done:
@@ -138,21 +151,29 @@ class _Done:
         return True
 
 
-def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
-    """Non-blocking send of ``tensor`` to group rank ``dst``. Returns a Work (``.wait()``)."""
-    _check(tensor, "isend", dst, group)
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, _kind: str = "isend"):
+    """Non-blocking send of ``tensor`` to group rank ``dst``. Returns a Work (``.wait()``).
+
+    Raises:
+        ValueError: ``dst`` is this rank or not a rank of ``group``; the tensor is not contiguous.
+    """
+    _check(tensor, _kind, dst, group)
     if tensor.numel() == 0:
         return _Done()
-    _record("isend", tensor, dst)
+    _record(_kind, tensor, dst)
     return dist.isend(tensor, _global(dst, group), group=group, tag=tag)
 
 
-def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
-    """Non-blocking receive into ``tensor`` (contiguous, preallocated) from group rank ``src``."""
-    _check(tensor, "irecv", src, group)
+def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, _kind: str = "irecv"):
+    """Non-blocking receive into ``tensor`` (contiguous, preallocated) from group rank ``src``.
+
+    Raises:
+        ValueError: ``src`` is this rank or not a rank of ``group``; the tensor is not contiguous.
+    """
+    _check(tensor, _kind, src, group)
     if tensor.numel() == 0:
         return _Done()
-    _record("irecv", tensor, src)
+    _record(_kind, tensor, src)
     return dist.irecv(tensor, _global(src, group), group=group, tag=tag)
 
 
@@ -166,13 +187,14 @@ def wait_all(works) -> None:
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
-    """Blocking send. Two ranks that both ``send`` before they ``recv`` can deadlock (gloo)."""
-    wait_all([isend(tensor, dst, group, tag)])
+    """Blocking send. Two ranks that both ``send`` before they ``recv`` deadlock (gloo's send
+    waits for the matching receive). Raises like :func:`isend`."""
+    wait_all([isend(tensor, dst, group, tag, _kind="send")])
 
 
 def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
-    """Blocking receive into ``tensor`` from group rank ``src``."""
-    wait_all([irecv(tensor, src, group, tag)])
+    """Blocking receive into ``tensor`` from group rank ``src``. Raises like :func:`irecv`."""
+    wait_all([irecv(tensor, src, group, tag, _kind="recv")])
 
 
 def exchange(send_tensor, dst: int, recv_tensor, src: int, group=None) -> None:

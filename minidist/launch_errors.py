@@ -1,0 +1,255 @@
+"""How :func:`minidist.run` reports failures: the root-cause rank first, timeouts per rank.
+
+* :class:`RankError` — one or more ranks raised or died. The rank that failed first *on its own*
+  comes first; a rank whose error only says its peer went away ("connection closed by peer",
+  "broken pipe", ...) is listed after it as "probably a consequence".
+* :class:`RankTimeoutError` — the run outlived its timeout. For every rank still running: the
+  minidist op it was in (published by :mod:`minidist.comm.p2p`: the call the learner made, peer,
+  bytes, sequence number) and the Python lines it was stuck on, the learner's own line first.
+  Paths are shown relative to the project (or as the notebook cell, as IPython names it), never
+  as this machine's absolute paths.
+* :data:`START_ATTEMPTS` — how often a launch whose ranks failed to *connect* before running any
+  user code is started again (see :func:`is_startup_failure`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import sys
+
+__all__ = ["RankError", "RankTimeoutError", "START_ATTEMPTS", "StartupFailure", "failure",
+           "timeout_error", "is_startup_failure", "log_restart", "describe_exit", "stack_of",
+           "format_stack", "short_path", "tidy_traceback"]
+
+# A failure before any user code ran, while gloo's ranks were still connecting, has no side
+# effects, so the launcher may start again. Since the rendezvous moved to a private file store and
+# gloo to the loopback device, concurrent launches no longer reach each other (the cause of the
+# "Connection closed by peer" seen with many launches at once); what remains is a rank being
+# killed from outside while connecting, or a machine so loaded that connecting times out.
+START_ATTEMPTS = 2
+
+SECONDARY = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|Socket closed|"
+    r"Connection refused|connection was closed|stopped by the launcher|Read error|Timed out waiting",
+    re.IGNORECASE)
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed. ``failures`` lists (rank, summary, details), root cause first."""
+
+    def __init__(self, message: str, failures: list[tuple[int, str, str]]):
+        super().__init__(message)
+        self.failures = failures
+
+    @property
+    def rank(self) -> int:
+        """The rank whose failure is reported as the root cause."""
+        return self.failures[0][0]
+
+
+class RankTimeoutError(RankError, TimeoutError):
+    """The run did not finish within ``timeout`` seconds; the message says where each rank waited."""
+
+
+class StartupFailure(Exception):
+    """The ranks failed to connect before any of them ran user code: safe to start again."""
+
+    def __init__(self, error: RankError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def is_startup_failure(error: RankError, started: bool) -> bool:
+    """True when no rank reached user code and a rank's error is a connection error."""
+    return not started and any(SECONDARY.search(s) for _, s, _ in error.failures)
+
+
+def log_restart(failure: StartupFailure, attempt: int) -> None:
+    """Logged, not printed: a recovered start must not change a notebook's output."""
+    logging.getLogger("minidist").info(
+        "minidist.run: the ranks could not connect (%s); starting again (attempt %d of %d)",
+        failure.error.failures[0][1][:200], attempt + 1, START_ATTEMPTS)
+
+
+# --------------------------------------------------------------------------- paths
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout (or site-packages)
+_CELL = re.compile(r"/tmp/ipykernel_\d+/(\d+)\.py|<ipython-input-(\d+)-[0-9a-f]+>")
+
+
+def short_path(path: str) -> str:
+    """``path`` as a learner should see it: relative to the project, or the notebook cell.
+
+    ``/.../minidist/comm/p2p.py`` -> ``minidist/comm/p2p.py``; a file of the running notebook
+    (``/tmp/ipykernel_123/4567.py``) -> ``Cell In[n]`` when IPython knows the cell, else ``<cell>``;
+    other files (the standard library, torch) -> the path below ``site-packages`` or the file name.
+    """
+    cell = _cell_name(path)
+    if cell:
+        return cell
+    for base in (os.getcwd(), _ROOT):
+        if path.startswith(base + os.sep):
+            return os.path.relpath(path, base)
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep, "lib" + os.sep + "python"):
+        if marker in path:
+            tail = path.split(marker, 1)[1]
+            return tail.split(os.sep, 1)[1] if marker.startswith("lib") and os.sep in tail else tail
+    return os.path.basename(path) if os.path.isabs(path) else path
+
+
+def _cell_name(path: str) -> str | None:
+    if not _CELL.search(path):
+        return None
+    try:  # IPython maps its temporary cell files to execution counts: "Cell In[12]"
+        ip = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
+        compiler = getattr(ip, "compile", None)
+        number = getattr(compiler, "_filename_map", {}).get(path)
+        if number is not None:
+            return f"Cell In[{number}]"
+    except Exception:  # noqa: BLE001 - naming a cell must never hide the report
+        pass
+    return "<notebook cell>"
+
+
+_TB_FILE = re.compile(r'File "([^"]+)"')
+
+
+def tidy_traceback(tb: str) -> str:
+    """A rank's traceback with the launcher's entry frame cut and every path shortened."""
+    lines = tb.rstrip().splitlines()
+    out, skip = [], False
+    for ln in lines:
+        if ln.startswith("  File ") and ln.rstrip().endswith(", in main") and "rank_process.py" in ln:
+            skip = True  # the launcher's frame and its source lines
+            continue
+        if skip and ln.startswith("    "):
+            continue
+        skip = False
+        out.append(_TB_FILE.sub(lambda m: f'File "{short_path(m[1])}"', ln))
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- failures
+def describe_exit(code: int) -> str:
+    """What a rank's exit code says: a signal's name (with a hint for SIGABRT) or os._exit."""
+    if code < 0:
+        name = signal.Signals(-code).name
+        hint = " (SIGABRT from gloo often means ranks disagreed on a tensor's size: rerun with " \
+               "MINIDIST_DEBUG=1)" if name == "SIGABRT" else ""
+        return f"killed by {name}{hint}"
+    return f"exited with code {code} without raising (os._exit or a crash in C code)"
+
+
+def failure(world_size: int, errors: dict, exited: dict, have: set) -> RankError:
+    """One :class:`RankError` from what the ranks reported, the root cause first.
+
+    Args:
+        errors: ``{rank: (time, summary, traceback)}`` for ranks that raised.
+        exited: ``{rank: (time, exit code)}`` for ranks that died without a result.
+        have: ranks that returned a result.
+    """
+    events = []  # (secondary?, time, rank, summary, details)
+    for r, (t, summary, tb) in errors.items():
+        events.append((bool(SECONDARY.search(summary)), t, r, summary, tb))
+    for r, (t, code) in exited.items():
+        if r not in errors:
+            events.append((False, t, r, f"rank {r} {describe_exit(code)}", ""))
+    events.sort(key=lambda e: (e[0], e[1]))
+    failures = [(r, s, d) for _, _, r, s, d in events]
+    secondary = {r for sec, _, r, _, _ in events if sec}
+    stopped = [r for r in range(world_size) if r not in have and r not in errors and r not in exited]
+    root_rank, root_summary, root_tb = failures[0]
+    lines = [f"rank {root_rank} failed: {root_summary}", "",
+             f"--- rank {root_rank} (root cause) ---", tidy_traceback(root_tb) or root_summary]
+    for r, s, d in failures[1:]:
+        why = "probably a consequence" if r in secondary else "also failed"
+        lines += ["", f"--- rank {r} ({why}) ---", s]
+    if stopped:
+        lines += ["", f"ranks {stopped} were stopped by the launcher after rank {root_rank} failed."]
+    return RankError("\n".join(lines), failures)
+
+
+# --------------------------------------------------------------------------- timeouts
+_LIBRARY = (os.sep + "minidist" + os.sep, os.sep + "torch" + os.sep, "multiprocessing" + os.sep,
+            os.sep + "threading.py")
+_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def stack_of(dump_path: str) -> list[tuple[str, int, str]]:
+    """The main thread's frames from a faulthandler dump, innermost first: ``(path, line, func)``.
+
+    Frames below the rank's entry point (``minidist/rank_process.py``, multiprocessing) are cut.
+    """
+    try:
+        with open(dump_path) as f:
+            text = f.read()
+    except OSError:
+        return []
+    head, _, text = text.partition("\n")
+    main = head.rsplit(" ", 1)[-1]
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
+    block = next((b for b in blocks if b.split("(", 1)[0].strip().endswith(main)), text)
+    frames = []
+    for m in _FRAME.finditer(block):
+        path = m["path"]
+        if path.endswith(os.path.join("minidist", "rank_process.py")) or "multiprocessing" + os.sep in path:
+            break
+        frames.append((path, int(m["line"]), m["func"]))
+    return frames
+
+
+def _is_library(path: str) -> bool:
+    return any(p in path for p in _LIBRARY) and not _CELL.search(path)
+
+
+def _source_line(path: str, line: int) -> str:
+    import linecache
+    return linecache.getline(path, line).strip()
+
+
+def format_stack(frames: list[tuple[str, int, str]], limit: int = 8) -> str:
+    """The learner's innermost frame first (with its source line), then the library's frames."""
+    if not frames:
+        return "    (no Python frames: the rank was still starting up)"
+    own = [f for f in frames if not _is_library(f[0])]
+    lines = []
+    if own:
+        path, line, func = own[0]
+        src = _source_line(path, line)
+        lines.append(f"    your code: {short_path(path)}, line {line}, in {func}")
+        if src:
+            lines.append(f"        {src}")
+    inner = [f"{short_path(p)}:{ln} {fn}" for p, ln, fn in frames[:limit]]
+    lines.append("    call stack (innermost first): " + " <- ".join(inner))
+    return "\n".join(lines)
+
+
+def timeout_error(timeout: float, world_size: int, states: dict, stacks: dict,
+                  finished: set) -> RankTimeoutError:
+    """The report when a run outlived ``timeout``: one block per rank, every rank shown.
+
+    Args:
+        states: ``{rank: what the rank published}`` for ranks still running.
+        stacks: ``{rank: frames from stack_of}`` for ranks still running.
+        finished: ranks that had already returned a result.
+    """
+    live = sorted(states)
+    lines = [f"minidist.run timed out after {timeout:g} s; {len(live)} of {world_size} ranks were "
+             "still running (a deadlock, or a rank that never joined a collective).", ""]
+    failures = []
+    for r in range(world_size):
+        if r in finished:
+            lines.append(f"rank {r}: finished (returned its result)")
+            continue
+        if r not in states:
+            lines.append(f"rank {r}: exited")
+            continue
+        state = states[r] or "starting up"
+        stack = format_stack(stacks.get(r, []))
+        lines += [f"rank {r}: {state}", stack]
+        failures.append((r, state, stack))
+    lines += ["", "Fix: make every send meet a matching recv (post isend/irecv pairs, or order "
+              "even/odd ranks), and make every rank call the same collectives in the same order."]
+    return RankTimeoutError("\n".join(lines), failures or [(-1, "timeout", "")])
