@@ -124,3 +124,286 @@ def test_check_mode_exit_codes(tmp_path, capsys):
     assert exercises.main(args + ["--check"]) == 1
     (sol / "a.ipynb").write_text(json.dumps(_nb(_code("x = 1"))))
     assert exercises.main(args) == 2  # no solution block: an error, not an identical "exercise"
+
+
+# --------------------------------------------------------------------------- graders reject wrong work
+# One plausible wrong solution per rule each exercise teaches, injected into the solution's code
+# (tests/_solutions.py): the grader must reject it, and say what is wrong.
+import time  # noqa: E402
+
+import _solutions  # noqa: E402
+import torch  # noqa: E402
+
+from minidist import grading  # noqa: E402
+
+
+def _rejects(name, grade_id, replace, *needles):
+    ns = _solutions.load(name, replace)
+    text, error = _solutions.grade(name, grade_id, ns)
+    assert error is not None, f"{name}/{grade_id} accepted a wrong solution:\n{text}"
+    for needle in needles:
+        assert needle in text, f"{needle!r} not in the grader's report:\n{text}"
+    return text
+
+
+def test_ex00_rejects_each_slip():
+    ns = _solutions.load("00_memory_and_time.ipynb")
+    no_master = lambda mixed: {"weights": 2, "grads": 2, "optimizer": 8} if mixed else \
+        ns["bytes_per_param"](False)  # noqa: E731
+    rep = grading.walls.grade_bytes_per_param(no_master)
+    assert not rep.passed and "mixed precision optimizer: expected 12, got 8" in str(rep)
+    rep = grading.walls.grade_training_memory(lambda p, m: p * 12 if m else p * 16)
+    assert not rep.passed and "master copy of the weights" in str(rep)
+    rep = grading.walls.grade_flops_and_days(lambda n, d: 2 * n * d, ns["training_days"])
+    assert not rep.passed and "forward pass only" in str(rep)
+    seconds = lambda *a: ns["training_days"](*a) * 86400  # noqa: E731
+    rep = grading.walls.grade_flops_and_days(ns["training_flops"], seconds)
+    assert not rep.passed and "seconds, not days" in str(rep)
+    no_mfu = lambda n, d, g, peak, mfu: ns["training_flops"](n, d) / (g * peak) / 86400  # noqa
+    assert not grading.walls.grade_flops_and_days(ns["training_flops"], no_mfu).passed
+
+
+def test_ex01_deadlocking_shift_fails_in_about_one_timeout():
+    t0 = time.monotonic()
+    text = _rejects("01_token_ring.ipynb", "shift_right_grade", {"shift_right": '''
+def shift_right(x, rank, world_size):
+    received = torch.empty_like(x)
+    p2p.send(x, (rank + 1) % world_size)
+    p2p.recv(received, (rank - 1) % world_size)
+    return received
+'''}, "timed out", "not run: ", "score: 0/3")
+    assert time.monotonic() - t0 < 20 + 30, text  # one 20 s timeout, not twelve
+    _rejects("01_token_ring.ipynb", "shift_right_grade", {"shift_right": '''
+def shift_right(x, rank, world_size):  # sends left instead of right
+    received = torch.empty_like(x)
+    if world_size == 1:
+        return x.clone()
+    p2p.wait_all([p2p.irecv(received, (rank + 1) % world_size), p2p.isend(x, (rank - 1) % world_size)])
+    return received
+'''}, "expected", "received")
+
+
+def test_ex02_rejects_a_torch_collective_and_a_wrong_root():
+    ns = _solutions.load("02_collectives_by_composition.ipynb")
+
+    def all_gather_by_torch(chunks, rank, world_size):
+        import torch.distributed as dist
+        out = [torch.empty_like(c) for c in chunks]
+        dist.all_gather(out, chunks[rank].contiguous()) if all(
+            c.numel() == chunks[0].numel() for c in chunks) else None
+        for c, o in zip(chunks, out):
+            c.copy_(o)
+    rep = grading.composition.grade_composed(all_gather_by_torch, "all_gather", total=3)
+    assert not rep.passed and "called dist.all_gather" in str(rep), str(rep)
+
+    def reduce_to_zero(chunks, rank, world_size):
+        import torch.distributed as dist
+        for j in range(world_size):
+            dist.reduce(chunks[j], dst=0)
+    rep = grading.composition.grade_composed(reduce_to_zero, "reduce_scatter", total=3)
+    assert not rep.passed and "expected" in str(rep), str(rep)
+    wrong = lambda op, w: 2 * (w - 1) / w if op != "broadcast" else 1.0  # noqa: E731
+    rep = grading.composition.grade_busbw_factor(wrong)
+    assert not rep.passed and "all_gather, W=2: expected 0.5" in str(rep)
+    assert grading.composition.grade_busbw_factor(ns["busbw_factor"]).passed
+
+
+def test_ex03_part_c_blames_part_a():
+    replace = {"ring_reduce_scatter": '''
+def ring_reduce_scatter(chunks, rank, world_size):
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for step in range(world_size - 2):   # one step short
+        incoming = torch.empty_like(chunks[(rank - step - 2) % world_size])
+        p2p.exchange(chunks[(rank - step - 1) % world_size], right, incoming, left)
+        chunks[(rank - step - 2) % world_size] += incoming
+'''}
+    ns = _solutions.load("03_ring_allreduce.ipynb", replace)
+    rep = grading.grade_collective(ns["ring_all_reduce"], "all_reduce", traffic="ring",
+                                   world_sizes=(3,), sizes=(10,), total=3,
+                                   requires={"reduce_scatter": ns["ring_reduce_scatter"],
+                                             "all_gather": ns["ring_all_gather"]})
+    assert rep.notes[0].startswith("fails because ring_reduce_scatter fails"), str(rep)
+    assert "holds ranks" in str(rep) and "missing" in str(rep)
+
+
+_EX04 = "04_bucketed_ddp.ipynb"
+
+
+def test_ex04_rejects_readiness_order_launches():
+    ns = _solutions.load(_EX04)
+    exec('''
+class ReadinessOrder(MyDDP):
+    def _on_grad_ready(self, p):
+        i, offset = self.where[p]
+        self.buffers[i][offset: offset + p.numel()].copy_(p.grad.reshape(-1))
+        self.filled[i] += 1
+        self.ready_count += 1
+        if self.filled[i] == len(self.buckets[i]):      # launch as soon as full
+            self.launch_log.append((i, self.ready_count))
+            self.works.append((i, dist.all_reduce(self.buffers[i], async_op=True)))
+
+    def sync_gradients(self):
+        self.works = [w for _, w in sorted(self.works, key=lambda t: t[0])]
+        MyDDP.sync_gradients(self)
+''', ns)
+    rep = grading.grade_ddp(ns["ReadinessOrder"])
+    failed = [r.name for r in rep.failed]
+    assert failed == ["bucket order on a model registered head before body (world size 2)"], \
+        str(rep)
+    assert "launched in order [2, 3, 0, 1]" in str(rep) or "[3, 2, 1, 0]" in str(rep)
+
+
+def test_ex04_missing_division_reports_the_ratio_and_the_bucket():
+    ns = _solutions.load(_EX04)
+    exec('''
+class NoDivide(MyDDP):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.world_size = 1
+''', ns)
+    rep = grading.grade_ddp(ns["NoDivide"], only=["same parameters as torch DDP, 4 buckets"])
+    text = str(rep)
+    assert rep.results[0].passed  # W = 1: nothing to divide
+    assert "yours / torch DDP's ≈ 2.000 (= W: the sum is not divided by the world size 2)" in text
+    assert "(bucket " in text and "ranks 0, 1:" in text
+
+
+def test_ex04_rejects_no_overlap_and_stale_state_and_layout():
+    ns = _solutions.load(_EX04)
+    exec('''
+class LaunchAtTheEnd(MyDDP):   # correct numbers, but no overlap with backward
+    def _on_grad_ready(self, p):
+        i, offset = self.where[p]
+        self.buffers[i][offset: offset + p.numel()].copy_(p.grad.reshape(-1))
+        self.ready_count += 1
+
+    def sync_gradients(self):
+        for j in range(len(self.buckets)):
+            self.launch_log.append((j, self.ready_count))
+            self.works.append(dist.all_reduce(self.buffers[j], async_op=True))
+        MyDDP.sync_gradients(self)
+
+class NoReset(MyDDP):          # the second step's hooks see the first step's counters
+    def sync_gradients(self):
+        works, filled = self.works, self.filled
+        MyDDP.sync_gradients(self)
+        self.works, self.filled = works, filled
+''', ns)
+    rep = grading.grade_ddp(ns["LaunchAtTheEnd"],
+                            only=["buckets launched in bucket order, during backward"])
+    assert not rep.passed and "launch it as soon as it is full" in str(rep), str(rep)
+    rep = grading.grade_ddp(ns["NoReset"], only=["same parameters as torch DDP, 1 bucket"])
+    assert not rep.passed, str(rep)
+    forward = lambda params, cap: [[p] for p in params]  # noqa: E731  (not reversed)
+    rep = grading.grade_bucket_layout(forward)
+    assert not rep.passed and "expected [[20], [160]" in str(rep)
+
+
+def test_ex05_rejects_no_padding_no_epoch_and_double_counting():
+    ns = _solutions.load("05_sampler_and_evaluation.ipynb")
+    exec('''
+class NoPadding(MySampler):
+    def __iter__(self):
+        return iter(list(MySampler.__iter__(self))[: len(range(self.rank, self.n, self.num_replicas))])
+    def __len__(self):
+        return len(range(self.rank, self.n, self.num_replicas))
+
+class IgnoresEpoch(MySampler):
+    def set_epoch(self, epoch):
+        pass
+
+def padded_evaluation(model, x, y, rank, world_size):
+    idx = list(MySampler(len(x), world_size, rank, shuffle=False))   # the training sampler
+    with torch.no_grad():
+        logits = model(x[idx])
+    t = torch.tensor([float((logits.argmax(1) == y[idx]).sum()), float(len(idx)),
+                      float(F.cross_entropy(logits, y[idx], reduction="sum"))], dtype=torch.float64)
+    dist.all_reduce(t)
+    return int(t[0]), int(t[1]), float(t[2])
+''', ns)
+    rep = grading.sampling.grade_sampler(ns["NoPadding"])
+    assert not rep.passed and "every rank takes the same number of steps" in str(rep)
+    rep = grading.sampling.grade_sampler(ns["IgnoresEpoch"])
+    assert not rep.passed and "epoch 0's order again" in str(rep), str(rep)
+    rep = grading.sampling.grade_evaluation(ns["padded_evaluation"])
+    assert not rep.passed and "counted twice" in str(rep), str(rep)
+
+
+def test_ex05_rank_without_samples_that_skips_the_all_reduce_is_a_failed_check():
+    ns = _solutions.load("05_sampler_and_evaluation.ipynb")
+    exec('''
+def skips_when_empty(model, x, y, rank, world_size):
+    if rank >= len(x):
+        return 0, 0, 0.0      # no samples: returns without joining the all-reduce
+    return evaluate_exact(model, x, y, rank, world_size)
+''', ns)
+    rep = grading.sampling.grade_evaluation(ns["skips_when_empty"], timeout=8)
+    assert [r.passed for r in rep.results] == [True] * 4 + [False], str(rep)
+    # the others either wait for it (a timeout) or see its connection close
+    assert ("timed out" in rep.results[-1].message
+            or "skip a collective that the others made" in rep.results[-1].message), str(rep)
+
+
+def test_ex08_rejects_slurm_rank_under_torchrun_division_and_wrong_fix():
+    ns = _solutions.load("08_launch_environment.ipynb")
+    exec('''
+def slurm_first(environ):
+    if "SLURM_PROCID" in environ:
+        environ = {k: v for k, v in environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD", "GROUP", "MASTER", "TORCH"))}
+    return who_am_i(environ)
+
+def divides(environ):
+    out = who_am_i(environ)
+    if "SLURM_NTASKS" in environ and "RANK" not in environ:
+        out["node_rank"] = out["rank"] // out["local_world_size"]
+    return out
+''', ns)
+    rep = grading.launch_env.grade_who_am_i(ns["slurm_first"])
+    assert not rep.passed and "torchrun's RANK wins over SLURM_PROCID" in str(rep), str(rep)
+    rep = grading.launch_env.grade_who_am_i(ns["divides"])
+    assert not rep.passed and "not rank // tasks per node" in str(rep), str(rep)
+    rep = grading.launch_env.grade_diagnosis(lambda: {"log_1": "A", "log_2": "B", "log_3": "F"})
+    text = str(rep)
+    assert "log_1: you chose 'A'" in text and "docker0" in text and "log_3" in text
+    assert rep.score == 1 and rep.max_score == 3
+
+
+def test_ex06_rejects_f_without_all_reduce_and_bias_added_on_every_rank():
+    _rejects("06_tensor_parallel.ipynb", "f_and_g_grade", {"f_and_g": '''
+class CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, grad):
+        return grad                      # forgot the all-reduce
+
+class ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return collectives.all_reduce(x.clone(), "sum")
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+def copy_to_region(x):
+    return CopyToRegion.apply(x)
+
+def reduce_from_region(x):
+    return ReduceFromRegion.apply(x)
+'''}, "x.grad after f", "expected")
+
+
+def test_ex07_rejects_a_warm_up_one_too_long():
+    _rejects("07_one_f_one_b.ipynb", "one_f_one_b_grade", {"one_f_one_b": '''
+def my_one_f_one_b(P, M):
+    ops = []
+    for r in range(P):
+        w = min(P - r, M)                 # one forward too many in the warm-up
+        row = [Op("F", m, r) for m in range(w)]
+        for i in range(M - w):
+            row += [Op("F", w + i, r), Op("B", i, r)]
+        row += [Op("B", m, r) for m in range(M - w, M)]
+        ops.append(tuple(row))
+    return Schedule("my 1f1b", P, M, 1, tuple(ops))
+'''}, "peak micro-batches in flight")

@@ -20,7 +20,7 @@ def torch_all_reduce(t, rank, world):
     dist.all_reduce(t)
 
 
-def chunk_ring(t, rank, world):  # failure case C1: torch.chunk can return fewer than W chunks
+def chunk_ring(t, rank, world):  # torch.chunk can return fewer than W chunks
     chunks = list(t.chunk(world)) if t.numel() else []
     if len(chunks) != world:
         raise IndexError(f"torch.chunk gave {len(chunks)} chunks for {world} ranks")
@@ -166,3 +166,89 @@ def test_op_max_against_torch():
     assert grading.grade_collective(lib_max, op="max", world_sizes=(3,), sizes=(1, 10)).passed
     report = grading.grade_collective(lib_sum, op="max", world_sizes=(3,), sizes=(10,))
     assert not report.passed and "expected" in report.results[0].message
+
+
+# --------------------------------------------------------------------------- feedback that names the bug
+def rs_one_step_short(chunks, rank, world):
+    """A ring reduce-scatter that stops one step early."""
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for step in range(world - 2):
+        incoming = torch.empty_like(chunks[(rank - step - 2) % world])
+        p2p.exchange(chunks[(rank - step - 1) % world], right, incoming, left)
+        chunks[(rank - step - 2) % world] += incoming
+
+
+def rs_wrong_chunk(chunks, rank, world):
+    """Sends the chunk it is about to receive into (the all-gather's index): nothing accumulates."""
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for step in range(world - 1):
+        incoming = torch.empty_like(chunks[(rank - step - 1) % world])
+        p2p.exchange(chunks[(rank - step) % world], right, incoming, left)
+        chunks[(rank - step - 1) % world] += incoming
+
+
+def test_wrong_reduce_scatter_is_decoded_into_missing_ranks_on_every_rank():
+    report = grading.grade_collective(rs_one_step_short, "reduce_scatter", world_sizes=(3,),
+                                      sizes=(10,), total=4)
+    msg = report.results[0].message
+    for r in range(3):  # every failing rank is shown, not rank 0 only
+        assert msg.count(f"rank {r}: result") == 1, msg
+    assert "rank 0: chunk 0 holds ranks {0}, missing {1, 2}" in msg, msg
+    assert "at reduce-scatter step 2 rank 0 sent nothing" in msg, msg
+    assert str(report).endswith("score: 0/4")
+
+
+def test_first_diverging_ring_step_is_named():
+    report = grading.grade_collective(rs_wrong_chunk, "reduce_scatter", world_sizes=(3,),
+                                      sizes=(6,))
+    msg = report.results[0].message
+    assert "rank 1: chunk 1 holds ranks {1}, missing {0, 2}" in msg, msg
+    assert ("at reduce-scatter step 1 rank 0 sent chunk 0, which holds ranks {0}; the ring sends "
+            "chunk 2") in msg, msg
+
+
+def test_part_that_fails_because_an_earlier_part_fails_says_so():
+    def all_reduce_from_parts(t, rank, world):
+        chunks = list(t.view(-1).tensor_split(world))
+        rs_one_step_short(chunks, rank, world)
+        ring.all_gather_chunks(chunks, rank, world)
+    report = grading.grade_collective(
+        all_reduce_from_parts, world_sizes=(3,), sizes=(10,), total=3,
+        requires={"reduce_scatter": rs_one_step_short, "all_gather": ring.all_gather_chunks})
+    assert report.notes and report.notes[0].startswith("fails because rs_one_step_short fails")
+    assert len(report.notes) == 1  # the all-gather is fine: not blamed
+    with pytest.raises(AssertionError, match="fails because rs_one_step_short fails"):
+        report.assert_passed(show=False)
+
+
+def send_then_recv_shift(rank, world, n):
+    """Issue 14's first wrong attempt: shift_right as a blocking send, then a receive."""
+    x, got = torch.full((n,), float(rank)), torch.empty(n)
+    if world > 1:
+        p2p.send(x, (rank + 1) % world)
+        p2p.recv(got, (rank - 1) % world)
+    return None
+
+
+def test_after_a_deadlock_the_remaining_checks_are_skipped_in_one_timeout():
+    t0 = time.monotonic()
+    report = grading.Report("shift_right", total=3)
+    for n in (1, 1000):
+        grading.check_on_ranks(f"shift_right, {n} floats", send_then_recv_shift, (1, 2, 3, 4), n,
+                               timeout=4, report=report)
+    elapsed = time.monotonic() - t0
+    assert [r.passed for r in report.results[:2]] == [True, False]
+    assert "timed out" in report.results[1].message
+    assert all(r.message.startswith("not run") for r in report.results[2:]), str(report)
+    assert "timed out" in report.results[2].message  # the first skip says why
+    assert elapsed < 4 + 20, f"{elapsed:.0f} s: more than one timeout"
+    assert str(report).endswith("score: 0.38/3")  # 1 of 8 checks, out of the text's 3 points
+
+
+def test_same_message_on_every_rank_is_shown_once():
+    rep = grading.check_on_ranks("demo", _same_everywhere, (3,), timeout=20)
+    assert rep.results[0].message == "ranks 0, 1, 2: sum is not divided by W"
+
+
+def _same_everywhere(rank, world):
+    return "sum is not divided by W"

@@ -46,7 +46,11 @@ def describe_exception(e: BaseException, max_lines: int = 6) -> str:
         rank, summary, _ = e.failures[0]
         if summary.startswith("NotImplementedError"):
             return f"rank {rank} raised NotImplementedError: the exercise code is not written yet"
-        return f"rank {rank} raised {summary}"[:500]
+        text = f"rank {rank} raised {summary}"[:500]
+        if "Connection closed" in summary or "Connection reset by peer" in summary:
+            text += ("\n(a peer rank had already finished or died: did one rank return or skip a "
+                     "collective that the others made? every rank must make the same calls)")
+        return text
     if isinstance(e, NotImplementedError):
         return "NotImplementedError: the exercise code is not written yet"
     if isinstance(e, AssertionError):

@@ -1,0 +1,55 @@
+"""Load a solution notebook's code into a namespace, optionally with a cell's code replaced: the
+tests inject a learner's plausible wrong solution and check that the grader rejects it."""
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cells(name):
+    nb = json.loads((ROOT / "solutions" / name).read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            src = cell["source"]
+            yield cell.get("metadata", {}).get("nbgrader", {}), "".join(src) if isinstance(
+                src, list) else src
+
+
+def load(name, replace=None, upto=None):
+    """Execute the code cells of ``solutions/name`` that define things (solution cells, set-up
+    cells; not grading cells, not cells that run ranks) into a fresh namespace and return it.
+
+    ``replace``: {grade_id: source} replaces a solution cell; ``upto``: stop before that grade_id.
+    """
+    ns = {"__name__": f"solution_{Path(name).stem}"}
+    for meta, src in _cells(name):
+        gid = meta.get("grade_id")
+        if upto is not None and gid == upto:
+            break
+        if meta.get("grade") or "minidist.run(" in src or "plt." in src:
+            continue
+        src = (replace or {}).get(gid, src)
+        with contextlib.redirect_stdout(io.StringIO()):
+            if meta.get("solution"):
+                exec(compile(src, f"<{name}:{gid}>", "exec"), ns)
+            else:
+                with contextlib.suppress(Exception):
+                    exec(compile(src, f"<{name}>", "exec"), ns)
+    return ns
+
+
+def grade(name, grade_id, ns):
+    """Run grading cell ``grade_id`` in ``ns``; return (printed text, AssertionError or None)."""
+    for meta, src in _cells(name):
+        if meta.get("grade_id") == grade_id:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                try:
+                    exec(compile(src, f"<{name}:{grade_id}>", "exec"), ns)
+                except AssertionError as e:
+                    return out.getvalue(), e
+            return out.getvalue(), None
+    raise KeyError(grade_id)
