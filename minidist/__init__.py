@@ -6,11 +6,39 @@ The few names a notebook needs::
     results = minidist.run(fn, world_size=4)        # fn(rank, world_size, *args) on 4 ranks
     minidist.collectives.all_reduce(t, op="sum")     # hand-built ring all-reduce (inside a rank)
     info = minidist.init()                           # in a script under torchrun or srun
+
+The strategies are one attribute away, imported on first use (``import minidist`` stays light)::
+
+    minidist.data_parallel.BucketedDDP               # DDP: NaiveDDP, FlatDDP, BucketedDDP, ...
+    minidist.tensor_parallel.ColumnParallelLinear    # Megatron-style TP layers, TPGPT, ...
+    minidist.pipeline_parallel.make_schedule         # GPipe / 1F1B / interleaved, engine, simulator
+    minidist.sharding                                # ZeRO-style sharding (when installed)
 """
 
-from . import collectives, comm, env  # noqa: F401
+import importlib
+import importlib.util
+
+from . import env  # noqa: F401
 from .env import init  # noqa: F401
 from .launch import RankError, RankTimeoutError, run  # noqa: F401
 
 __version__ = "0.1.0"
-__all__ = ["run", "init", "RankError", "RankTimeoutError", "collectives", "comm", "env"]
+
+# subpackages and modules reachable as minidist.<name>, imported when first touched (PEP 562)
+_LAZY = ("collectives", "comm", "data_parallel", "tensor_parallel", "pipeline_parallel",
+         "sharding", "grid", "models", "data", "trace", "lessons", "bench", "calc", "diagrams",
+         "grading")
+
+__all__ = ["run", "init", "RankError", "RankTimeoutError", "env", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        module = importlib.import_module(f"{__name__}.{name}")  # errors inside it propagate
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

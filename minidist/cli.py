@@ -11,7 +11,8 @@ import time
 __all__ = ["main"]
 
 _DEMO_SIZES = (0, 3, 10, 100_003)  # elements: empty, fewer than ranks, uneven, large-ish
-_SECTIONS = ("data_parallel", "tensor_parallel", "pipeline_parallel")
+# section of `minidist demo` -> the module of minidist.lessons that gives its rows
+_SECTIONS = {"data_parallel": "ddp_demo", "tensor_parallel": "tp_demo", "pipeline_parallel": "pp_demo"}
 
 
 def _demo_ops(C) -> dict:
@@ -98,7 +99,7 @@ def demo(argv=None) -> int:
                                 "any result is wrong.")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--sections", nargs="*", default=["collectives", *_SECTIONS],
-                   help="which sections to run (default: all that are installed)")
+                   choices=["collectives", *_SECTIONS], help="which sections to run (default: all)")
     args = p.parse_args(argv)
     from . import launch
 
@@ -115,13 +116,10 @@ def demo(argv=None) -> int:
                   f"{r['ratio']:>9.2f}x  {'✓' if r['ok'] else '✗ WRONG'}")
         print(f"(sizes checked: {', '.join(map(str, _DEMO_SIZES))} elements per rank; busbw and "
               f"ratio measured at {_DEMO_SIZES[-1]} elements, one call each: see `minidist bench`)")
-    for section in _SECTIONS:
+    for section, module in _SECTIONS.items():
         if section not in args.sections:
             continue
-        try:
-            mod = importlib.import_module(f"minidist.{section}.demo")
-        except ModuleNotFoundError:
-            continue
+        mod = importlib.import_module(f"minidist.lessons.{module}")
         print(f"\n== {section.replace('_', ' ')} ==")
         extra = mod.demo_rows()
         for r in extra:
@@ -153,14 +151,13 @@ def bench(argv=None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--plot", metavar="FILE.png", help="draw busbw against size")
     args = p.parse_args(argv)
-    if args.what in ("ddp", "pp"):
-        pkg = {"ddp": "data_parallel", "pp": "pipeline_parallel"}[args.what]
-        try:
-            mod = importlib.import_module(f"minidist.{pkg}.bench")
-        except ModuleNotFoundError:
-            print(f"minidist bench {args.what}: minidist.{pkg} is not available", file=sys.stderr)
-            return 2
-        (mod.bench_ddp if args.what == "ddp" else mod.bench_bubble)()
+    if args.what == "ddp":
+        from .bench.ddp import bench_ddp
+        bench_ddp()
+        return 0
+    if args.what == "pp":
+        from .bench.pp import bench_bubble
+        bench_bubble()
         return 0
     sizes, s = [], B.parse_size(args.min_bytes)
     while s <= B.parse_size(args.max_bytes):
@@ -178,12 +175,8 @@ def bench(argv=None) -> int:
 
 
 def doctor(argv=None) -> int:
-    try:
-        mod = importlib.import_module("minidist.doctor")
-    except ModuleNotFoundError:
-        print("minidist doctor is not available in this version", file=sys.stderr)
-        return 2
-    return mod.main(argv)
+    from . import doctor as D
+    return D.main(argv)
 
 
 def main(argv=None) -> int:

@@ -256,7 +256,7 @@ def test_debug_mode_from_environment():
 
 
 def _autograd_rank(rank, world):
-    from minidist.comm import autograd as A
+    from minidist.tensor_parallel import regions as A
     x = torch.ones(3, requires_grad=True)
     ((rank + 1) * A.all_reduce(x)).sum().backward()
     g = (torch.arange(4.0) + rank * 4).requires_grad_()  # rank's slice of [0..4W)

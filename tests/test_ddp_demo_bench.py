@@ -2,8 +2,8 @@
 
 import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it: 5-10 s each)
 
-from minidist.data_parallel.bench import bench_ddp
-from minidist.data_parallel.demo import demo_rows
+from minidist.bench.ddp import bench_ddp
+from minidist.lessons.ddp_demo import demo_rows
 
 
 def test_demo_rows_world_size_2():

@@ -10,7 +10,7 @@ from torch import nn  # noqa: E402
 
 from minidist.pipeline_parallel import Event, bubble_fraction, make_schedule, simulate  # noqa: E402
 from minidist.pipeline_parallel import microbatch  # noqa: E402
-from minidist.pipeline_parallel.bench import activation_memory, bench_bubble, measured_costs  # noqa: E402
+from minidist.bench.pp import activation_memory, bench_bubble, measured_costs  # noqa: E402
 from minidist.pipeline_parallel.partition import balanced_bounds, split_model  # noqa: E402
 from minidist.pipeline_parallel.timeline import plot_timeline  # noqa: E402
 

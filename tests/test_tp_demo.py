@@ -1,6 +1,6 @@
 """`minidist demo`'s TP section: every row correct and in the shape cli.py prints."""
 
-from minidist.tensor_parallel.demo import demo_rows
+from minidist.lessons.tp_demo import demo_rows
 
 
 def test_tp_demo_rows_are_all_correct():

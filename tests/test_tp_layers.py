@@ -1,6 +1,6 @@
 """Tensor-parallel region operators and layers against torch's single-process layers (gloo, CPU).
 
-Tolerance: 1e-6 relative (2-norm, see minidist.tensor_parallel.compare) in fp32 — TP only changes the order of additions.
+Tolerance: 1e-6 relative (2-norm, see minidist.lessons.tp_checks) in fp32 — TP only changes the order of additions.
 """
 
 import pytest
@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import minidist
-from minidist.comm import autograd as AG
+from minidist.tensor_parallel import regions as AG
 from minidist.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                       VocabParallelEmbedding, gather_state_dict, regions as R)
-from minidist.tensor_parallel.compare import max_rel_error, rel_error
+from minidist.lessons.tp_checks import max_rel_error, rel_error
 
 TOL = 1e-6
 

@@ -6,10 +6,11 @@ import torch
 import torch.distributed as dist
 
 import minidist
-from minidist.models.gpt import GPT, GPTConfig, TPGPT
+from minidist.models.gpt import GPT, GPTConfig
+from minidist.tensor_parallel.gpt import TPGPT
 from minidist.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, gather_state_dict,
                                       regions as R, shard_state_dict)
-from minidist.tensor_parallel.compare import max_rel_error, rel_error
+from minidist.lessons.tp_checks import max_rel_error, rel_error
 
 CFG = GPTConfig(vocab_size=50, block_size=8, n_layer=2, n_head=4, n_embd=16)
 

@@ -1,6 +1,6 @@
 """The ground floor: point-to-point transport (p2p), reduction rules (ops) and the algorithms
-(ring, naive, tree, recursive_doubling) the public collectives in ``minidist.collectives`` dispatch to, plus
-differentiable collectives (autograd). Nothing here knows about DDP, TP or pipelines."""
+(ring, naive, tree, recursive_doubling) the public collectives in ``minidist.collectives``
+dispatch to. Nothing here knows about the public API above it, DDP, TP or pipelines."""
 
-from . import autograd, naive, ops, p2p, recursive_doubling, ring, tree  # noqa: F401
+from . import naive, ops, p2p, recursive_doubling, ring, tree  # noqa: F401
 from .p2p import count_traffic, reset_traffic, traffic  # noqa: F401

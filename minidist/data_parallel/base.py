@@ -159,6 +159,22 @@ class DataParallelBase(nn.Module):
         self.communicator.all_reduce_(mask, "sum")
         return [bool(m > 0) for m in mask]
 
+    def _begin_sync(self) -> tuple[list[torch.Tensor], list[bool]] | None:
+        """What the explicit versions (naive, flat) do first: None if this backward does not
+        synchronise (its forward ran inside ``no_sync()``); else, per parameter, the gradient to
+        average (zeros where this rank has none and ``find_unused_parameters``) and whether any
+        rank used it. Raises :class:`UnusedParametersError` for a missing gradient otherwise."""
+        if not self._check_decision("sync_gradients()"):
+            return None
+        used = [p.grad is not None for p in self.params]
+        if not all(used) and not self.find_unused_parameters:
+            raise self._unused_error([p for p, u in zip(self.params, used) if not u])
+        # with find_unused_parameters every rank joins the usage all-reduce, also one that used
+        # every parameter: otherwise ranks disagree on the collectives they issue (gloo aborts)
+        anywhere = self._global_used(used) if self.find_unused_parameters else used
+        grads = [p.grad if u else torch.zeros_like(p) for p, u in zip(self.params, used)]
+        return grads, anywhere
+
     def sync_gradients(self) -> None:
         """Average the gradients over ranks (after backward, before ``optimizer.step()``)."""
         raise NotImplementedError

@@ -6,6 +6,8 @@ backward has finished; :mod:`.bucketed` overlaps it with backward.
 
 The flat buffer is in ``reduce_dtype`` (fp32 by default), so bf16 gradients are averaged in fp32.
 Shapes: the buffer holds sum(p.numel()) elements, parameters in registration order.
+:func:`average_flat` is the one flatten / average / unflatten of the library (the pipeline engine
+averages over its data-parallel replicas with it too).
 """
 
 from __future__ import annotations
@@ -13,28 +15,35 @@ from __future__ import annotations
 import torch
 
 from .base import DataParallelBase
+from .replicas import all_reduce_
 
-__all__ = ["FlatDDP"]
+__all__ = ["FlatDDP", "average_flat"]
+
+
+def average_flat(tensors: list[torch.Tensor], collectives: str = "hand-built", group=None,
+                 dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The average over ``group`` of each tensor, computed as ONE all-reduce of their concatenation.
+
+    Returns new tensors (same shapes, dtype ``dtype`` or the first tensor's); the inputs are not
+    modified. Every rank must pass the same shapes in the same order.
+    """
+    if not tensors:
+        return []
+    dtype = dtype or tensors[0].dtype
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    all_reduce_(flat, "avg", collectives, group)
+    return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
 class FlatDDP(DataParallelBase):
     """All gradients in one buffer, one all-reduce, called explicitly with :meth:`sync_gradients`."""
 
     def sync_gradients(self) -> None:
-        if not self._check_decision("sync_gradients()"):
+        plan = self._begin_sync()
+        if plan is None or not self.params:
             return
-        used = [p.grad is not None for p in self.params]
-        if not all(used) and not self.find_unused_parameters:
-            raise self._unused_error([p for p, u in zip(self.params, used) if not u])
-        # with find_unused_parameters every rank joins the usage all-reduce, also one that used
-        # every parameter: otherwise ranks disagree on the collectives they issue (gloo aborts)
-        used_anywhere = self._global_used(used) if self.find_unused_parameters else used
-        if not self.params:
-            return
-        flat = torch.cat([(p.grad if u else torch.zeros_like(p)).reshape(-1).to(self.reduce_dtype)
-                          for p, u in zip(self.params, used)])
-        self.communicator.all_reduce_(flat, "avg")
-        for p, piece, anywhere in zip(self.params, flat.split([p.numel() for p in self.params]),
-                                      used_anywhere):
-            if anywhere:
-                p.grad = piece.view_as(p).to(p.dtype).clone()
+        grads, anywhere = plan
+        averaged = average_flat(grads, self.collectives, self.group, self.reduce_dtype)
+        for p, avg, used in zip(self.params, averaged, anywhere):
+            if used:
+                p.grad = avg.to(p.dtype).clone()

@@ -3,26 +3,28 @@
 ======================  =====================================================================
 module                  what it holds
 ======================  =====================================================================
-``regions``             the region operators f, g, scatter/gather (tensor and sequence)
+``regions``             the region operators f, g, scatter/gather (tensor and sequence), and
+                        differentiable all-reduce / all-gather / reduce-scatter along a dim
 ``layers``              ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 ``mlp``, ``attention``  ParallelMLP, ParallelSelfAttention (heads split across ranks)
 ``cross_entropy``       vocab_parallel_cross_entropy (global max, padding, label smoothing)
 ``random``              dropout generators: same masks where replicated, different on shards
 ``sequence``            sequence parallelism: gradient all-reduce of sequence-sharded params
-``sharding``            full state dict <-> this rank's shards; parameter bytes per rank
-``accounting``          which collective ran in which layer and pass, and the formula
-``compare``             the relative error the tests and the lesson use
-``demo``                the TP rows of ``minidist demo``
+``sharding``            full weight / state dict <-> this rank's shards; parameter bytes per rank
+``accounting``          which collective the region operators ran in which layer and pass
+``gpt``                 TPGPT: the tiny GPT of :mod:`minidist.models.gpt`, tensor-parallel
 ======================  =====================================================================
 
-The tiny GPT that uses all of it is :mod:`minidist.models.gpt` (``GPT`` and ``TPGPT``). Every
-function takes ``group=None`` (the world) or a process group, so a 3-D grid can pass its TP group.
+Demos and the checks against the single-process model live in :mod:`minidist.lessons`
+(``tp_checks``, ``tp_demo``). Every function takes ``group=None`` (the world) or a process group,
+so a 3-D grid can pass its TP group.
 """
 
-from . import (accounting, attention, compare, cross_entropy, layers, mlp, random,  # noqa: F401
+from . import (accounting, attention, cross_entropy, gpt, layers, mlp, random,  # noqa: F401
                regions, sequence, sharding)
 from .attention import ParallelSelfAttention  # noqa: F401
 from .cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
+from .gpt import TPGPT, use_tracker_dropout  # noqa: F401
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,  # noqa: F401
                      pad_to_multiple)
 from .mlp import ParallelMLP  # noqa: F401

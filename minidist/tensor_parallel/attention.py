@@ -5,20 +5,19 @@ is column-parallel (f on its input) and the output projection row-parallel (g on
 One all-reduce forward, one backward, as in the MLP.
 
 The QKV weight's rows are laid out head by head, ``[head][q|k|v][head_dim]`` (Megatron's layout),
-so a plain column split hands each rank complete heads: the single-process model
-(:class:`minidist.models.gpt.CausalSelfAttention`) reads its QKV output with the same layout.
+so a plain column split hands each rank complete heads, and each rank runs the single-process
+model's :func:`minidist.models.gpt.causal_attention` on its own heads (one implementation).
 Dropout on the attention probabilities uses the ``"model-parallel"`` generator (different heads,
 different masks); dropout on the output the ``"replicated"`` one.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from . import regions as R
+from ..models.gpt import causal_attention
+from . import accounting, regions as R
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .random import Dropout
 
@@ -52,11 +51,7 @@ class ParallelSelfAttention(nn.Module):
         self.resid_drop = Dropout(resid_dropout, "replicated", group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)                               # [b, s, 3·h/W], complete local heads
-        b, s, _ = qkv.shape
-        q, k, v = qkv.view(b, s, self.local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        att = self.attn_drop(att.masked_fill(~causal, float("-inf")).softmax(dim=-1))
-        y = (att @ v).transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
-        return self.resid_drop(self.proj(y))
+        with accounting.scope("attn"):
+            # the single-process model's attention on this rank's heads: [b, s, 3·h/W] -> [b, s, h/W]
+            y = causal_attention(self.qkv(x), self.local_heads, self.head_dim, self.attn_drop)
+            return self.resid_drop(self.proj(y))

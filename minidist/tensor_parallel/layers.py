@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import regions as R
+from .sharding import pad_and_split
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "pad_to_multiple",
            "mark_parameter"]
@@ -48,12 +49,7 @@ def mark_parameter(p: nn.Parameter, partition_dim=None, full_size=None, sequence
 
 
 def _shard(full: torch.Tensor, dim: int, padded: int, group, what: str) -> nn.Parameter:
-    rank, world = R.tp_rank_world(group)
-    if padded > full.shape[dim]:
-        pad_shape = list(full.shape)
-        pad_shape[dim] = padded - full.shape[dim]
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    return nn.Parameter(R.split_along(full, dim, group, what).clone())
+    return nn.Parameter(pad_and_split(full, dim, padded, group, what))
 
 
 def _check_divisible(n: int, group, what: str, name: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
+from . import accounting
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .random import Dropout
 
@@ -34,4 +35,5 @@ class ParallelMLP(nn.Module):
         self.drop = Dropout(dropout, "replicated", group, sequence_parallel)
 
     def forward(self, x):
-        return self.drop(self.fc2(F.gelu(self.fc1(x))))
+        with accounting.scope("mlp"):
+            return self.drop(self.fc2(F.gelu(self.fc1(x))))

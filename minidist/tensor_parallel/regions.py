@@ -20,10 +20,16 @@ Why f's backward all-reduces: a replicated input ``x`` feeds W shards, and each 
 only sees its shard's contribution to dL/dx; the true gradient is the sum. Why g's backward is the
 identity: the all-reduced output is replicated, so every rank already has the full dL/dy.
 
+All seven, and the plain differentiable collectives below them (``all_reduce`` with an all-reduce
+backward too, ``all_gather`` / ``reduce_scatter`` along any dim: conjugate to each other), are one
+autograd Function, ``_Region``, told its forward move and its backward move.
+
 Shapes: the last dimension (tensor regions) or ``seq_dim`` (sequence regions, default 1 for
 ``[batch, seq, hidden]``) must be divisible by the TP size when split: ``ValueError`` naming the
 rank and the op otherwise. ``group=None`` is the world. With a TP size of 1 all are the identity.
 Collectives are minidist's own (:mod:`minidist.collectives`), reported to :mod:`.accounting`.
+A plain collective has no backward: ``y = all_reduce(x)`` then ``loss.backward()`` leaves x.grad
+the *local* upstream gradient only, silently wrong; these functions are what TP uses instead.
 """
 
 from __future__ import annotations
@@ -32,14 +38,15 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives as C
-from ..comm import autograd as comm_autograd, p2p
+from ..comm import p2p
 from . import accounting
 
 __all__ = [
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region", "tp_rank_world", "split_along",
+    "reduce_scatter_to_sequence_parallel_region", "all_reduce", "all_gather", "reduce_scatter",
+    "tp_rank_world", "split_along", "gather_along", "reduce_scatter_along",
 ]
 
 
@@ -52,25 +59,7 @@ def tp_rank_world(group=None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _run(op: str, phase: str, where: str, payload: int, fn):
-    with p2p.count_traffic() as sent:
-        out = fn()
-    accounting.record(where, op, phase, payload, sent.bytes_sent)
-    return out
-
-
-def _all_reduce(x, group, phase, where):
-    _, world = tp_rank_world(group)
-    if world == 1:
-        return x
-    return _run("all_reduce", phase, where, _bytes(x),
-                lambda: C.all_reduce(x.contiguous().clone(), "sum", group=group))
-
-
+# ------------------------------------------------------------------ the four moves (no autograd)
 def split_along(x: torch.Tensor, dim: int, group=None, what: str = "split") -> torch.Tensor:
     """This rank's contiguous slice of ``x`` along ``dim`` (sizes must divide by the TP size)."""
     rank, world = tp_rank_world(group)
@@ -82,117 +71,122 @@ def split_along(x: torch.Tensor, dim: int, group=None, what: str = "split") -> t
     return x.chunk(world, dim=dim)[rank].contiguous()
 
 
-def _all_gather(x, dim, group, phase, where):
+def gather_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in rank order: ``x.shape[dim]`` grows W-fold."""
     _, world = tp_rank_world(group)
     if world == 1:
         return x
-    return _run("all_gather", phase, where, _bytes(x) * world,
-                lambda: comm_autograd.gather_along(x, dim, group))
+    x = x.contiguous()
+    pieces = [torch.empty_like(x) for _ in range(world)]
+    C.all_gather(pieces, x, group=group)
+    return torch.cat(pieces, dim=dim)
 
 
-def _reduce_scatter(x, dim, group, phase, where):
-    _, world = tp_rank_world(group)
+def reduce_scatter_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's slice of ``dim`` (divisible by W: else ValueError)."""
+    rank, world = tp_rank_world(group)
     if world == 1:
         return x
-    return _run("reduce_scatter", phase, where, _bytes(x),
-                lambda: comm_autograd.reduce_scatter_along(x, dim, group))
+    if x.shape[dim] % world:
+        raise ValueError(f"reduce_scatter (rank {rank}): dimension {dim} of shape "
+                         f"{tuple(x.shape)} is not divisible by the tensor-parallel size {world}")
+    pieces = [p.contiguous() for p in x.chunk(world, dim=dim)]
+    out = torch.empty_like(pieces[rank])
+    C.reduce_scatter(out, pieces, op="sum", group=group)
+    return out
 
 
-class _Copy(torch.autograd.Function):  # f
+def _sum(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return C.all_reduce(x.contiguous().clone(), "sum", group=group)
+
+
+# name -> (function, payload bytes of the collective as a multiple of the input's bytes)
+_MOVES = {
+    "identity": (lambda x, dim, group: x.view_as(x), 0),
+    "split": (lambda x, dim, group: split_along(x, dim, group, "split to region"), 0),
+    "all_reduce": (_sum, 1),
+    "all_gather": (gather_along, None),   # None: W times the input (the gathered output)
+    "reduce_scatter": (reduce_scatter_along, 1),
+}
+
+
+def _move(name: str, x: torch.Tensor, dim: int, group, phase: str, where: str) -> torch.Tensor:
+    """Run one move; a collective is reported to :mod:`.accounting` with the bytes it sent."""
+    fn, payload = _MOVES[name]
+    _, world = tp_rank_world(group)
+    if world == 1 and name != "identity":
+        return x  # a TP size of 1: every move is the identity
+    if payload == 0:
+        return fn(x, dim, group)
+    with p2p.count_traffic() as sent:
+        out = fn(x, dim, group)
+    nbytes = x.numel() * x.element_size() * (world if payload is None else payload)
+    accounting.record(where, name, phase, nbytes, sent.bytes_sent)
+    return out
+
+
+class _Region(torch.autograd.Function):
+    """Forward ``fwd``, backward the conjugate ``bwd``: every operator of the table above."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.where = group, accounting.current_scope()
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group, "backward", ctx.where), None
-
-
-class _Reduce(torch.autograd.Function):  # g
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group, "forward", accounting.current_scope())
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group, ctx.where = dim, group, accounting.current_scope()
-        return split_along(x, dim, group, "scatter_to_region")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group, "backward", ctx.where), None, None
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group, "forward", accounting.current_scope())
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split_along(grad, ctx.dim, ctx.group, "gather_from_region backward"), None, None
-
-
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group, ctx.where = dim, group, accounting.current_scope()
-        return _all_gather(x, dim, group, "forward", ctx.where)
+    def forward(ctx, x, fwd: str, bwd: str, dim: int, group):
+        ctx.bwd, ctx.dim, ctx.group = bwd, dim, group
+        ctx.where = accounting.current_scope()  # the backward's collective is filed here too
+        return _move(fwd, x, dim, group, "forward", ctx.where)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group, "backward", ctx.where), None, None
+        return _move(ctx.bwd, grad, ctx.dim, ctx.group, "backward", ctx.where), None, None, None, None
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group, ctx.where = dim, group, accounting.current_scope()
-        return _reduce_scatter(x, dim, group, "forward", ctx.where)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group, "backward", ctx.where), None, None
-
-
+# ------------------------------------------------------------------ Megatron's names
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """f: identity forward, all-reduce (sum) of the gradient backward. Input of a column layer."""
-    return _Copy.apply(x, group)
+    return _Region.apply(x, "identity", "all_reduce", -1, group)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """g: all-reduce (sum) forward, identity backward. Output of a row layer."""
-    return _Reduce.apply(x, group)
+    return _Region.apply(x, "all_reduce", "identity", -1, group)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Keep this rank's slice of the last dimension; backward all-gathers the gradient."""
-    return _Scatter.apply(x, -1, group)
+    return _Region.apply(x, "split", "all_gather", -1, group)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-gather along the last dimension (rank order); backward keeps this rank's slice."""
-    return _Gather.apply(x, -1, group)
+    return _Region.apply(x, "all_gather", "split", -1, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group=None, seq_dim: int = 1):
     """Keep this rank's slice of the sequence; backward all-gathers (sequence parallelism)."""
-    return _Scatter.apply(x, seq_dim, group)
+    return _Region.apply(x, "split", "all_gather", seq_dim, group)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group=None, seq_dim: int = 1):
     """All-gather the sequence shards (replaces f); backward reduce-scatters the gradient."""
-    return _GatherSeq.apply(x, seq_dim, group)
+    return _Region.apply(x, "all_gather", "reduce_scatter", seq_dim, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None, seq_dim: int = 1):
     """Sum the partial outputs and keep my sequence shard (replaces g); backward all-gathers."""
-    return _ReduceScatterSeq.apply(x, seq_dim, group)
+    return _Region.apply(x, "reduce_scatter", "all_gather", seq_dim, group)
+
+
+# ------------------------------------------------------------------ plain differentiable collectives
+def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum over ranks; backward all-reduces the gradient too. Not f or g: the gradient of a
+    replicated output summed again is W times too large in a TP layer (a test shows it)."""
+    return _Region.apply(x, "all_reduce", "all_reduce", -1, group)
+
+
+def all_gather(x: torch.Tensor, dim: int = -1, group=None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order); backward reduce-scatters (sum)."""
+    return _Region.apply(x, "all_gather", "reduce_scatter", dim, group)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int = -1, group=None) -> torch.Tensor:
+    """Sum over ranks, keep slice ``rank`` of ``dim``; backward all-gathers along ``dim``."""
+    return _Region.apply(x, "reduce_scatter", "all_gather", dim, group)

@@ -18,7 +18,7 @@ import torch
 from .. import collectives as C
 from . import regions as R
 
-__all__ = ["shard_tensor", "gather_tensor", "shard_state_dict", "gather_state_dict",
+__all__ = ["pad_and_split", "shard_tensor", "gather_tensor", "shard_state_dict", "gather_state_dict",
            "parameter_bytes"]
 
 
@@ -27,20 +27,29 @@ def _meta(model) -> dict:
             for name, p in model.named_parameters()}
 
 
+def pad_and_split(full: torch.Tensor, dim: int, padded: int, group=None,
+                  what: str = "shard") -> torch.Tensor:
+    """This rank's slice along ``dim`` of ``full`` zero-padded to ``padded`` (a multiple of the TP
+    size) along ``dim``: the one way a full weight becomes a shard (layers at construction,
+    checkpoints at load). ``ValueError`` naming the rank if ``full`` is larger than ``padded``."""
+    rank, world = R.tp_rank_world(group)
+    if full.shape[dim] > padded:
+        raise ValueError(f"{what} (rank {rank}): full size {full.shape[dim]} along dim {dim} "
+                         f"exceeds the padded size {padded} ({world} x {padded // world})")
+    if full.shape[dim] < padded:
+        pad = list(full.shape)
+        pad[dim] = padded - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad)], dim=dim)
+    return R.split_along(full, dim, group, what).clone()
+
+
 def shard_tensor(full: torch.Tensor, partition_dim, local_shape, group=None) -> torch.Tensor:
     """This rank's shard of ``full`` (padded with zeros to W x the local size along the dim)."""
     if partition_dim is None:
         return full.clone()
-    rank, world = R.tp_rank_world(group)
-    padded = local_shape[partition_dim] * world
-    if full.shape[partition_dim] > padded:
-        raise ValueError(f"shard_tensor (rank {rank}): full size {full.shape[partition_dim]} along "
-                         f"dim {partition_dim} exceeds {world} x {local_shape[partition_dim]}")
-    if full.shape[partition_dim] < padded:
-        pad = list(full.shape)
-        pad[partition_dim] = padded - full.shape[partition_dim]
-        full = torch.cat([full, full.new_zeros(pad)], dim=partition_dim)
-    return full.chunk(world, dim=partition_dim)[rank].clone()
+    _, world = R.tp_rank_world(group)
+    return pad_and_split(full, partition_dim, local_shape[partition_dim] * world, group,
+                         "shard_tensor")
 
 
 def gather_tensor(shard: torch.Tensor, partition_dim, full_size=None, group=None) -> torch.Tensor:

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from ..launch import run
-from .engine import local_stages, pipeline_step
-from .schedules import make_schedule
-from .simulator import simulate
-from .timeline import Event, bubble_fraction
+from ..pipeline_parallel.engine import local_stages, pipeline_step
+from ..pipeline_parallel.schedules import make_schedule
+from ..pipeline_parallel.simulator import simulate
+from ..pipeline_parallel.timeline import Event, bubble_fraction
 
 __all__ = ["FixedCost", "bench_bubble", "activation_memory", "make_model", "align", "measured_costs"]
 

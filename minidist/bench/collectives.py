@@ -24,8 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import collectives as C
-from .launch import run
+from .. import collectives as C
+from ..launch import run
 
 __all__ = ["run_bench", "busbw_factor", "fit_alpha_beta", "plot_busbw", "format_table",
            "ALGORITHMS", "OPS", "parse_size"]

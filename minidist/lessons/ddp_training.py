@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from .. import env
 from ..data import load_digits
 from ..models import MLP
-from .evaluate import evaluate
-from .sampler import DistributedSampler
+from ..data_parallel.evaluate import evaluate
+from ..data_parallel.sampler import DistributedSampler
 
 __all__ = ["train_digits", "global_batches", "scaled_lr"]
 
@@ -66,7 +66,7 @@ def train_digits(rank: int, world: int, version: str = "bucketed", epochs: int =
         ``{"losses": [per-step local loss], "accuracy", "test_loss", "params", "lr",
         "steps", "bytes_sent"}``.
     """
-    from . import VERSIONS
+    from ..data_parallel import VERSIONS
 
     if version == "single" and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("train_digits(version='single') runs one process: call it outside "

@@ -2,13 +2,13 @@
 
 Rows (one dict each, printed by the CLI): test accuracy of bucketed DDP on the real handwritten
 digits, and the largest difference between the DDP parameters and one process trained on the same
-global batches (:func:`~.training.global_batches`), plus replica equality. About 10 s on 2 cores.
+global batches (:func:`~.ddp_training.global_batches`), plus replica equality. About 10 s on 2 cores.
 """
 
 from __future__ import annotations
 
-from .reference import max_abs_diff
-from .training import train_digits
+from .ddp_reference import max_abs_diff
+from .ddp_training import train_digits
 
 __all__ = ["demo_rows"]
 

@@ -34,8 +34,8 @@ def _model(name: str):
 def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_mb, collectives,
                 with_flat, first_bucket_cap_mb):
     from ..trace import Timeline
-    from .bucketed import BucketedDDP
-    from .flat import FlatDDP
+    from ..data_parallel.bucketed import BucketedDDP
+    from ..data_parallel.flat import FlatDDP
 
     tl = Timeline()
     variants = {}

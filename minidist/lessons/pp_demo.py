@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from ..launch import run
-from .engine import local_stages, pipeline_step
-from .schedules import make_schedule
-from .simulator import PipelineDeadlock, bubble_formula, simulate
-from .schedules import Op, Schedule
+from ..pipeline_parallel.engine import local_stages, pipeline_step
+from ..pipeline_parallel.schedules import make_schedule
+from ..pipeline_parallel.simulator import PipelineDeadlock, bubble_formula, simulate
+from ..pipeline_parallel.schedules import Op, Schedule
 
 __all__ = ["demo_rows"]
 

@@ -1,0 +1,21 @@
+"""Benchmarks: numbers measured in the same run as their reference, never asserted in tests.
+
+======================  ====================================================================
+module                  what it measures
+======================  ====================================================================
+``collectives``         nccl-tests-style table of the hand-built collectives against torch's:
+                        time, algbw, busbw (nccl-tests definitions), alpha-beta fit, plots
+``ddp``                 step time of the bucketed DDP against torch's DDP (``minidist bench ddp``)
+``pp``                  measured pipeline bubble against the simulator's prediction, and
+                        activation memory per stage (``minidist bench pp``)
+======================  ====================================================================
+
+``from minidist import bench`` gives the collectives benchmark's functions directly
+(``bench.run_bench``, ``bench.busbw_factor``, ...), as before it became a package.
+"""
+
+from .collectives import (ALGORITHMS, OPS, busbw_factor, fit_alpha_beta, format_table,  # noqa: F401
+                          parse_size, plot_busbw, run_bench)
+
+__all__ = ["run_bench", "busbw_factor", "fit_alpha_beta", "plot_busbw", "format_table",
+           "ALGORITHMS", "OPS", "parse_size"]

@@ -1,0 +1,111 @@
+"""The tiny GPT of :mod:`minidist.models.gpt`, tensor-parallel (Megatron-LM, Shoeybi et al. 2019).
+
+``TPGPT`` is :class:`~minidist.models.gpt.GPT` built from this package: VocabParallelEmbedding,
+ParallelSelfAttention, ParallelMLP (inside the plain model's ``Block``), a vocabulary-parallel head
+and vocab-parallel cross-entropy, optionally with sequence parallelism. Both have the same
+parameter names and, built after the same ``torch.manual_seed``, the same full weights; so
+``gather_state_dict(tp_model)`` can be compared with ``gpt.state_dict()`` key by key.
+
+Dropout draws its masks from :mod:`.random` (call ``model_parallel_seed(seed)`` first when dropout
+is on). To compare with the single-process model *with* dropout, give it the same generators:
+:func:`use_tracker_dropout` swaps its ``nn.Dropout`` modules for the tracker's.
+
+Shapes: ids ``[b, s]`` (s <= block_size) -> this rank's logits ``[b, s, Vp/W]``, Vp the vocabulary
+padded to a multiple of the TP size. Communication per block and pass is filed under
+``block{i}.attn`` / ``block{i}.mlp`` in :mod:`.accounting`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models.gpt import Block, GPTConfig
+from . import accounting, regions as R
+from .attention import ParallelSelfAttention
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import ColumnParallelLinear, VocabParallelEmbedding, mark_parameter, pad_to_multiple
+from .mlp import ParallelMLP
+from .random import Dropout
+from .sequence import allreduce_sequence_parallel_grads, mark_sequence_parallel
+
+__all__ = ["TPGPT", "use_tracker_dropout"]
+
+
+class TPGPT(nn.Module):
+    """:class:`~minidist.models.gpt.GPT` split over the TP ``group`` (default: the world).
+
+    With ``sequence_parallel=True`` the LayerNorms, dropouts and residual stream work on sequence
+    shards (``s`` must be divisible by the TP size) and, after ``loss.backward()``, you must call
+    :meth:`finish_grads` (it all-reduces the partial gradients of those regions' parameters).
+    """
+
+    def __init__(self, cfg: GPTConfig, group=None, sequence_parallel: bool = False):
+        super().__init__()
+        self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
+        sp = sequence_parallel
+        self.tp_rank, self.tp_size = R.tp_rank_world(group)
+        self.padded_vocab = pad_to_multiple(cfg.vocab_size, self.tp_size)
+        self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, group, sp)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        mark_parameter(self.pos_emb.weight, sequence_parallel=sp)
+        self.drop = Dropout(cfg.dropout, "replicated", group, sp)
+        self.blocks = nn.ModuleList()
+        for _ in range(cfg.n_layer):    # same construction order as GPT: same RNG calls
+            attn = ParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout, cfg.dropout,
+                                         group, sp)
+            mlp = ParallelMLP(cfg.n_embd, 4 * cfg.n_embd, cfg.dropout, group, sp)
+            self.blocks.append(Block(cfg, attn, mlp))   # LayerNorms draw no random numbers
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = ColumnParallelLinear(cfg.n_embd, cfg.vocab_size, bias=False, group=group,
+                                         sequence_parallel=sp, padded_out_features=self.padded_vocab)
+        if sp:
+            for block in self.blocks:
+                mark_sequence_parallel(block.ln1), mark_sequence_parallel(block.ln2)
+            mark_sequence_parallel(self.ln_f)
+
+    def forward(self, ids, targets=None, label_smoothing: float = 0.0):
+        s = ids.shape[1]
+        if s > self.cfg.block_size:
+            raise ValueError(f"TPGPT (rank {self.tp_rank}): sequence length {s} exceeds "
+                             f"block_size {self.cfg.block_size}")
+        if self.sequence_parallel and s % self.tp_size:
+            raise ValueError(f"TPGPT (rank {self.tp_rank}): sequence parallelism needs the sequence "
+                             f"length ({s}) divisible by the tensor-parallel size {self.tp_size}")
+        with accounting.scope("embed"):
+            tok = self.tok_emb(ids)              # [b, s, h], or [b, s/W, h] with SP
+            pos = self.pos_emb(torch.arange(s, device=ids.device))
+            if self.sequence_parallel:
+                pos = R.split_along(pos, 0, self.group, "TPGPT sequence split")
+            x = self.drop(tok + pos)
+        for i, block in enumerate(self.blocks):
+            with accounting.scope(f"block{i}"):  # attention and MLP add ".attn" / ".mlp"
+                x = block(x)
+        with accounting.scope("head"):
+            logits = self.head(self.ln_f(x))     # [b, s, Vp/W]
+            if targets is None:
+                return logits, None
+            loss = vocab_parallel_cross_entropy(logits, targets, self.cfg.vocab_size,
+                                                label_smoothing, group=self.group)
+        return logits, loss
+
+    def finish_grads(self) -> None:
+        """After backward: sum the sequence-parallel parameters' partial gradients (no-op without SP)."""
+        if self.sequence_parallel:
+            allreduce_sequence_parallel_grads(self, self.group)
+
+
+def use_tracker_dropout(model: nn.Module) -> nn.Module:
+    """Replace every ``nn.Dropout`` of a single-process model by the RNG tracker's :class:`Dropout`,
+    in place: ``attn_drop`` (attention probabilities) draws from ``"model-parallel"``, every other
+    one from ``"replicated"``, as in :class:`TPGPT`. Returns ``model``.
+
+    Needed only to compare a single-process run with a TP run *with dropout on*: the masks then
+    come from the same generators (at TP size 1 the model-parallel seed equals rank 0's).
+    """
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Dropout):
+                region = "model-parallel" if name == "attn_drop" else "replicated"
+                setattr(parent, name, Dropout(child.p, region))
+    return model
