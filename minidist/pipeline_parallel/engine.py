@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import collectives as C
 from .. import env
-from ..data_parallel.flat import average_flat
 from . import microbatch
 from .memory import ActivationMeter
 from .schedules import Schedule
@@ -58,9 +58,8 @@ def local_stages(stages: list[nn.Module], schedule: Schedule, rank: int) -> dict
     return {s: stages[s] for s in schedule.stages_of(rank)}
 
 
-def sync_gradients(modules: dict[int, nn.Module], dp_group) -> None:
-    """Average every parameter gradient of ``modules`` over ``dp_group``, as one flat buffer
-    (:func:`minidist.data_parallel.flat.average_flat`, as FlatDDP does).
+def sync_gradients(modules: dict[int, nn.Module], dp_group, algorithm: str = "ring") -> None:
+    """Average every parameter gradient of ``modules`` over ``dp_group``, as one flat buffer.
 
     A parameter with no gradient counts as zero (so replicas stay in step); one that no replica
     used keeps ``grad=None``, as in one process (a zero gradient would still move it under
@@ -69,12 +68,17 @@ def sync_gradients(modules: dict[int, nn.Module], dp_group) -> None:
     params = [p for s in sorted(modules) for p in modules[s].parameters() if p.requires_grad]
     if not params or dist.get_world_size(dp_group) == 1:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-    *averaged, anywhere = average_flat(grads + [used], group=dp_group)
-    for p, avg, a in zip(params, averaged, anywhere.tolist()):
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params] + [used.to(params[0].dtype)])
+    C.all_reduce(flat, op="avg", algorithm=algorithm, group=dp_group)
+    anywhere = flat[-len(params):].tolist()
+    offset = 0
+    for p, a in zip(params, anywhere):
+        n = p.numel()
         if a > 0:
-            p.grad = avg.clone()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
 
 
 def recv_plan(schedule: Schedule, rank: int) -> list[tuple]:
