@@ -17,7 +17,8 @@ from minidist.comm import p2p
 from minidist.sharding import ActivationMeter, ShardedOptimizer, account, fsdp, zero_formula
 from minidist.sharding.memory import K_FP32
 from minidist.sharding.recompute import Checkpointed
-from minidist.sharding.reference import Block, global_batch, local_batch, loss_fn, make_model
+from minidist.lessons.sharding_reference import (Block, global_batch, local_batch, loss_fn,
+                                                 make_model)
 
 PSI = 668
 OPTS = {"adamw": (torch.optim.AdamW, {"lr": 1e-2}), "sgd": (torch.optim.SGD,

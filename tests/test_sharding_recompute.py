@@ -10,8 +10,8 @@ from torch import nn
 import minidist
 from minidist.sharding import checkpoint, fsdp, fsdp_state
 from minidist.sharding.recompute import Checkpointed
-from minidist.sharding.reference import (Block, global_batch, local_batch, loss_fn, make_model,
-                                         max_abs_diff, named_state)
+from minidist.lessons.sharding_reference import (Block, global_batch, local_batch, loss_fn,
+                                                 make_model, max_abs_diff, named_state)
 
 IMPLS = ["off", "minidist", "torch-reentrant", "torch-non-reentrant"]
 

@@ -4,7 +4,7 @@ one process on the global batch.
 Tolerance 1e-6 in fp32: the ranks sum gradients in a different order than one process (and the
 ring in a different order than torch), so results agree up to rounding; across ranks they are
 bit-identical (every rank all-gathers the same slices). The model has tied weights, a frozen
-parameter, a buffer and no parameter size divisible by W (minidist.sharding.reference).
+parameter, a buffer and no parameter size divisible by W (minidist.lessons.sharding_reference).
 """
 
 import pytest
@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 import minidist
 from minidist.sharding import ShardedOptimizer
-from minidist.sharding.reference import (OPTIMIZERS, as_groups, local_batch, loss_fn, make_model,
-                                         max_abs_diff, named_state, param_groups, train_single)
+from minidist.lessons.sharding_reference import (OPTIMIZERS, as_groups, local_batch, loss_fn,
+                                                 make_model, max_abs_diff, named_state,
+                                                 param_groups, train_single)
 
 TOL, STEPS = 1e-6, 5
 

@@ -72,6 +72,8 @@ def _account(name, model, opt) -> dict:
 
 
 def _rank(rank, world, variants, steps, warmup, batch, dims):
+    import warnings
+    warnings.filterwarnings("ignore", message=".*(FSDP2-wrapped|TypedStorage).*")
     from ..lessons.sharding_reference import loss_fn
     from ..sharding import zero_formula
     built = {v: _build(v, dims) for v in variants}
