@@ -53,3 +53,93 @@ def test_layout_facts_and_errors():
     with pytest.raises(ValueError, match="root"):
         diagrams.collective_layout("broadcast", 2, root=2)
     matplotlib.pyplot.close(diagrams.draw_ring_steps(3))
+
+
+# --------------------------------------------------------------------------- chapters 01, 06, 08
+def _texts(fig):
+    return [t.get_text() for ax in fig.axes for t in ax.texts] + \
+        [ax.get_title() for ax in fig.axes]
+
+
+def _patches(fig):
+    return [p for ax in fig.axes for p in ax.patches]
+
+
+def test_rank_layout_torchrun_and_slurm_block_and_cyclic():
+    assert diagrams.rank_layout((4, 4)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert diagrams.rank_layout((3, 2)) == [[0, 1, 2], [3, 4]]
+    assert diagrams.rank_layout((2, 2, 1), "cyclic") == [[0, 3], [1, 4], [2]]
+    with pytest.raises(ValueError, match="positive"):
+        diagrams.rank_layout((2, 0))
+    with pytest.raises(ValueError, match="block"):
+        diagrams.rank_layout((2,), "plane")
+
+
+def test_rank_layout_agrees_with_the_launch_environment_answers():
+    from minidist.grading.launch_env import ENV_CASES
+    for _, environ, want in ENV_CASES:
+        if "RANK" in environ or "SLURM_TASKS_PER_NODE" not in environ:
+            continue
+        counts = []
+        for piece in environ["SLURM_TASKS_PER_NODE"].split(","):  # "2(x2),1" -> 2, 2, 1
+            n, _, times = piece.rstrip(")").partition("(x")
+            counts += [int(n)] * int(times or 1)
+        layout = diagrams.rank_layout(counts)
+        assert layout[want["node_rank"]][want["local_rank"]] == want["rank"], environ
+
+
+def test_draw_rank_grid():
+    fig = diagrams.draw_rank_grid((4, 4))
+    texts = _texts(fig)
+    assert [str(r) for r in range(8)] == [t for t in texts if t.isdigit()]
+    assert any("GROUP_RANK=1" in t for t in texts) and len(_patches(fig)) == 8
+    matplotlib.pyplot.close(fig)
+    fig = diagrams.draw_rank_grid((3, 2), "slurm")
+    texts = _texts(fig)
+    assert any("SLURM_TASKS_PER_NODE=3,2" in t for t in texts)
+    assert any("SLURM_NODEID=1" in t for t in texts) and len(_patches(fig)) == 5
+    matplotlib.pyplot.close(fig)
+    with pytest.raises(ValueError, match="same number of workers"):
+        diagrams.draw_rank_grid((3, 2), "torchrun")
+
+
+def test_draw_launcher_tree():
+    fig = diagrams.draw_launcher_tree(2, 3)
+    texts = " | ".join(_texts(fig))
+    for needle in ("sbatch", "srun", "torchrun agent\n(GROUP_RANK=1)", "rendezvous store",
+                   "RANK 5\nLOCAL_RANK 2"):
+        assert needle in texts, needle
+    assert sum(t.startswith("worker\n") for t in _texts(fig)) == 6
+    matplotlib.pyplot.close(fig)
+
+
+def test_weight_split_shapes_and_drawing():
+    assert diagrams.split_shapes(6, 8, 3, "column") == [(6, 3), (6, 3), (6, 2)]
+    assert diagrams.split_shapes(7, 8, 2, "row") == [(4, 8), (3, 8)]
+    # the same sizes as the library's shards (torch.tensor_split / chunk on these sizes)
+    assert [s for _, s in diagrams.split_shapes(6, 8, 4, "column")] == \
+        [c.shape[0] for c in torch.empty(8, 6).tensor_split(4)]
+    fig = diagrams.draw_weight_split(6, 8, 2)
+    texts = _texts(fig)
+    assert "rank 1\nA_1: [6, 4]" in texts and "rank 1\nA_1: [3, 8]" in texts
+    assert len(fig.axes) == 2 and len(_patches(fig)) == 4
+    matplotlib.pyplot.close(fig)
+    with pytest.raises(ValueError, match="column"):
+        diagrams.split_shapes(6, 8, 2, "diagonal")
+
+
+def test_draw_megatron_block_marks_f_and_g():
+    fig = diagrams.draw_megatron_block()
+    texts = _texts(fig)
+    assert texts.count("f") == 2 and texts.count("g") == 2
+    assert any("column-parallel" in t for t in texts) and any("row-parallel" in t for t in texts)
+    matplotlib.pyplot.close(fig)
+
+
+def test_draw_sequence_parallel_regions():
+    fig = diagrams.draw_sequence_parallel(world_size=2, seq_len=8)
+    texts = _texts(fig)
+    assert "tokens 0..3" in texts and "tokens 4..7" in texts
+    assert any(t.startswith("all-gather") for t in texts)
+    assert any(t.startswith("reduce-scatter") for t in texts)
+    matplotlib.pyplot.close(fig)

@@ -1,4 +1,4 @@
-"""Matplotlib drawings for the course: what each collective does, and a ring all-reduce step by step.
+"""Drawings for chapters 02 and 03: what each collective does, and a ring all-reduce step by step.
 
 * :func:`draw_collective` — one row per rank, its buffer before and after the collective; each cell
   is coloured by the rank its data came from (grey: a reduction over ranks).

@@ -1,0 +1,23 @@
+"""Matplotlib drawings for the course, drawn by functions the chapters call (small figures).
+
+* ``collectives.py`` (chapters 02-03): what each collective does (:func:`draw_collective`), a ring
+  all-reduce step by step (:func:`ring_schedule`, :func:`draw_ring_steps`);
+* ``launch.py`` (chapters 01 and 08): nodes × local ranks → global ranks for torchrun and Slurm
+  (:func:`rank_layout`, :func:`draw_rank_grid`), and the launcher tree with the rendezvous store
+  (:func:`draw_launcher_tree`);
+* ``tensor_parallel.py`` (chapter 06): a weight split by columns and by rows with per-rank shapes
+  (:func:`draw_weight_split`), the transformer block with f and g (:func:`draw_megatron_block`),
+  the sequence-parallel regions along the sequence axis (:func:`draw_sequence_parallel`).
+
+Every function returns the ``matplotlib.figure.Figure`` it drew.
+"""
+
+from .collectives import (COLLECTIVES, collective_layout, draw_collective,  # noqa: F401
+                          draw_ring_steps, ring_schedule)
+from .launch import draw_launcher_tree, draw_rank_grid, rank_layout  # noqa: F401
+from .tensor_parallel import (draw_megatron_block, draw_sequence_parallel,  # noqa: F401
+                              draw_weight_split, split_shapes)
+
+__all__ = ["COLLECTIVES", "collective_layout", "draw_collective", "ring_schedule",
+           "draw_ring_steps", "rank_layout", "draw_rank_grid", "draw_launcher_tree",
+           "split_shapes", "draw_weight_split", "draw_megatron_block", "draw_sequence_parallel"]
