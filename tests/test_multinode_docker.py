@@ -1,9 +1,11 @@
-"""docker/: the compose cluster, its slurm.conf and the course's sbatch templates agree.
+"""docker/: the compose cluster, its slurm.conf, the Dockerfiles and the README agree.
 
-No Docker engine runs in CI, so this checks the files against each other: the controller and node
-hostnames in the compose file are the SlurmctldHost / NodeNames of docker/slurm.conf, every path a
-container uses exists in the repository under the mounted course folder, and each CPU sbatch
-template asks for no more nodes and cores than the compose cluster has.
+tests/test_docker_build.py builds and runs these files with podman (root and apt only); this checks
+the files against each other, everywhere and in a second: the controller and node hostnames in the
+compose file are the SlurmctldHost / NodeNames of docker/slurm.conf, every path a container uses
+exists in the repository under the mounted course folder, each CPU sbatch template asks for no more
+nodes and cores than the compose cluster has, both Dockerfiles take the build arguments the README
+documents (with compose passing them through, defaults equal), and JupyterLab is published on loopback.
 """
 
 import re
@@ -126,3 +128,52 @@ def test_gpu_templates_give_every_task_all_gpus_of_its_node():
             opts = sbatch_options(tpl)
             assert "gpus-per-node" in opts and "gpus-per-task" not in opts
             assert "--backend=nccl" in tpl.read_text()
+
+
+DOCKERFILES = [DOCKER / "Dockerfile.cpu", DOCKER / "Dockerfile.cuda"]
+
+
+def arg_defaults(dockerfile: Path) -> dict:
+    return dict(m.groups() for m in re.finditer(r"^ARG (\w+)=(\S*)", dockerfile.read_text(), re.M))
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfiles_build_from_any_base_and_torch_index_with_the_tested_torch(dockerfile):
+    text = dockerfile.read_text()
+    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert lines[0] == "ARG BASE_IMAGE=python:3.11-slim-bookworm", "ARG BASE_IMAGE must come before any FROM"
+    assert [ln for ln in lines if ln.startswith("FROM")][-1] == "FROM ${BASE_IMAGE}"
+    args = arg_defaults(dockerfile)
+    index = {"Dockerfile.cpu": "https://download.pytorch.org/whl/cpu", "Dockerfile.cuda": "https://pypi.org/simple"}
+    assert args["TORCH_INDEX_URL"] == index[dockerfile.name]
+    tested = re.search(r"tested with (\d+\.\d+\.\d+)", (ROOT / "pyproject.toml").read_text()).group(1)
+    assert args["TORCH_VERSION"] == tested, "pin torch to the version pyproject.toml says is tested"
+    minor = int(tested.split(".")[1])
+    assert args["TORCHVISION_VERSION"].startswith(f"0.{minor + 15}."), "torch 2.N pairs with torchvision 0.(N+15)"
+    assert '--index-url "$TORCH_INDEX_URL"' in text and '"torch==$TORCH_VERSION"' in text
+    run_lines = " ".join(ln for ln in lines if not ln.startswith("ARG"))
+    assert "download.pytorch.org" not in run_lines, "the index comes only from TORCH_INDEX_URL"
+    # a TLS-intercepting proxy: its CA certificates are trusted before pip runs
+    assert args["EXTRA_CA_CERTS"] == "" and "update-ca-certificates" in text
+    assert text.index("EXTRA_CA_CERTS\"") < text.index("pip install")
+    assert "PIP_CERT=/etc/ssl/certs/ca-certificates.crt" in text
+
+
+def test_compose_passes_the_build_arguments_with_the_dockerfile_defaults(compose):
+    defaults = arg_defaults(DOCKER / "Dockerfile.cpu")
+    for name, s in compose["services"].items():
+        build_args = s["build"]["args"]
+        assert set(build_args) >= {"BASE_IMAGE", "TORCH_INDEX_URL", "EXTRA_CA_CERTS"}, name
+        for arg, value in build_args.items():
+            m = re.fullmatch(r"\$\{(\w+):-(.*)\}", value)
+            assert m and m.group(1) == arg, f"{name}: {arg} must come from the environment: {value}"
+            assert m.group(2) == defaults[arg], f"{name}: {arg} default differs from Dockerfile.cpu's"
+
+
+def test_readme_publishes_jupyterlab_on_loopback_only():
+    text = (ROOT / "README.md").read_text() + "".join(p.read_text() for p in DOCKERFILES)
+    publish = re.findall(r"(?:docker|podman) run [^\n]*?-p (\S+)", text)
+    assert publish, "no run line with -p found"
+    assert all(p.startswith("127.0.0.1:") for p in publish), publish
+    assert "JUPYTER_TOKEN=" not in text.replace("-e JUPYTER_TOKEN=...", ""), "never publish a fixed token"
+    assert "--NotebookApp.token=''" not in text and "--IdentityProvider.token=''" not in text
