@@ -138,8 +138,9 @@ def bench(argv=None) -> int:
     from . import bench as B
 
     p = argparse.ArgumentParser(prog="minidist bench", description="nccl-tests-style benchmark; "
-                                "'ddp' and 'pp' benchmark the strategies.")
-    p.add_argument("what", nargs="?", default="collectives", choices=["collectives", "ddp", "pp"])
+                                "'ddp', 'pp' and 'zero' benchmark the strategies.")
+    p.add_argument("what", nargs="?", default="collectives",
+                   choices=["collectives", "ddp", "pp", "zero"])
     p.add_argument("--ops", nargs="*", default=list(B.OPS), choices=B.OPS)
     p.add_argument("--algorithms", nargs="*", default=None,
                    help="torch and the names in minidist.collectives.ALGORITHMS (default: all "
@@ -154,6 +155,10 @@ def bench(argv=None) -> int:
     if args.what == "ddp":
         from .bench.ddp import bench_ddp
         bench_ddp()
+        return 0
+    if args.what == "zero":
+        from .bench.zero import bench_zero
+        bench_zero(world_size=(args.world_sizes or [2])[0])
         return 0
     if args.what == "pp":
         from .bench.pp import bench_bubble
@@ -186,7 +191,7 @@ def main(argv=None) -> int:
         asked = bool(argv) and argv[0] in ("-h", "--help")
         print("usage: minidist {demo,bench,doctor} [options]\n"
               "  demo    run every hand-built collective (and DDP/TP/PP) against torch; exit 1 if wrong\n"
-              "  bench   nccl-tests-style table (algbw, busbw, ratio to torch); bench ddp | bench pp\n"
+              "  bench   nccl-tests-style table (algbw, busbw, ratio to torch); bench ddp | pp | zero\n"
               "  doctor  what this machine offers: torch, backends, devices, network, launch variables",
               file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2

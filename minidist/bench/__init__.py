@@ -8,6 +8,9 @@ module                  what it measures
 ``ddp``                 step time of the bucketed DDP against torch's DDP (``minidist bench ddp``)
 ``pp``                  measured pipeline bubble against the simulator's prediction, and
                         activation memory per stage (``minidist bench pp``)
+``zero``                DDP, ZeRO-1/2/3 (hand-built and torch collectives) and torch's FSDP2:
+                        step time and accounted memory per rank beside ZeRO's formula
+                        (``minidist bench zero``)
 ======================  ====================================================================
 
 ``from minidist import bench`` gives the collectives benchmark's functions directly
