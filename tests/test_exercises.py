@@ -407,3 +407,24 @@ def my_one_f_one_b(P, M):
         ops.append(tuple(row))
     return Schedule("my 1f1b", P, M, 1, tuple(ops))
 '''}, "peak micro-batches in flight")
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.name)
+def test_text_points_and_printed_score_agree(solution):
+    """The part's heading says "(N points)", nbgrader's metadata gives N, and the grading cell's
+    stored output ends with "score: N/N" — the same number in all three places."""
+    import re
+    nb = json.loads(solution.read_text())
+    heading_points = None
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "markdown" and (m := re.search(r"^## .*\((\d+) points?\)", src, re.M)):
+            heading_points = float(m.group(1))
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if cell["cell_type"] == "code" and meta.get("grade"):
+            gid = meta["grade_id"]
+            text = "".join("".join(o.get("text", "")) for o in cell.get("outputs", []))
+            scores = re.findall(r"score: ([\d.]+)/([\d.]+)", text)
+            assert scores, f"{gid}: no printed score stored (re-execute the solution)"
+            assert float(scores[-1][1]) == meta["points"], (gid, scores, meta["points"])
+            assert heading_points == meta["points"], (gid, heading_points, meta["points"])
