@@ -8,9 +8,9 @@ Every rule the exercise text teaches has a check that fails when it is broken:
   ranks (a missing division by W, a slot at the wrong offset, state not reset between steps);
 * buckets launched **in bucket order** during backward: on the MLP (gradients become ready in
   bucket order) and on :class:`HeadFirst`, a model whose modules are registered head before body,
-  so gradients become ready in the order 3, 2, 1, 0 — a wrapper that launches each bucket as soon as
-  it is full (readiness order) launches ``[3, 2, 1, 0]`` there, which on real models differs
-  between ranks and deadlocks or mixes buckets up.
+  so the head's buckets (2, 3) become ready before the body's (0, 1) — a wrapper that launches
+  each bucket as soon as it is full (readiness order) launches ``[2, 3, 0, 1]`` there, an order
+  that on real models can differ between ranks and deadlock or mix buckets up.
 
 When parameters differ, the grader compares one step's gradients with torch's and names the first
 parameter and bucket that differ and the ratio yours/torch's (≈ W: the average is missing).
