@@ -1,14 +1,23 @@
-"""A small per-rank timeline recorder: named intervals, for overlap and pipeline pictures.
+"""Per-rank timelines: named intervals for overlap pictures (DDP) and pipeline Gantt charts.
 
     tl = Timeline()
     with tl.record("backward"):
         loss.backward()
-    tl.events  # [Event(name="backward", start=0.0012, end=0.0410, lane="main"), ...]
+    tl.events  # [Event(name="backward", start=0.0012, end=0.0410, lane="main", ...), ...]
 
 Times are seconds since the Timeline was created (``time.perf_counter``), per process: compare
 timelines of different ranks by their shapes, not by absolute clocks. ``lane`` groups events into
 rows of a plot (e.g. "compute" and "comm"); it defaults to the recording thread's name. Recording
 from several threads is safe (a DDP communication thread records beside backward).
+
+A pipeline's events (engine or simulator) are the same :class:`Event` with ``name`` the op —
+``"F"``/``"B"`` (compute) or ``"send"``/``"recv"``/``"wait"``/``"dp_sync"`` — and ``rank``,
+``mb`` (micro-batch) and ``stage`` set. **Bubble fraction**, the definition this course uses: over
+the span of the step (first event on any rank to the last), the fraction of time a rank does no
+compute, averaged over ranks, ``bubble = 1 - (Σ_r busy_r) / (P · span)``. Communication and
+waiting count as bubble. With equal stage costs, GPipe and 1F1B give ``(P-1)/(M+P-1)`` (Huang et
+al. 2019, §2.3; the ratio to compute alone, ``(P-1)/M``, is another common definition: Narayanan
+et al. 2021).
 """
 
 from __future__ import annotations
@@ -18,18 +27,30 @@ import threading
 import time
 from typing import NamedTuple
 
-__all__ = ["Event", "Timeline", "overlap_seconds"]
+__all__ = ["Event", "Timeline", "COMPUTE", "busy_time", "bubble_fraction", "plot_timeline"]
+
+COMPUTE = ("F", "B")  # a pipeline's compute ops; everything else on its timeline is bubble
 
 
 class Event(NamedTuple):
-    name: str
-    start: float  # seconds since the timeline's origin
+    """One interval on one rank's timeline (seconds, or simulator time units)."""
+
+    name: str            # "backward", "all-reduce b3", ...; pipelines: "F", "B", "send", "recv", ...
+    start: float
     end: float
-    lane: str = "main"
+    lane: str = "main"   # plot row within the rank (e.g. the recording thread)
+    rank: int = 0
+    mb: int = -1         # micro-batch (pipelines; -1 when it does not apply)
+    stage: int = -1      # pipeline stage (-1 when it does not apply)
 
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @property
+    def kind(self) -> str:
+        """The pipeline op (the name), in the pipeline code's vocabulary."""
+        return self.name
 
 
 class Timeline:
@@ -66,71 +87,123 @@ class Timeline:
         return sum(e.duration for e in self.events
                    if e.name.startswith(prefix) and (lane is None or e.lane == lane))
 
-    def as_dicts(self) -> list[dict]:
-        return [e._asdict() for e in self.events]
+
+def _span(events) -> tuple[float, float]:
+    if not events:
+        raise ValueError("bubble_fraction: no events")
+    return min(e.start for e in events), max(e.end for e in events)
 
 
-def overlap_seconds(a: list[Event], b: list[Event]) -> float:
-    """Seconds during which some event of ``a`` and some event of ``b`` both run (a's own
-    events must not overlap each other, nor b's)."""
-    total = 0.0
-    for x in a:
-        for y in b:
-            total += max(0.0, min(x.end, y.end) - max(x.start, y.start))
-    return total
+def busy_time(events, rank: int) -> float:
+    """Total compute (F + B) time of ``rank``."""
+    return sum(e.duration for e in events if e.rank == rank and e.name in COMPUTE)
 
 
-_COLOURS = {"backward": "#4C72B0", "forward": "#55A868", "all-reduce": "#DD8452", "wait": "#C44E52",
-            "optimizer": "#8172B2"}
+def bubble_fraction(events, n_ranks: int | None = None) -> float:
+    """``1 - Σ busy / (P · span)`` over the events (see the module docstring)."""
+    t0, t1 = _span(events)
+    ranks = range(n_ranks) if n_ranks is not None else sorted({e.rank for e in events})
+    if t1 <= t0:
+        return 0.0
+    busy = sum(busy_time(events, r) for r in ranks)
+    return 1.0 - busy / (len(ranks) * (t1 - t0))
 
 
-def _colour(name: str) -> str:
-    for prefix, colour in _COLOURS.items():
-        if name.startswith(prefix):
-            return colour
-    return "#999999"
+# colour and legend label by name prefix (first match)
+_STYLE = {"F": ("#4C72B0", "forward"), "B": ("#55A868", "backward"),
+          "backward": ("#4C72B0", "backward"), "forward": ("#55A868", "forward"),
+          "all-reduce": ("#DD8452", "all-reduce"), "wait": ("#C44E52", "wait"),
+          "optimizer": ("#8172B2", "optimizer")}
+_THIN = ("#999999", "send / recv")  # a pipeline's communication, drawn under its rank's row
 
 
-def plot_timeline(timelines, title: str = "", lanes: list[str] | None = None, ax=None,
-                  labels: bool = True):
-    """Draw per-rank timelines: one row per (rank, lane), one bar per event, time in ms.
+def _style(name: str) -> tuple[str, str]:
+    if name in _STYLE:
+        return _STYLE[name]
+    return next((v for k, v in _STYLE.items() if len(k) > 1 and name.startswith(k)),
+                ("#999999", name))
 
-    ``timelines``: a list with one entry per rank, each a list of :class:`Event` (or of tuples
-    ``(name, start, end[, lane])``). Zero-length events are drawn as ticks (e.g. "bucket ready").
-    Colours by name prefix: backward, forward, all-reduce, wait, optimizer. Returns the axes.
+
+def _as_events(events) -> list[Event]:
+    """A flat list of Events; one list per rank (of Events or tuples) gets its ranks from the index."""
+    if events and not isinstance(events[0], Event) and isinstance(events[0], (list, tuple)) \
+            and (not events[0] or isinstance(events[0][0], (Event, list, tuple))):
+        return [(e if isinstance(e, Event) else Event(*e))._replace(rank=r)
+                for r, per_rank in enumerate(events) for e in per_rank]
+    return [e if isinstance(e, Event) else Event(*e) for e in events]
+
+
+def plot_timeline(events, title: str = "", lanes: list[str] | None = None, ax=None,
+                  labels: bool = True, n_ranks: int | None = None, show_comm: bool = True,
+                  time_unit: str | None = None, label_fontsize: int = 7):
+    """Gantt chart of per-rank timelines, rank 0 on top. Returns the matplotlib Axes.
+
+    ``events``: a flat list of :class:`Event` (their ``rank``), or one list per rank (of Events
+    or ``(name, start, end[, lane])`` tuples).
+
+    * Pipeline timelines (events ``"F"``/``"B"``): one row per rank, bars labelled with the
+      micro-batch, communication as thin grey bars under the row (``show_comm``), the bubble
+      fraction in the title; times as given (``time_unit`` names them, default "s").
+    * Other timelines: one row per (rank, lane) (``lanes`` picks and orders them), bars coloured
+      by name prefix (backward, forward, all-reduce, wait, optimizer), zero-length events drawn as
+      ticks, bucket numbers on "all-reduce bN" bars (``labels``); times in ms.
     """
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    timelines = [[e if isinstance(e, Event) else Event(*e) for e in events] for events in timelines]
-    rows = []
-    for r, events in enumerate(timelines):
-        present = list(dict.fromkeys(e.lane for e in events))
-        for lane in (lanes if lanes is not None else present):
-            rows.append((r, lane))
+    events = _as_events(events)
+    pipeline = any(e.name in COMPUTE for e in events)
+    P = n_ranks if n_ranks is not None else max((e.rank for e in events), default=-1) + 1
+    if pipeline:
+        rows = [(r, None) for r in range(P)]
+        t0, t1 = _span(events)
+        scale, unit = 1.0, time_unit or "s"
+    else:
+        rows = [(r, lane) for r in range(P) for lane in
+                (lanes if lanes is not None else dict.fromkeys(e.lane for e in events if e.rank == r))]
+        t0, t1, scale, unit = 0.0, 0.0, 1e3, time_unit or "ms"
+    y_of = {row: len(rows) - 1 - i for i, row in enumerate(rows)}  # first row on top
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2), dpi=80)
-    seen = set()
-    for i, (r, lane) in enumerate(rows):
-        for e in timelines[r]:
-            if e.lane != lane:
-                continue
-            key = next((p for p in _COLOURS if e.name.startswith(p)), e.name)
-            if e.end > e.start:
-                ax.broken_barh([(1e3 * e.start, 1e3 * e.duration)], (i - 0.38, 0.76),
-                               color=_colour(e.name), edgecolor="white", linewidth=0.5,
-                               label=None if key in seen else key)
-                seen.add(key)
-                if labels and e.name.startswith("all-reduce") and " b" in e.name:
-                    ax.text(1e3 * (e.start + e.end) / 2, i, e.name.rsplit(" ", 1)[-1], ha="center",
-                            va="center", fontsize=6, color="white")
-            else:
-                ax.plot([1e3 * e.start] * 2, [i - 0.45, i + 0.45], color="black", linewidth=0.8)
-    ax.set_yticks(range(len(rows)), [f"rank {r} {lane}" for r, lane in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
-    if title:
-        ax.set_title(title, loc="right", fontsize=9)
-    if seen:
-        ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=7, ncols=len(seen),
+        height = 3.5 if pipeline else 0.45 * len(rows) + 1.2
+        _, ax = plt.subplots(figsize=(7, height), dpi=80)
+    legend = {}
+    for e in events:
+        y = y_of.get((e.rank, None if pipeline else e.lane))
+        if y is None:
+            continue
+        x, w = scale * (e.start - t0), scale * e.duration
+        if pipeline and e.name not in COMPUTE:
+            if show_comm:
+                ax.broken_barh([(x, max(w, 1e-9))], (y - 0.5, 0.08), facecolors=_THIN[0])
+                legend.setdefault(_THIN[1], _THIN[0])
+            continue
+        colour, label = _style(e.name)
+        if w <= 0:
+            ax.plot([x] * 2, [y - 0.45, y + 0.45], color="black", linewidth=0.8)
+            continue
+        ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=colour, edgecolors="white",
+                       linewidth=0.5)
+        legend.setdefault(label, colour)
+        text = (str(e.mb) if w > 0.012 * (t1 - t0) else None) if pipeline else \
+            (e.name.rsplit(" ", 1)[-1] if labels and e.name.startswith("all-reduce") and " b" in e.name
+             else None)
+        if text:
+            ax.text(x + w / 2, y, text, ha="center", va="center", color="white",
+                    fontsize=label_fontsize if pipeline else 6)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"rank {r}" + (f" {lane}" if lane is not None else "")
+                        for r, lane in reversed(rows)])
+    ax.set_xlabel(f"time ({unit})")
+    if pipeline:
+        ax.set_xlim(0, t1 - t0)
+        title = f"{title + ' — ' if title else ''}bubble {bubble_fraction(events, P):.1%}"
+    if title:  # lanes: the legend sits above the axes, so the title goes right
+        ax.set_title(title, fontsize=10) if pipeline else ax.set_title(title, loc="right", fontsize=9)
+    handles = [Patch(color=c, label=k) for k, c in legend.items()]
+    if handles and pipeline:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7,
                   frameon=False)
+    elif handles:
+        ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=7,
+                  ncols=len(handles), frameon=False)
     return ax

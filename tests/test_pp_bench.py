@@ -12,12 +12,13 @@ from minidist.pipeline_parallel import Event, bubble_fraction, make_schedule, si
 from minidist.pipeline_parallel import microbatch  # noqa: E402
 from minidist.bench.pp import activation_memory, bench_bubble, measured_costs  # noqa: E402
 from minidist.pipeline_parallel.partition import balanced_bounds, split_model  # noqa: E402
-from minidist.pipeline_parallel.timeline import plot_timeline  # noqa: E402
+from minidist.trace import plot_timeline  # noqa: E402
 
 
 def test_bubble_fraction_by_hand():
-    ev = [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "B", 0, 0, 3.0, 4.0),
-          Event(1, "F", 0, 1, 1.0, 2.0), Event(1, "B", 0, 1, 2.0, 3.0), Event(1, "recv", 0, 1, 0, 1)]
+    ev = [Event("F", 0.0, 1.0, rank=0, mb=0, stage=0), Event("B", 3.0, 4.0, rank=0, mb=0, stage=0),
+          Event("F", 1.0, 2.0, rank=1, mb=0, stage=1), Event("B", 2.0, 3.0, rank=1, mb=0, stage=1),
+          Event("recv", 0, 1, rank=1, mb=0, stage=1)]
     assert bubble_fraction(ev, 2) == pytest.approx(0.5)  # each rank busy 2 of 4
 
 
@@ -31,7 +32,7 @@ def test_measured_costs_recover_simulated_latency():
         prev = 0.0
         for e in mine:
             if e.start > prev:
-                events.append(Event(r, "recv", e.mb, e.stage, prev, e.start))
+                events.append(Event("recv", prev, e.start, rank=r, mb=e.mb, stage=e.stage))
             prev = e.end
     costs = measured_costs(events, sched)
     assert costs["t_f"] == pytest.approx(1.0) and costs["t_b"] == pytest.approx(2.0)

@@ -23,7 +23,7 @@ from ..launch import run
 from ..pipeline_parallel.engine import local_stages, pipeline_step
 from ..pipeline_parallel.schedules import make_schedule
 from ..pipeline_parallel.simulator import simulate
-from ..pipeline_parallel.timeline import Event, bubble_fraction
+from ..trace import Event, bubble_fraction
 
 __all__ = ["FixedCost", "bench_bubble", "activation_memory", "make_model", "align", "measured_costs"]
 
@@ -84,7 +84,7 @@ def align(per_rank: list) -> list[Event]:
     """Events of all ranks on one time axis: ``per_rank[r] = (events, t0)``; ranks share one
     machine's monotonic clock (``time.perf_counter``), so ``t0`` aligns them."""
     base = min(t0 for _, t0 in per_rank)
-    return [Event(e.rank, e.kind, e.mb, e.stage, e.start + t0 - base, e.end + t0 - base)
+    return [e._replace(start=e.start + t0 - base, end=e.end + t0 - base)
             for events, t0 in per_rank for e in events]
 
 

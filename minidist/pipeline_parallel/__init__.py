@@ -6,14 +6,16 @@
 * ``microbatch`` — ``tensor_split`` a batch; each micro-batch's loss weighted by its size
 * ``transport``  — activations forward, gradients backward, with a shape/dtype header
 * ``engine``     — runs any schedule on the ranks of a pipeline group; records a timeline
-* ``timeline``   — events, the bubble fraction, a Gantt chart
+
+Timelines (events, the bubble fraction, the Gantt chart) are :mod:`minidist.trace`'s, re-exported
+here.
 """
 
 from .schedules import (Op, Schedule, ScheduleError, gpipe, interleaved_one_f_one_b,  # noqa: F401
                         make_schedule, one_f_one_b, validate)
 from .simulator import (PipelineDeadlock, SimResult, bubble_formula, message_order_mismatches,  # noqa: F401
                         peak_inflight, simulate)
-from .timeline import Event, bubble_fraction, plot_timeline  # noqa: F401
+from ..trace import Event, bubble_fraction, plot_timeline  # noqa: F401
 
 __all__ = ["Op", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_one_f_one_b",
            "make_schedule", "validate", "simulate", "SimResult", "PipelineDeadlock", "bubble_formula",

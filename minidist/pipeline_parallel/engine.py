@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import collectives as C
 from .. import env
+from ..trace import Event
+from ..data_parallel.flat import average_flat
 from . import microbatch
 from .memory import ActivationMeter
 from .schedules import Schedule
-from .timeline import Event
 from .transport import Transport
 
 __all__ = ["pipeline_step", "StepResult", "local_stages", "sync_gradients", "recv_plan"]
@@ -58,8 +58,9 @@ def local_stages(stages: list[nn.Module], schedule: Schedule, rank: int) -> dict
     return {s: stages[s] for s in schedule.stages_of(rank)}
 
 
-def sync_gradients(modules: dict[int, nn.Module], dp_group, algorithm: str = "ring") -> None:
-    """Average every parameter gradient of ``modules`` over ``dp_group``, as one flat buffer.
+def sync_gradients(modules: dict[int, nn.Module], dp_group) -> None:
+    """Average every parameter gradient of ``modules`` over ``dp_group``, as one flat buffer
+    (:func:`minidist.data_parallel.flat.average_flat`, as FlatDDP does).
 
     A parameter with no gradient counts as zero (so replicas stay in step); one that no replica
     used keeps ``grad=None``, as in one process (a zero gradient would still move it under
@@ -68,17 +69,12 @@ def sync_gradients(modules: dict[int, nn.Module], dp_group, algorithm: str = "ri
     params = [p for s in sorted(modules) for p in modules[s].parameters() if p.requires_grad]
     if not params or dist.get_world_size(dp_group) == 1:
         return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in params] + [used.to(params[0].dtype)])
-    C.all_reduce(flat, op="avg", algorithm=algorithm, group=dp_group)
-    anywhere = flat[-len(params):].tolist()
-    offset = 0
-    for p, a in zip(params, anywhere):
-        n = p.numel()
+    *averaged, anywhere = average_flat(grads + [used], group=dp_group)
+    for p, avg, a in zip(params, averaged, anywhere.tolist()):
         if a > 0:
-            p.grad = flat[offset:offset + n].view_as(p).clone()
-        offset += n
+            p.grad = avg.clone()
 
 
 def recv_plan(schedule: Schedule, rank: int) -> list[tuple]:
@@ -90,6 +86,65 @@ def recv_plan(schedule: Schedule, rank: int) -> list[tuple]:
         elif op.kind == "B" and op.stage < last:
             plan.append((schedule.owner(op.stage + 1), "grad", op.mb, op.stage + 1, op.stage))
     return plan
+
+
+@dataclass
+class _StepState:
+    """What the forward and backward ops of one step share on this rank."""
+
+    schedule: Schedule
+    modules: dict
+    rank: int
+    device: object
+    transport: Transport
+    meter: ActivationMeter
+    clock: object
+    loss_fn: object
+    mb_inputs: list | None = None     # on the rank holding stage 0
+    mb_targets: list | None = None    # on the rank holding the last stage
+    weights: list | None = None       # n_m / N per micro-batch (last stage)
+    saved: dict = field(default_factory=dict)   # (mb, stage) -> (x, y) kept for the backward
+    events: list = field(default_factory=list)
+    total: torch.Tensor | None = None             # the summed weighted loss (last stage)
+
+
+def _forward_op(st: _StepState, m: int, s: int) -> None:
+    """F(m, s): take micro-batch m (stage 0) or receive the activation from stage s-1; run stage s;
+    on the last stage add (n_m/N)·loss to the total, else send y to stage s+1; keep (x, y)."""
+    last = st.schedule.n_stages - 1
+    if s == 0:
+        x = st.mb_inputs[m].to(st.device)
+    else:
+        x = st.transport.recv(st.schedule.owner(s - 1), "act", m, s - 1, s)
+        if x.is_floating_point():
+            x.requires_grad_()
+    start = st.clock()
+    with st.meter.forward(s, m):
+        y = st.modules[s](x)
+        if s == last:
+            y = st.loss_fn(y, st.mb_targets[m].to(st.device)) * st.weights[m]
+    st.events.append(Event("F", start, st.clock(), rank=st.rank, mb=m, stage=s))
+    if s == last:
+        st.total = y.detach() if st.total is None else st.total + y.detach()
+    else:
+        st.transport.send(y, st.schedule.owner(s + 1), "act", m, s, s + 1)
+    st.saved[(m, s)] = (x, y)
+
+
+def _backward_op(st: _StepState, m: int, s: int) -> None:
+    """B(m, s): receive dL/dy from stage s+1 (the last stage starts from its loss), backpropagate
+    through stage s (parameter gradients accumulate), send dL/dx to stage s-1."""
+    x, y = st.saved.pop((m, s))
+    last = st.schedule.n_stages - 1
+    grad = None if s == last else st.transport.recv(st.schedule.owner(s + 1), "grad", m, s + 1, s)
+    start = st.clock()
+    if y.requires_grad:
+        torch.autograd.backward(y, grad)
+    st.meter.backward(s, m)
+    st.events.append(Event("B", start, st.clock(), rank=st.rank, mb=m, stage=s))
+    if s > 0:
+        gx = x.grad if x.grad is not None else torch.zeros_like(x)
+        st.transport.send(gx, st.schedule.owner(s - 1), "grad", m, s, s - 1)
 
 
 def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
@@ -127,12 +182,11 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
     if sorted(modules) != schedule.stages_of(rank):
         raise ValueError(f"pipeline_step (rank {rank}): got modules for stages {sorted(modules)}, "
                          f"this rank holds stages {schedule.stages_of(rank)} (use local_stages)")
-    M, last = schedule.M, schedule.n_stages - 1
     device = device or env.device()
+    M, last = schedule.M, schedule.n_stages - 1
     mb_inputs = microbatch.split(inputs, M, "input batch") if 0 in modules else None
-    if last in modules:
-        mb_targets = microbatch.split(targets, M, "target batch")
-        weights = microbatch.loss_weights(targets.shape[0], M)
+    mb_targets = microbatch.split(targets, M, "target batch") if last in modules else None
+    weights = microbatch.loss_weights(targets.shape[0], M) if last in modules else None
     if record:
         dist.barrier(group=group)
     t0 = time.perf_counter()
@@ -141,53 +195,21 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         return time.perf_counter() - t0
 
     transport = Transport(group, device, clock if record else None)
-    if prefetch is None:
-        prefetch = dist.get_backend(group) == "gloo"
-    if prefetch:
+    st = _StepState(schedule, modules, rank, device, transport, ActivationMeter(modules), clock,
+                    loss_fn, mb_inputs, mb_targets, weights)
+    if prefetch if prefetch is not None else dist.get_backend(group) == "gloo":
         transport.start_prefetch(recv_plan(schedule, rank))
-    meter = ActivationMeter(modules)
-    events, saved, total = [], {}, None
     for op in schedule[rank]:
-        m, s = op.mb, op.stage
-        if op.kind == "F":
-            if s == 0:
-                x = mb_inputs[m].to(device)
-            else:
-                x = transport.recv(schedule.owner(s - 1), "act", m, s - 1, s)
-                if x.is_floating_point():
-                    x.requires_grad_()
-            start = clock()
-            with meter.forward(s, m):
-                y = modules[s](x)
-                if s == last:
-                    y = loss_fn(y, mb_targets[m].to(device)) * weights[m]
-            events.append(Event(rank, "F", m, s, start, clock()))
-            if s == last:
-                total = y.detach() if total is None else total + y.detach()
-            else:
-                transport.send(y, schedule.owner(s + 1), "act", m, s, s + 1)
-            saved[(m, s)] = (x, y)
-        else:
-            x, y = saved.pop((m, s))
-            grad = None if s == last else transport.recv(schedule.owner(s + 1), "grad", m, s + 1, s)
-            start = clock()
-            if y.requires_grad:
-                torch.autograd.backward(y, grad)
-            meter.backward(s, m)
-            events.append(Event(rank, "B", m, s, start, clock()))
-            if s > 0:
-                gx = x.grad if x.grad is not None else torch.zeros_like(x)
-                transport.send(gx, schedule.owner(s - 1), "grad", m, s, s - 1)
+        (_forward_op if op.kind == "F" else _backward_op)(st, op.mb, op.stage)
     transport.finish()
     if dp_group is not None:
         start = clock()
         sync_gradients(modules, dp_group)
-        if record:
-            events.append(Event(rank, "dp_sync", -1, -1, start, clock()))
+        st.events.append(Event("dp_sync", start, clock(), rank=rank))
+    events = []
     if record:
-        events += [Event(rank, k, mb, st, a, b) for k, mb, st, a, b in transport.events]
+        events = st.events + [Event(k, a, b, rank=rank, mb=mb, stage=s)
+                              for k, mb, s, a, b in transport.events]
         events.sort(key=lambda e: e.start)
-    else:
-        events = []
-    return StepResult(None if total is None else float(total), events, dict(meter.peak_inflight),
-                      dict(meter.peak_bytes), t0)
+    return StepResult(None if st.total is None else float(st.total), events,
+                      dict(st.meter.peak_inflight), dict(st.meter.peak_bytes), t0)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .schedules import Op, Schedule
-from .timeline import Event, bubble_fraction
+from ..trace import Event, bubble_fraction
 
 __all__ = ["simulate", "SimResult", "PipelineDeadlock", "peak_inflight", "bubble_formula",
            "message_order_mismatches"]
@@ -38,7 +38,7 @@ class PipelineDeadlock(RuntimeError):
 
 @dataclass
 class SimResult:
-    """``events``: the timeline; ``makespan``: its length; ``bubble``: see ``timeline.bubble_fraction``;
+    """``events``: the timeline; ``makespan``: its length; ``bubble``: see :func:`minidist.trace.bubble_fraction`;
     ``peak_inflight``: {stage: peak micro-batches of saved activations}."""
 
     schedule: Schedule
@@ -48,7 +48,7 @@ class SimResult:
     peak_inflight: dict
 
     def plot(self, ax=None, title: str | None = None, time_unit: str = "units"):
-        from .timeline import plot_timeline
+        from ..trace import plot_timeline
         return plot_timeline(self.events, ax=ax, title=title or f"simulated {self.schedule.name}, "
                              f"P={self.schedule.P}, M={self.schedule.M}", n_ranks=self.schedule.P,
                              time_unit=time_unit)
@@ -111,7 +111,7 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
                     t_comm if schedule.owner(dep.stage) != r else 0.0)
                 start = max(free[r], ready)
                 end = start + cost[op.kind]
-                events.append(Event(r, op.kind, op.mb, op.stage, start, end))
+                events.append(Event(op.kind, start, end, rank=r, mb=op.mb, stage=op.stage))
                 done[op] = free[r] = end
                 ptr[r] += 1
                 remaining -= 1

@@ -60,15 +60,21 @@ def tp_rank_world(group=None) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------ the four moves (no autograd)
-def split_along(x: torch.Tensor, dim: int, group=None, what: str = "split") -> torch.Tensor:
-    """This rank's contiguous slice of ``x`` along ``dim`` (sizes must divide by the TP size)."""
+def _chunks(x: torch.Tensor, dim: int, group, what: str) -> tuple[int, list[torch.Tensor]]:
+    """``(rank, the W slices of x along dim)``; ValueError naming the rank unless W divides it."""
     rank, world = tp_rank_world(group)
-    if world == 1:
-        return x
     if x.shape[dim] % world:
         raise ValueError(f"{what} (rank {rank}): dimension {dim} of shape {tuple(x.shape)} has "
                          f"size {x.shape[dim]}, not divisible by the tensor-parallel size {world}")
-    return x.chunk(world, dim=dim)[rank].contiguous()
+    return rank, list(x.chunk(world, dim=dim))
+
+
+def split_along(x: torch.Tensor, dim: int, group=None, what: str = "split") -> torch.Tensor:
+    """This rank's contiguous slice of ``x`` along ``dim`` (sizes must divide by the TP size)."""
+    if tp_rank_world(group)[1] == 1:
+        return x
+    rank, pieces = _chunks(x, dim, group, what)
+    return pieces[rank].contiguous()
 
 
 def gather_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
@@ -84,15 +90,11 @@ def gather_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's slice of ``dim`` (divisible by W: else ValueError)."""
-    rank, world = tp_rank_world(group)
-    if world == 1:
+    if tp_rank_world(group)[1] == 1:
         return x
-    if x.shape[dim] % world:
-        raise ValueError(f"reduce_scatter (rank {rank}): dimension {dim} of shape "
-                         f"{tuple(x.shape)} is not divisible by the tensor-parallel size {world}")
-    pieces = [p.contiguous() for p in x.chunk(world, dim=dim)]
-    out = torch.empty_like(pieces[rank])
-    C.reduce_scatter(out, pieces, op="sum", group=group)
+    rank, pieces = _chunks(x, dim, group, "reduce_scatter")
+    out = torch.empty_like(pieces[rank], memory_format=torch.contiguous_format)
+    C.reduce_scatter(out, [p.contiguous() for p in pieces], op="sum", group=group)
     return out
 
 

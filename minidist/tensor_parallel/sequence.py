@@ -26,8 +26,7 @@ from .. import collectives as C
 from . import regions as R
 from .layers import mark_parameter
 
-__all__ = ["mark_sequence_parallel", "allreduce_sequence_parallel_grads",
-           "sequence_parallel_parameters"]
+__all__ = ["mark_sequence_parallel", "allreduce_sequence_parallel_grads"]
 
 
 def mark_sequence_parallel(module: nn.Module) -> nn.Module:
@@ -35,10 +34,6 @@ def mark_sequence_parallel(module: nn.Module) -> nn.Module:
     for p in module.parameters():
         mark_parameter(p, getattr(p, "partition_dim", None), getattr(p, "full_size", None), True)
     return module
-
-
-def sequence_parallel_parameters(model: nn.Module) -> list[str]:
-    return [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> int:
