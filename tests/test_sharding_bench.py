@@ -13,3 +13,9 @@ def test_bench_zero_rows_and_memory_equal_formula(capsys):
     for r in rows:  # every flat buffer here has a size divisible by 2: no padding
         assert r["model_states_bytes"] == r["formula_bytes"], r["variant"]
     assert "fsdp2" in capsys.readouterr().out
+
+
+def test_demo_section_rows_are_all_correct():
+    from minidist.lessons.sharding_demo import demo_rows
+    rows = demo_rows()
+    assert len(rows) == 7 and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]

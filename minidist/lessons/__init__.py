@@ -14,6 +14,7 @@ module                  what it holds
                         the demo, the tests and ch06 share
 ``tp_demo``             the tensor-parallel rows of ``minidist demo``
 ``pp_demo``             the pipeline rows of ``minidist demo``
+``sharding_demo``       the sharding rows of ``minidist demo`` (ZeRO-1/2/3, memory, traffic)
 ``sharding_reference``  the ZeRO tests' toy model (tied weights, a frozen parameter, a buffer,
                         sizes not divisible by W), its batches, one process on the global batch
 ======================  ====================================================================
