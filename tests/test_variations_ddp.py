@@ -39,8 +39,8 @@ class Net(nn.Module):
         return out + self.extra(h) if use_extra else out
 
 
-def _data(dp_rank, n=6, step=0):
-    g = torch.Generator().manual_seed(100 * dp_rank + step)
+def _data(dp_rank, n=6, step=0, salt=0):
+    g = torch.Generator().manual_seed(100 * dp_rank + step + 10_000 * salt)
     return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
 
 
@@ -74,8 +74,9 @@ def _variation_rank(rank, world, version, variation, find_unused=False):
     if variation == "subgroup":
         grid = ProcessGrid(dp=2, tp=world // 2)
         group, dp_rank, dp_size = grid.dp_group, grid.dp_rank, grid.dp_size
+        salt = grid.tp_rank  # the two DP groups see different data: cross-talk would show
     else:
-        group, dp_rank, dp_size = None, rank, world
+        group, dp_rank, dp_size, salt = None, rank, world, 0
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
@@ -98,10 +99,10 @@ def _variation_rank(rank, world, version, variation, find_unused=False):
         ddp.sync_gradients()
         total = sum(_loss(ref, *_data(r, step=i)) / k for r in range(dp_size) for i in range(k))
     else:
-        x, y = _data(dp_rank)
+        x, y = _data(dp_rank, salt=salt)
         _loss(ddp, x, y, **kw_for(dp_rank)).backward()
         ddp.sync_gradients()
-        total = sum(_loss(ref, *_data(r), **kw_for(r)) for r in range(dp_size))
+        total = sum(_loss(ref, *_data(r, salt=salt), **kw_for(r)) for r in range(dp_size))
     (total / dp_size).backward()
     got = _grads(model)
     if hasattr(ddp, "close"):

@@ -123,9 +123,16 @@ class BucketedDDP(DataParallelBase):
             for i, p in enumerate(b.params):
                 self._where[p] = (b, i)
         self._hook, self._hook_state = allreduce_hook, None
-        # own group: the comm thread never shares a wire with collectives on the main thread
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
-        self._comm_group = dist.new_group(ranks=ranks)
+        # own group: the comm thread never shares a wire with collectives on the main thread.
+        # On a subgroup only its members create it (use_local_synchronization: the name is hashed
+        # from the ranks). A plain new_group expects every rank of the world to create the same
+        # group; the DP groups of a ProcessGrid, each created by its own members, got one name and
+        # one store prefix, so two groups' ranks connected to each other (wrong averages or a crash).
+        if self.group is None:
+            self._comm_group = dist.new_group()
+        else:
+            self._comm_group = dist.new_group(ranks=dist.get_process_group_ranks(self.group),
+                                              use_local_synchronization=True)
         self._thread_comm = Communicator(self.collectives, self._comm_group)
         self._queue: queue.Queue = queue.Queue()
         me = weakref.ref(self)  # neither the thread nor the hooks keep the wrapper alive
