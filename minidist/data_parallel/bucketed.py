@@ -41,7 +41,7 @@ from torch import nn
 from ..trace import Timeline
 from .base import Communicator, DataParallelBase
 
-__all__ = ["BucketedDDP", "Bucket", "build_buckets", "allreduce_hook"]
+__all__ = ["BucketedDDP", "Bucket", "build_buckets", "pack_by_size", "allreduce_hook"]
 
 
 @dataclass
@@ -67,22 +67,32 @@ class Bucket:
         return self.buffer[self.offsets[i]: self.offsets[i] + self.params[i].numel()]
 
 
+def pack_by_size(nbytes: list[int], cap_bytes: int | None,
+                 first_cap_bytes: int | None = None) -> list[list[int]]:
+    """Indices ``0..n-1``, in order, cut into consecutive groups of at most ``cap_bytes`` bytes
+    (``first_cap_bytes`` for group 0; ``None``: one group). An item is never split: one larger
+    than the cap gets a group of its own. The one bucket planner (DDP buckets, ZeRO buckets)."""
+    groups, current, size = [], [], 0
+    for i, n in enumerate(nbytes):
+        cap = first_cap_bytes if first_cap_bytes is not None and not groups else cap_bytes
+        if current and cap is not None and size + n > cap:
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        groups.append(current)
+    return groups
+
+
 def build_buckets(params: list, names: dict, cap_bytes: int, dtype: torch.dtype,
                   first_cap_bytes: int | None = None) -> list[Bucket]:
     """Pack ``params`` (reversed) into buckets of at most ``cap_bytes``; never split a parameter.
     ``first_cap_bytes`` caps bucket 0 alone (small, so communication starts early)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    groups, current, size = [], [], 0
-    for p in reversed(params):
-        nbytes = p.numel() * itemsize
-        cap = first_cap_bytes if first_cap_bytes is not None and not groups else cap_bytes
-        if current and size + nbytes > cap:
-            groups.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        groups.append(current)
+    order = list(reversed(params))
+    groups = [[order[i] for i in g] for g in
+              pack_by_size([p.numel() * itemsize for p in order], cap_bytes, first_cap_bytes)]
     buckets = []
     for i, group in enumerate(groups):
         offsets, n = [], 0

@@ -25,19 +25,9 @@ def padded_numel(numel: int, world_size: int) -> int:
 def plan_buckets(params: list, cap_bytes: int | None) -> list[list]:
     """Split ``params`` (in order) into groups of at most ``cap_bytes`` (never splitting a
     parameter; one larger than the cap gets a group of its own). ``None``: one group."""
-    if cap_bytes is None:
-        return [list(params)] if params else []
-    groups, cur, size = [], [], 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if cur and size + nbytes > cap_bytes:
-            groups.append(cur)
-            cur, size = [], 0
-        cur.append(p)
-        size += nbytes
-    if cur:
-        groups.append(cur)
-    return groups
+    from ..data_parallel.bucketed import pack_by_size  # the one bucket planner
+    return [[params[i] for i in g]
+            for g in pack_by_size([p.numel() * p.element_size() for p in params], cap_bytes)]
 
 
 class FlatBuffer:
