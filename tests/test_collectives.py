@@ -15,7 +15,7 @@ from minidist.comm import p2p
 from minidist.comm.ops import CollectiveMismatchError
 
 SIZES = (0, 1, 3, 6, 10, 1001)
-BIG = (1 << 20) + 3  # failure case C1's largest size
+BIG = (1 << 20) + 3  # large, and not divisible by any W > 1
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2 ** -7, torch.int64: 0,
        torch.int32: 0}
 
@@ -71,7 +71,7 @@ def _bit_identical_rank(rank, world, n):
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_all_reduce_large_and_identical_on_every_rank(world):
-    """C1 at 2^20+3 elements; and every rank ends with bit-identical values (DDP relies on it)."""
+    """2^20+3 elements (uneven pieces); and every rank ends with bit-identical values (DDP relies on it)."""
     res = minidist.run(_bit_identical_rank, world, BIG, timeout=120)
     ref = sum(_input(BIG, torch.float64, r) for r in range(world))
     for alg in ("ring", "naive", "recursive_doubling"):
@@ -85,7 +85,7 @@ def _avg_rank(rank, world):
 
 
 def test_avg_is_sum_divided_by_world_size():
-    """C3: W=4, x=[rank+1] -> 2.5 on all ranks."""
+    """avg on gloo (which has no AVG): W=4, x=[rank+1] -> 2.5 on all ranks."""
     assert minidist.run(_avg_rank, 4) == [2.5] * 4
 
 
@@ -182,7 +182,7 @@ def _traffic_rank(rank, world, n):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_traffic_is_2_w_minus_1_over_w_n(world):
-    """C2: per-rank traffic of a ring all-reduce is 2(W-1)/W · N elements (N divisible by W)."""
+    """Per-rank traffic of a ring all-reduce is 2(W-1)/W · N elements (N divisible by W)."""
     n = 12 * 1000
     for sent, recvd in minidist.run(_traffic_rank, world, n):
         assert sent == recvd == 2 * (world - 1) * n // world
@@ -195,7 +195,7 @@ def _ring_4m_rank(rank, world):
 
 
 def test_ring_does_not_deadlock_on_messages_too_large_to_buffer():
-    """C2: 4M floats; rank r holds ones*(r+1) -> W(W+1)/2 everywhere."""
+    """4M floats; rank r holds ones*(r+1) -> W(W+1)/2 everywhere."""
     assert minidist.run(_ring_4m_rank, 3, timeout=120) == [(6.0, 6.0)] * 3
 
 
@@ -240,7 +240,7 @@ def _mismatch_type_rank(rank, world):
 
 
 def test_debug_mode_raises_on_every_rank_before_data_moves():
-    """C5: in debug mode every rank gets the mismatch error (no abort, no hang)."""
+    """Mismatched shapes across ranks: in debug mode every rank gets the mismatch error (no abort, no hang)."""
     assert minidist.run(_mismatch_type_rank, 3, timeout=30) == ["raised"] * 3
 
 
@@ -269,7 +269,7 @@ def _autograd_rank(rank, world):
 
 
 def test_differentiable_collectives_have_the_conjugate_backward():
-    """C4: y = all_reduce(x), loss_r = ((r+1)*y).sum() -> x.grad = 3 on both of 2 ranks."""
+    """A differentiable all-reduce: y = all_reduce(x), loss_r = ((r+1)*y).sum() -> x.grad = 3 on both of 2 ranks."""
     world = 2
     res = minidist.run(_autograd_rank, world)
     for rank, (xg, gg, full, part, hg) in enumerate(res):

@@ -1,4 +1,4 @@
-"""Bucket layout (failure case D9) and overlap: buckets launched while backward still runs."""
+"""Bucket layout (a parameter larger than the cap still gets a bucket) and overlap: buckets launched while backward still runs."""
 
 import pytest
 import torch

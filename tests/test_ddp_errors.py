@@ -1,4 +1,4 @@
-"""Clear errors, never hangs: mismatched replicas (D8), unused parameters (D1), no_sync misuse (D2)."""
+"""Clear errors, never hangs: mismatched replicas, unused parameters, no_sync misuse."""
 
 import pytest
 import torch
@@ -91,7 +91,7 @@ def test_replica_check_fails_when_replicas_drift():
 
 
 class TwoHeads(nn.Module):
-    """Head a on even steps, head b on odd steps (failure case D1)."""
+    """Head a on even steps, head b on odd steps (a parameter unused in some steps)."""
 
     def __init__(self):
         super().__init__()

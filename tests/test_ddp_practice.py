@@ -1,4 +1,4 @@
-"""Sampler (D4), evaluation (D5), SyncBatchNorm (D3), checkpoints and resume (D7)."""
+"""Sampler, evaluation, SyncBatchNorm, checkpoints and resume."""
 
 import os
 
@@ -190,11 +190,11 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     minidist.run(_train, 2, path, 5, 2, timeout=30)
     assert path.exists() and not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
     state = torch.load(path, weights_only=True)
-    assert not any(k.startswith("module.") for k in state["model"])  # D7
+    assert not any(k.startswith("module.") for k in state["model"])  # saved unwrapped
     resumed = minidist.run(_train, 2, path, 5, None, True, timeout=30)
     for a, b in zip(straight[0], resumed[0]):
         assert torch.equal(a, b)  # bit-identical
-    # D7: loads into the bare model, strict, and a module.-prefixed dict loads too
+    # loads into the bare model, strict, and a module.-prefixed dict loads too
     bare = MLP(12, (16,), 5)
     load_checkpoint(path, bare)
     torch.save({"module." + k: v for k, v in bare.state_dict().items()}, tmp_path / "wrapped.pt")
@@ -250,7 +250,7 @@ def test_sync_batchnorm_inside_bucketed_ddp_equals_batchnorm_on_the_global_batch
     assert not torch.allclose(want["features.0.1.running_mean"], torch.zeros(4))
 
 
-# ----------------------------------------------------------------------------- D6 loss convention
+# ----------------------------------------------------------------------------- loss convention
 def _unequal(rank, world, weighted):
     a = [torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[10.0]])][rank]
     model = nn.Linear(1, 1, bias=False)

@@ -1,4 +1,5 @@
-"""A deliberately wrong ordering ends in a timeout error naming the stages (failure case P1)."""
+"""A deliberately wrong ordering ends in a timeout error naming the stages
+(two neighbours each waiting for the other)."""
 
 import pytest
 import torch

@@ -1,4 +1,5 @@
-"""Vocab-parallel cross-entropy against F.cross_entropy on the unpadded logits (failure case T2)."""
+"""Vocab-parallel cross-entropy against F.cross_entropy on the unpadded logits
+(padding columns must not count in the softmax)."""
 
 import pytest
 import torch

@@ -176,7 +176,7 @@ def test_column_out_features_not_divisible_is_a_clear_error():
         minidist.run(_bad_column_case, 4, timeout=60)
 
 
-# ---------------------------------------------------------------- failure case T1: f and g
+# ---------------------------------------------------------------- a missing or extra f or g
 class _TPMLP(nn.Module):
     """relu(x W1) W2 with W1 column- and W2 row-parallel; ``variant`` breaks one operator."""
 
@@ -230,6 +230,6 @@ def test_parallel_mlp_matches_and_stays_equal_over_adam_steps(world):
 @pytest.mark.parametrize("variant,broken", [("no_f", "x.grad"), ("no_g", "out"),
                                             ("extra_backward_all_reduce", "x.grad")])
 def test_equality_check_catches_a_broken_f_or_g(variant, broken):
-    """Failure case T1: each broken variant must fail the very check the correct layer passes."""
+    """A missing f or g, or an extra all-reduce: each broken variant must fail the very check the correct layer passes."""
     for worst in minidist.run(_mlp_case, 2, variant, 1, timeout=60):
         assert worst[broken] > 1e-2, (variant, worst)
