@@ -172,3 +172,72 @@ def test_pipeline_gives_the_one_process_answer(variation, schedule_name):
     world = 4 if variation in ("subgroup", "partial") else 2
     errs = minidist.run(_pp_rank, world, variation, schedule_name, timeout=120)
     assert max(errs) <= TOL, errs
+
+
+# ---------------------------------------------------------------- the TP model (TPGPT)
+class Checkpointed(nn.Module):
+    """Run ``block`` under torch.utils.checkpoint (activation recomputation in backward)."""
+
+    def __init__(self, block, reentrant):
+        super().__init__()
+        self.block, self.reentrant = block, reentrant
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+def _checkpoint_blocks(model, reentrant):
+    if reentrant is not None:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = Checkpointed(block, reentrant)
+    return model
+
+
+def _unwrap_names(state):
+    return {k.replace(".block.", "."): v for k, v in state.items()}
+
+
+def _gpt_rank(rank, world, variation, sp):
+    from minidist.models.gpt import GPT, GPTConfig
+    from minidist.tensor_parallel import TPGPT, gather_state_dict
+    cfg = GPTConfig(vocab_size=50, block_size=8, n_layer=2, n_head=4, n_embd=16)
+    if variation == "subgroup":
+        grid = ProcessGrid(dp=2, tp=world // 2)
+        group, dp_rank = grid.tp_group, grid.dp_rank
+    else:
+        group, dp_rank = None, 0
+    reentrant = _reentrant(variation)
+    torch.manual_seed(0)
+    ref = _checkpoint_blocks(GPT(cfg), reentrant)
+    torch.manual_seed(0)
+    tp = _checkpoint_blocks(TPGPT(cfg, group=group, sequence_parallel=sp), reentrant)
+    steps = 2 if variation.startswith("accumulation") else 1
+    worst = 0.0
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * dp_rank + step)
+        ids, targets = (torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=g)
+                        for _ in range(2))
+        _, loss_r = ref(ids, targets)
+        _, loss_t = tp(ids, targets)
+        worst = max(worst, abs(loss_t.item() - loss_r.item()))
+        loss_r.backward()
+        loss_t.backward()
+        if variation != "accumulation-finish-once" or step == steps - 1:
+            tp.finish_grads()  # after every micro-batch, or once before the step (Megatron)
+    got = _unwrap_names(gather_state_dict(tp, group=group, grads=True))
+    want = _unwrap_names({n: p.grad for n, p in ref.named_parameters() if p.grad is not None})
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for name in want:
+        scale = max(want[name].norm().item(), 1e-6)
+        worst = max(worst, (got[name] - want[name]).norm().item() / scale)
+    return worst
+
+
+@pytest.mark.parametrize("variation", ["subgroup", "checkpoint-reentrant",
+                                       "checkpoint-nonreentrant", "accumulation",
+                                       "accumulation-finish-once"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_tp_gpt_gives_the_one_process_answer(variation, sp):
+    world = 4 if variation == "subgroup" else 2
+    errs = minidist.run(_gpt_rank, world, variation, sp, timeout=120)
+    assert max(errs) <= TOL, errs

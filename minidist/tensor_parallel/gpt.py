@@ -27,7 +27,8 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, VocabParallelEmbedding, mark_parameter, pad_to_multiple
 from .mlp import ParallelMLP
 from .random import Dropout
-from .sequence import allreduce_sequence_parallel_grads, mark_sequence_parallel
+from .sequence import (allreduce_sequence_parallel_grads, mark_sequence_parallel,
+                       track_sequence_parallel_grads)
 
 __all__ = ["TPGPT", "use_tracker_dropout"]
 
@@ -63,6 +64,7 @@ class TPGPT(nn.Module):
             for block in self.blocks:
                 mark_sequence_parallel(block.ln1), mark_sequence_parallel(block.ln2)
             mark_sequence_parallel(self.ln_f)
+            track_sequence_parallel_grads(self)  # finish_grads may follow every micro-batch
 
     def forward(self, ids, targets=None, label_smoothing: float = 0.0):
         s = ids.shape[1]
@@ -90,7 +92,8 @@ class TPGPT(nn.Module):
         return logits, loss
 
     def finish_grads(self) -> None:
-        """After backward: sum the sequence-parallel parameters' partial gradients (no-op without SP)."""
+        """After backward: sum the sequence-parallel parameters' partial gradients (no-op without SP).
+        With gradient accumulation, call it after each micro-batch or once before the step."""
         if self.sequence_parallel:
             allreduce_sequence_parallel_grads(self, self.group)
 
