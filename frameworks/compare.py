@@ -14,6 +14,7 @@ Each launch writes rank 0's ``result.npz`` (losses per step, final weights, seco
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import signal
@@ -133,6 +134,45 @@ def _descendants(pids: list[int]) -> list[int]:
     return out
 
 
+def _proc_addr(hexaddr: str) -> str:
+    """'0100007F:1F90' (from /proc/net/tcp{,6}: 32-bit words in host order) -> '127.0.0.1:8080'."""
+    ip, port = hexaddr.split(":")
+    raw = b"".join(bytes.fromhex(ip[i:i + 8])[::-1] for i in range(0, len(ip), 8))
+    addr = ipaddress.ip_address(raw)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
+        addr = addr.ipv4_mapped
+    return f"{addr}:{int(port, 16)}"
+
+
+def listening(pids: list[int]) -> set[str]:
+    """TCP addresses that the processes ``pids`` (and their children) listen on (Linux /proc)."""
+    inodes = set()
+    for pid in _descendants(pids):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[3] == "0A" and cols[9] in inodes:        # 0A: LISTEN
+                out.add(_proc_addr(cols[1]))
+    return out
+
+
+def is_loopback(addr: str) -> bool:
+    return ipaddress.ip_address(addr.rsplit(":", 1)[0]).is_loopback
+
+
 def _kill_all(procs) -> None:
     """SIGKILL each launcher, its process group, and everything it started; reap the launchers."""
     live = [p.pid for p in procs if p.poll() is None]   # a reaped pid may belong to someone else
@@ -152,7 +192,9 @@ def _kill_all(procs) -> None:
 
 def launch(name: str | Framework, inputs: str, out: str, variant: str = "short", timeout: float = 300.0,
            build: bool = False, workdir: str | None = None) -> dict:
-    """Run framework ``name``'s job; return its result (see job.load_result) plus ``launch_s``.
+    """Run framework ``name``'s job; return its result (see job.load_result) plus ``launch_s``
+    (seconds from start to exit) and ``listening`` (the TCP addresses its processes were seen
+    listening on, sampled every 0.25 s).
 
     Raises EnvMissing if its env is not built (and not ``build``), RuntimeError with the
     launcher's output if it fails or runs past ``timeout`` seconds (the whole process group is
@@ -174,15 +216,18 @@ def launch(name: str | Framework, inputs: str, out: str, variant: str = "short",
         logs.append(log)
         procs.append(subprocess.Popen(argv, env={**os.environ, **extra}, cwd=workdir, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
-    failed = None
+    failed, heard = None, set()
     try:
-        deadline = t0 + timeout
+        while any(p.poll() is None for p in procs):        # sample what the launch listens on
+            if time.perf_counter() > t0 + timeout:
+                failed = f"still running after {timeout:.0f} s"
+                break
+            if os.path.isdir("/proc"):
+                heard |= listening([p.pid for p in procs if p.poll() is None])
+            time.sleep(0.25)
         for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.perf_counter()))
-            if p.returncode != 0 and failed is None:
+            if p.returncode not in (0, None) and failed is None:
                 failed = f"exit status {p.returncode}"
-    except subprocess.TimeoutExpired:
-        failed = f"still running after {timeout:.0f} s"
     finally:
         _kill_all(procs)                # the launchers and every worker they started
     seconds = time.perf_counter() - t0
@@ -195,6 +240,7 @@ def launch(name: str | Framework, inputs: str, out: str, variant: str = "short",
         raise RuntimeError(f"{name} ({variant}): {failed or 'no result file'}; output:\n{text[-4000:]}")
     result = job.load_result(out)
     result["launch_s"] = np.float64(seconds)
+    result["listening"] = np.array(sorted(heard), dtype=str)
     return result
 
 
@@ -231,11 +277,13 @@ def main(argv=None) -> int:
             row.update(compare(r, ref), launch_s=round(float(r["launch_s"]), 1),
                        step_ms=round(1e3 * float(r["step_s"]), 2))
             row["equal"] = row["loss"] <= TOLERANCE and row["weights"] <= TOLERANCE
+            row["listening"] = sorted(set(a.rsplit(":", 1)[0] for a in r["listening"]))
             ok &= row["equal"]
             rows.append(row)
             print(f"{name:18s} {variant:5s} loss {row['loss']:.1e} weights {row['weights']:.1e} "
                   f"launch {row['launch_s']:6.1f} s step {row['step_ms']:7.2f} ms "
-                  f"{'✓' if row['equal'] else '✗ > %g' % TOLERANCE}", flush=True)
+                  f"{'✓' if row['equal'] else '✗ > %g' % TOLERANCE} listens on {row['listening']}",
+                  flush=True)
     if a.save:
         with open(RESULTS, "w") as f:
             json.dump({"tolerance": TOLERANCE, "rows": rows}, f, indent=1)
