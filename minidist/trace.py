@@ -149,23 +149,17 @@ def plot_timeline(events, title: str = "", lanes: list[str] | None = None, ax=No
       ticks, bucket numbers on "all-reduce bN" bars (``labels``); times in ms.
     """
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     events = _as_events(events)
     pipeline = any(e.name in COMPUTE for e in events)
     P = n_ranks if n_ranks is not None else max((e.rank for e in events), default=-1) + 1
-    if pipeline:
-        rows = [(r, None) for r in range(P)]
-        t0, t1 = _span(events)
-        scale, unit = 1.0, time_unit or "s"
-    else:
-        rows = [(r, lane) for r in range(P) for lane in
-                (lanes if lanes is not None else dict.fromkeys(e.lane for e in events if e.rank == r))]
-        t0, t1, scale, unit = 0.0, 0.0, 1e3, time_unit or "ms"
+    rows = [(r, None) for r in range(P)] if pipeline else [
+        (r, lane) for r in range(P) for lane in
+        (lanes if lanes is not None else dict.fromkeys(e.lane for e in events if e.rank == r))]
     y_of = {row: len(rows) - 1 - i for i, row in enumerate(rows)}  # first row on top
+    (t0, t1), scale = (_span(events), 1.0) if pipeline else ((0.0, 0.0), 1e3)
     if ax is None:
-        height = 3.5 if pipeline else 0.45 * len(rows) + 1.2
-        _, ax = plt.subplots(figsize=(7, height), dpi=80)
+        _, ax = plt.subplots(figsize=(7, 3.5 if pipeline else 0.45 * len(rows) + 1.2), dpi=80)
     legend = {}
     for e in events:
         y = y_of.get((e.rank, None if pipeline else e.lane))
@@ -176,28 +170,35 @@ def plot_timeline(events, title: str = "", lanes: list[str] | None = None, ax=No
             if show_comm:
                 ax.broken_barh([(x, max(w, 1e-9))], (y - 0.5, 0.08), facecolors=_THIN[0])
                 legend.setdefault(_THIN[1], _THIN[0])
-            continue
-        colour, label = _style(e.name)
-        if w <= 0:
+        elif w <= 0:
             ax.plot([x] * 2, [y - 0.45, y + 0.45], color="black", linewidth=0.8)
-            continue
-        ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=colour, edgecolors="white",
-                       linewidth=0.5)
-        legend.setdefault(label, colour)
-        text = (str(e.mb) if w > 0.012 * (t1 - t0) else None) if pipeline else \
-            (e.name.rsplit(" ", 1)[-1] if labels and e.name.startswith("all-reduce") and " b" in e.name
-             else None)
-        if text:
-            ax.text(x + w / 2, y, text, ha="center", va="center", color="white",
-                    fontsize=label_fontsize if pipeline else 6)
+        else:
+            colour, label = _style(e.name)
+            ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=colour, edgecolors="white",
+                           linewidth=0.5)
+            legend.setdefault(label, colour)
+            text = (str(e.mb) if w > 0.012 * (t1 - t0) else None) if pipeline else \
+                (e.name.rsplit(" ", 1)[-1] if labels and e.name.startswith("all-reduce")
+                 and " b" in e.name else None)
+            if text:
+                ax.text(x + w / 2, y, text, ha="center", va="center", color="white",
+                        fontsize=label_fontsize if pipeline else 6)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"rank {r}" + (f" {lane}" if lane is not None else "")
                         for r, lane in reversed(rows)])
-    ax.set_xlabel(f"time ({unit})")
+    ax.set_xlabel(f"time ({time_unit or ('s' if pipeline else 'ms')})")
     if pipeline:
         ax.set_xlim(0, t1 - t0)
         title = f"{title + ' — ' if title else ''}bubble {bubble_fraction(events, P):.1%}"
-    if title:  # lanes: the legend sits above the axes, so the title goes right
+    _decorate(ax, title, legend, pipeline)
+    return ax
+
+
+def _decorate(ax, title: str, legend: dict, pipeline: bool) -> None:
+    """Title and legend: right of the axes for a pipeline; above it (title right) for lanes."""
+    from matplotlib.patches import Patch
+
+    if title:
         ax.set_title(title, fontsize=10) if pipeline else ax.set_title(title, loc="right", fontsize=9)
     handles = [Patch(color=c, label=k) for k, c in legend.items()]
     if handles and pipeline:
@@ -206,4 +207,3 @@ def plot_timeline(events, title: str = "", lanes: list[str] | None = None, ax=No
     elif handles:
         ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=7,
                   ncols=len(handles), frameon=False)
-    return ax

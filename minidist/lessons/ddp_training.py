@@ -47,6 +47,37 @@ def global_batches(n: int, world: int, epoch: int, batch_size: int, seed: int = 
     return [sum((per_rank[r][s] for r in range(world)), []) for s in range(len(per_rank[0]))]
 
 
+def _wrap(model, version: str, collectives: str, hook, hook_state, ddp_kwargs) -> tuple:
+    """``(the model to train, whether sync_gradients() must be called after backward)``."""
+    from ..data_parallel import VERSIONS
+
+    if version == "single":
+        return model, False
+    if version == "torch":
+        return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs), False
+    ddp = VERSIONS[version](model, collectives=collectives, **ddp_kwargs)
+    if hook is not None:
+        ddp.register_comm_hook(hook_state, hook)
+    return ddp, True
+
+
+def _epoch(ddp, opt, x_all, y_all, batches, sync: bool, autocast_dtype) -> list[float]:
+    """One pass over ``batches`` (index lists): the local loss of every step."""
+    losses = []
+    for idx in batches:
+        opt.zero_grad()
+        ctx = (torch.autocast(x_all.device.type, dtype=autocast_dtype)
+               if autocast_dtype is not None else contextlib.nullcontext())
+        with ctx:
+            loss = F.cross_entropy(ddp(x_all[idx]), y_all[idx])
+        loss.backward()
+        if sync:
+            ddp.sync_gradients()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def train_digits(rank: int, world: int, version: str = "bucketed", epochs: int = 5,
                  batch_size: int = 32, base_lr: float = 0.05, momentum: float = 0.9,
                  seed: int = 0, collectives: str = "hand-built", model_fn=None, autocast_dtype=None,
@@ -66,8 +97,6 @@ def train_digits(rank: int, world: int, version: str = "bucketed", epochs: int =
         ``{"losses": [per-step local loss], "accuracy", "test_loss", "params", "lr",
         "steps", "bytes_sent"}``.
     """
-    from ..data_parallel import VERSIONS
-
     if version == "single" and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("train_digits(version='single') runs one process: call it outside "
                          "minidist.run (or with world size 1), passing the world to imitate")
@@ -76,14 +105,7 @@ def train_digits(rank: int, world: int, version: str = "bucketed", epochs: int =
     x_all, y_all = (t.to(device) for t in train.tensors)
     torch.manual_seed(seed)
     model = (model_fn() if model_fn is not None else MLP(64, (64,), 10)).to(device)
-    if version == "single":
-        ddp, sync = model, False
-    elif version == "torch":
-        ddp, sync = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs), False
-    else:
-        ddp, sync = VERSIONS[version](model, collectives=collectives, **ddp_kwargs), True
-        if hook is not None:
-            ddp.register_comm_hook(hook_state, hook)
+    ddp, sync = _wrap(model, version, collectives, hook, hook_state, ddp_kwargs)
     lr = scaled_lr(base_lr, world * batch_size)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
     losses = []
@@ -98,17 +120,7 @@ def train_digits(rank: int, world: int, version: str = "bucketed", epochs: int =
                 batches = global_batches(len(x_all), world, epoch, batch_size, seed)
             else:
                 batches = _rank_batches(len(x_all), rank, world, epoch, batch_size, seed)
-            for idx in batches:
-                opt.zero_grad()
-                ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                       else contextlib.nullcontext())
-                with ctx:
-                    loss = F.cross_entropy(ddp(x_all[idx]), y_all[idx])
-                loss.backward()
-                if sync:
-                    ddp.sync_gradients()
-                opt.step()
-                losses.append(float(loss.detach()))
+            losses += _epoch(ddp, opt, x_all, y_all, batches, sync, autocast_dtype)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{losses[-1]:.3f}")
