@@ -89,14 +89,16 @@ def _variation_rank(rank, world, version, variation, find_unused=False):
             return {"reentrant": variation == "checkpoint-reentrant"}
         return {}
 
-    if variation == "accumulation":
+    if variation.startswith("accumulation"):
         k = 3
         for i in range(k):
             x, y = _data(dp_rank, step=i)
-            ctx = ddp.no_sync() if i < k - 1 else contextlib.nullcontext()
+            synced = variation == "accumulation-synced" or i == k - 1  # sync every micro-batch
+            ctx = contextlib.nullcontext() if synced else ddp.no_sync()
             with ctx:
                 (_loss(ddp, x, y) / k).backward()
-        ddp.sync_gradients()
+            if synced:
+                ddp.sync_gradients()  # then p.grad = sum over micro-batches of their averages
         total = sum(_loss(ref, *_data(r, step=i)) / k for r in range(dp_size) for i in range(k))
     else:
         x, y = _data(dp_rank, salt=salt)
@@ -111,7 +113,7 @@ def _variation_rank(rank, world, version, variation, find_unused=False):
 
 
 VARIANTS = ["subgroup", "partial", "checkpoint-reentrant", "checkpoint-nonreentrant",
-            "accumulation"]
+            "accumulation", "accumulation-synced"]
 
 
 @pytest.mark.parametrize("variation", VARIANTS)

@@ -241,3 +241,22 @@ def test_tp_gpt_gives_the_one_process_answer(variation, sp):
     world = 4 if variation == "subgroup" else 2
     errs = minidist.run(_gpt_rank, world, variation, sp, timeout=120)
     assert max(errs) <= TOL, errs
+
+
+def _tp_disagree_rank(rank, world):
+    torch.manual_seed(0)
+    tp = TPBlock(None)
+    x, y = _data(0)
+    ((tp(x, use_extra=rank == 0) - y) ** 2).mean().backward()  # rank 0 alone uses the extra pair
+    return True
+
+
+def test_tp_layer_used_on_some_tp_ranks_only_is_reported_not_silent():
+    """Within one TP group every rank must run every TP layer (each is a collective). A layer run
+    on some ranks only cannot be detected without a collective per layer; the run must end in an
+    error (today: rank 0 reports the connection closed by rank 1, which had returned after its
+    collectives paired with rank 0's), never in results."""
+    with pytest.raises((minidist.RankTimeoutError, minidist.RankError)) as info:
+        got = minidist.run(_tp_disagree_rank, 2, timeout=15)
+        pytest.fail(f"no error: {got}")
+    assert "rank 0" in str(info.value)

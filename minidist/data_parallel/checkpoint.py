@@ -3,7 +3,8 @@ or a device-bound tensor must not stop a resume).
 
 * **What is saved:** the *unwrapped* module's state dict (no ``module.`` prefix), so a checkpoint
   written during DDP training loads into the bare model and vice versa, with ``strict=True``;
-  plus the optimizer state and a small ``extra`` dict (epoch, step, sampler seed, RNG state...).
+  plus the optimizer state and a small ``extra`` dict (epoch, step...). Not the RNG state:
+  ``extra`` comes from rank 0 alone, and every rank's own generators are saved anyway (below).
 * **Who writes:** global rank 0 only (replicas are identical; W writers would race on one file).
 * **Atomically:** into a temporary file in the same folder, flushed and fsync'ed, then
   ``os.replace`` — a crash mid-write leaves the previous checkpoint intact, never half a file.
