@@ -203,10 +203,10 @@ def _diagnose_sum(fn, reference: str, world: int, n: int, timeout: float) -> lis
     owner = [j for j in range(world) for _ in range(sizes[j])]  # chunk of each element
     lines = []
     for rank, (got, _) in enumerate(outs):
-        got = got.reshape(-1)
         if not isinstance(got, torch.Tensor) or got.numel() != (
                 sizes[rank] if reference == "reduce_scatter" else n):
-            continue  # a shape problem: already reported as such
+            continue  # a type or shape problem: already reported as such
+        got = got.reshape(-1)
         chunk_of = [rank] * got.numel() if reference == "reduce_scatter" else owner
         for i in range(got.numel()):
             c = chunk_of[i]
