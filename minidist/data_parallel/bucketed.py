@@ -6,7 +6,8 @@ and 2) leaves the network idle during backward and the CPU/GPU idle during commu
 1. **Buckets.** At construction the parameters, in *reverse registration order* (≈ the order
    their gradients become ready), are packed into buckets of at most ``bucket_cap_mb`` MiB
    (in ``reduce_dtype``). No parameter is split; one bigger than the cap gets a bucket of its own
-   (it is never left out of every bucket). :meth:`BucketedDDP.bucket_layout` shows the layout.
+   (it is never left out of every bucket): :mod:`.buckets`. :meth:`BucketedDDP.bucket_layout`
+   shows the layout.
 2. **Hooks.** ``Tensor.register_post_accumulate_grad_hook`` runs right after a parameter's
    ``.grad`` is final for this backward: the hook copies it into its bucket's slot. When a bucket's
    last slot is filled the bucket is *ready*.
@@ -32,7 +33,6 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -40,68 +40,9 @@ from torch import nn
 
 from ..trace import Timeline
 from .base import Communicator, DataParallelBase
+from .buckets import Bucket, build_buckets, pack_by_size  # noqa: F401  (re-exported)
 
 __all__ = ["BucketedDDP", "Bucket", "build_buckets", "pack_by_size", "allreduce_hook"]
-
-
-@dataclass
-class Bucket:
-    """One group of parameters whose gradients travel in one all-reduce."""
-
-    index: int
-    params: list              # in the order their gradients are expected (reverse registration)
-    names: list[str]
-    offsets: list[int]        # start of each parameter's slot in ``buffer``
-    numel: int
-    buffer: torch.Tensor      # flat, reduce_dtype
-    filled: int = 0
-    seen: set = field(default_factory=set)
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self.filled == len(self.params)
-
-    def slot(self, i: int) -> torch.Tensor:
-        return self.buffer[self.offsets[i]: self.offsets[i] + self.params[i].numel()]
-
-
-def pack_by_size(nbytes: list[int], cap_bytes: int | None,
-                 first_cap_bytes: int | None = None) -> list[list[int]]:
-    """Indices ``0..n-1``, in order, cut into consecutive groups of at most ``cap_bytes`` bytes
-    (``first_cap_bytes`` for group 0; ``None``: one group). An item is never split: one larger
-    than the cap gets a group of its own. The one bucket planner (DDP buckets, ZeRO buckets)."""
-    groups, current, size = [], [], 0
-    for i, n in enumerate(nbytes):
-        cap = first_cap_bytes if first_cap_bytes is not None and not groups else cap_bytes
-        if current and cap is not None and size + n > cap:
-            groups.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += n
-    if current:
-        groups.append(current)
-    return groups
-
-
-def build_buckets(params: list, names: dict, cap_bytes: int, dtype: torch.dtype,
-                  first_cap_bytes: int | None = None) -> list[Bucket]:
-    """Pack ``params`` (reversed) into buckets of at most ``cap_bytes``; never split a parameter.
-    ``first_cap_bytes`` caps bucket 0 alone (small, so communication starts early)."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    order = list(reversed(params))
-    groups = [[order[i] for i in g] for g in
-              pack_by_size([p.numel() * itemsize for p in order], cap_bytes, first_cap_bytes)]
-    buckets = []
-    for i, group in enumerate(groups):
-        offsets, n = [], 0
-        for p in group:
-            offsets.append(n)
-            n += p.numel()
-        buf = torch.zeros(n, dtype=dtype, device=group[0].device)
-        buckets.append(Bucket(i, group, [names[p] for p in group], offsets, n, buf))
-    return buckets
 
 
 def allreduce_hook(state, bucket: Bucket, comm: Communicator) -> None:

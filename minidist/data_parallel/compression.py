@@ -77,6 +77,6 @@ class TopK:
         return float(sum(e.abs().sum() for e in self.errors.values()))
 
 
-def ring_allreduce_bytes(numel: int, world: int, itemsize: int = 4) -> float:
+def ring_allreduce_bytes(numel: int, world_size: int, itemsize: int = 4) -> float:
     """Bytes one rank sends in a ring all-reduce of ``numel`` elements: 2(W-1)/W · numel · size."""
-    return 2 * (world - 1) / world * numel * itemsize
+    return 2 * (world_size - 1) / world_size * numel * itemsize

@@ -20,9 +20,9 @@ from .replicas import all_reduce_, unwrap
 __all__ = ["shard_indices", "evaluate"]
 
 
-def shard_indices(n: int, rank: int, world: int) -> list[int]:
+def shard_indices(n: int, rank: int, world_size: int) -> list[int]:
     """Rank ``rank``'s evaluation indices: ``range(rank, n, world)`` (no padding, no duplicates)."""
-    return list(range(rank, n, world))
+    return list(range(rank, n, world_size))
 
 
 @torch.no_grad()

@@ -37,9 +37,9 @@ def global_batch(step: int, size: int = 12, seed: int = 0) -> tuple[torch.Tensor
     return torch.randn(size, 12, generator=g), torch.randint(0, 5, (size,), generator=g)
 
 
-def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+def shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s contiguous piece of ``t`` along dim 0 (sizes differ by ≤ 1 if uneven)."""
-    return torch.tensor_split(t, world)[rank]
+    return torch.tensor_split(t, world_size)[rank]
 
 
 def _optimizer(params, lr, momentum):
@@ -68,7 +68,7 @@ def _autocast(dtype):
     return torch.autocast("cpu", dtype=dtype)
 
 
-def train_ddp(rank: int, world: int, wrap, steps: int = 3, size: int = 12, lr: float = 0.1,
+def train_ddp(rank: int, world_size: int, wrap, steps: int = 3, size: int = 12, lr: float = 0.1,
               momentum: float = 0.9, accumulation: int = 1, dtype: torch.dtype | None = None
               ) -> list[torch.Tensor]:
     """``wrap(model)`` on every rank (different initial values per rank: the wrapper must broadcast
@@ -84,7 +84,7 @@ def train_ddp(rank: int, world: int, wrap, steps: int = 3, size: int = 12, lr: f
             last = k == accumulation - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
                 with _autocast(dtype):
-                    loss = F.cross_entropy(ddp(shard(x, rank, world)), shard(y, rank, world))
+                    loss = F.cross_entropy(ddp(shard(x, rank, world_size)), shard(y, rank, world_size))
                 (loss / accumulation).backward()
                 if hasattr(ddp, "sync_gradients"):
                     ddp.sync_gradients()

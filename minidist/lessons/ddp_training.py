@@ -41,10 +41,10 @@ def _rank_batches(n, rank, world, epoch, batch_size, seed):
     return [idx[i: i + batch_size] for i in range(0, len(idx) - batch_size + 1, batch_size)]
 
 
-def global_batches(n: int, world: int, epoch: int, batch_size: int, seed: int = 0) -> list[list[int]]:
-    """The index lists one process should train on to match ``world`` ranks of ``batch_size``."""
-    per_rank = [_rank_batches(n, r, world, epoch, batch_size, seed) for r in range(world)]
-    return [sum((per_rank[r][s] for r in range(world)), []) for s in range(len(per_rank[0]))]
+def global_batches(n: int, world_size: int, epoch: int, batch_size: int, seed: int = 0) -> list[list[int]]:
+    """The index lists one process should train on to match ``world_size`` ranks of ``batch_size``."""
+    per_rank = [_rank_batches(n, r, world_size, epoch, batch_size, seed) for r in range(world_size)]
+    return [sum((per_rank[r][s] for r in range(world_size)), []) for s in range(len(per_rank[0]))]
 
 
 def _wrap(model, version: str, collectives: str, hook, hook_state, ddp_kwargs) -> tuple:
@@ -78,7 +78,7 @@ def _epoch(ddp, opt, x_all, y_all, batches, sync: bool, autocast_dtype) -> list[
     return losses
 
 
-def train_digits(rank: int, world: int, version: str = "bucketed", epochs: int = 5,
+def train_digits(rank: int, world_size: int, version: str = "bucketed", epochs: int = 5,
                  batch_size: int = 32, base_lr: float = 0.05, momentum: float = 0.9,
                  seed: int = 0, collectives: str = "hand-built", model_fn=None, autocast_dtype=None,
                  hook=None, hook_state=None, progress: bool = False, **ddp_kwargs) -> dict:
@@ -86,9 +86,9 @@ def train_digits(rank: int, world: int, version: str = "bucketed", epochs: int =
 
     Args:
         version: "naive", "flat", "bucketed" (minidist) or "torch" (torch's DDP); "single" trains
-            one process on :func:`global_batches` of ``world`` ranks (call it with rank 0).
-        batch_size: per-rank micro-batch; the global batch is ``world · batch_size`` and the
-            learning rate ``scaled_lr(base_lr, world · batch_size)``.
+            one process on :func:`global_batches` of ``world_size`` ranks (call it with rank 0).
+        batch_size: per-rank micro-batch; the global batch is ``world_size · batch_size`` and the
+            learning rate ``scaled_lr(base_lr, world_size · batch_size)``.
         autocast_dtype: e.g. ``torch.bfloat16`` for mixed precision on the CPU.
         hook, hook_state: a communication hook for the bucketed version (compression).
         progress: a tqdm bar on rank 0.
@@ -106,20 +106,20 @@ def train_digits(rank: int, world: int, version: str = "bucketed", epochs: int =
     torch.manual_seed(seed)
     model = (model_fn() if model_fn is not None else MLP(64, (64,), 10)).to(device)
     ddp, sync = _wrap(model, version, collectives, hook, hook_state, ddp_kwargs)
-    lr = scaled_lr(base_lr, world * batch_size)
+    lr = scaled_lr(base_lr, world_size * batch_size)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
     losses = []
     from ..comm import p2p
     bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm
-        bar = tqdm(total=epochs, desc=f"{version} W={world}", unit="epoch")
+        bar = tqdm(total=epochs, desc=f"{version} W={world_size}", unit="epoch")
     with p2p.count_traffic() as traffic:
         for epoch in range(epochs):
             if version == "single":
-                batches = global_batches(len(x_all), world, epoch, batch_size, seed)
+                batches = global_batches(len(x_all), world_size, epoch, batch_size, seed)
             else:
-                batches = _rank_batches(len(x_all), rank, world, epoch, batch_size, seed)
+                batches = _rank_batches(len(x_all), rank, world_size, epoch, batch_size, seed)
             losses += _epoch(ddp, opt, x_all, y_all, batches, sync, autocast_dtype)
             if bar is not None:
                 bar.update(1)

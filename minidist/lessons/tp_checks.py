@@ -67,13 +67,13 @@ def mlp_error() -> float:
                max_rel_error(grads, {n: p.grad for n, p in ref.named_parameters()})[0])
 
 
-def cross_entropy_error(world: int) -> float:
+def cross_entropy_error(world_size: int) -> float:
     """vocab_parallel_cross_entropy against ``F.cross_entropy`` with a vocabulary of 10 padded to a
-    multiple of ``world``, a logit of 1e4, label smoothing 0 and 0.1: the worst rel_error of loss and
+    multiple of ``world_size``, a logit of 1e4, label smoothing 0 and 0.1: the worst rel_error of loss and
     logit gradient, and the largest gradient on a padding column (must be 0)."""
     v = 10
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 5, pad_to_multiple(v, world), generator=g)
+    logits = torch.randn(2, 5, pad_to_multiple(v, world_size), generator=g)
     logits[0, 1, 3] = 1e4
     target = torch.randint(0, v, (2, 5), generator=g)
     target[0, 0], target[1, 4] = 0, v - 1

@@ -25,7 +25,7 @@ def padded_numel(numel: int, world_size: int) -> int:
 def plan_buckets(params: list, cap_bytes: int | None) -> list[list]:
     """Split ``params`` (in order) into groups of at most ``cap_bytes`` (never splitting a
     parameter; one larger than the cap gets a group of its own). ``None``: one group."""
-    from ..data_parallel.bucketed import pack_by_size  # the one bucket planner
+    from ..data_parallel.buckets import pack_by_size  # the one bucket planner
     return [[params[i] for i in g]
             for g in pack_by_size([p.numel() * p.element_size() for p in params], cap_bytes)]
 

@@ -1,0 +1,76 @@
+"""Buckets: which parameters' gradients travel together in one all-reduce (DDP, version 3).
+
+The parameters, in *reverse registration order* (≈ the order their gradients become ready), are
+cut into consecutive buckets of at most a cap in bytes; no parameter is split, one bigger than the
+cap gets a bucket of its own. :func:`pack_by_size` is the greedy cut itself, which ZeRO's bucket
+plan (:func:`minidist.sharding.flat.plan_buckets`) uses too.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Bucket", "pack_by_size", "build_buckets"]
+
+
+@dataclass
+class Bucket:
+    """One group of parameters whose gradients travel in one all-reduce."""
+
+    index: int
+    params: list              # in the order their gradients are expected (reverse registration)
+    names: list[str]
+    offsets: list[int]        # start of each parameter's slot in ``buffer``
+    numel: int
+    buffer: torch.Tensor      # flat, reduce_dtype
+    filled: int = 0
+    seen: set = field(default_factory=set)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.filled == len(self.params)
+
+    def slot(self, i: int) -> torch.Tensor:
+        return self.buffer[self.offsets[i]: self.offsets[i] + self.params[i].numel()]
+
+
+def pack_by_size(nbytes: list[int], cap_bytes: int | None,
+                 first_cap_bytes: int | None = None) -> list[list[int]]:
+    """Indices ``0..n-1``, in order, cut into consecutive groups of at most ``cap_bytes`` bytes
+    (``first_cap_bytes`` for group 0; ``None``: one group). An item is never split: one larger
+    than the cap gets a group of its own. The one bucket planner (DDP buckets, ZeRO buckets)."""
+    groups, current, size = [], [], 0
+    for i, n in enumerate(nbytes):
+        cap = first_cap_bytes if first_cap_bytes is not None and not groups else cap_bytes
+        if current and cap is not None and size + n > cap:
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def build_buckets(params: list, names: dict, cap_bytes: int, dtype: torch.dtype,
+                  first_cap_bytes: int | None = None) -> list[Bucket]:
+    """Pack ``params`` (reversed) into buckets of at most ``cap_bytes``; never split a parameter.
+    ``first_cap_bytes`` caps bucket 0 alone (small, so communication starts early)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    order = list(reversed(params))
+    groups = [[order[i] for i in g] for g in
+              pack_by_size([p.numel() * itemsize for p in order], cap_bytes, first_cap_bytes)]
+    buckets = []
+    for i, group in enumerate(groups):
+        offsets, n = [], 0
+        for p in group:
+            offsets.append(n)
+            n += p.numel()
+        buf = torch.zeros(n, dtype=dtype, device=group[0].device)
+        buckets.append(Bucket(i, group, [names[p] for p in group], offsets, n, buf))
+    return buckets
