@@ -330,6 +330,11 @@ def _kernel_ids(lab) -> list[str]:
 # --- the tests --------------------------------------------------------------------------------
 
 def test_chapter_01_runs_in_jupyterlab(lab):
+    import urllib.error
+    import urllib.request
+    with pytest.raises(urllib.error.HTTPError) as denied:  # token auth is on
+        urllib.request.urlopen(f"{lab['base']}/api/kernels", timeout=10)
+    assert denied.value.code == 403
     d = lab["driver"]
     t0 = time.monotonic()
     _open(lab, NOTEBOOK)
