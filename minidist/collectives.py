@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .comm import naive, p2p, recursive_doubling, ring, tree
-from .comm.ops import (check_same_across_ranks, check_sizes_agree, contiguous, debug_enabled,
-                       finish_avg_, normalize_op)
+from .comm.ops import (check_exchange_sizes, check_same_across_ranks, check_sizes_agree,
+                       contiguous, debug_enabled, finish_avg_, normalize_op)
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
            "ALGORITHMS"]
@@ -208,6 +208,9 @@ def all_to_all(output: list, input: list, group=None, debug: bool | None = None)
                 raise CollectiveMismatchError(
                     f"all_to_all: rank {rank} expects output[{j}] {tuple(output[j].shape)} "
                     f"{output[j].dtype} but rank {j} sends {want[0]} {want[1]}")
+    else:  # always on: cheap, and a disagreement would leave a stale element (ops.py)
+        check_exchange_sizes("all_to_all", group, [t.numel() for t in input],
+                             [t.numel() for t in output], input[0].device)
     with p2p.collective("all_to_all/naive"):
         naive.all_to_all(list(output), list(input), rank, world, group)
     return output

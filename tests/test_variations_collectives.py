@@ -3,8 +3,9 @@
 Found by trying the product as users do (issue 14): with per-rank sizes, ``all_gather`` on ranks
 that pass inconsistent size lists left one rank silently holding a stale value (gloo accepts a
 message shorter than the receive buffer; the rest of the buffer keeps what it held). The same held
-for ``broadcast`` when the root's tensor is smaller than a receiver's, and a root with an empty
-tensor left the others waiting for the timeout. Each case here is run with debug mode off.
+for ``broadcast`` when the root's tensor is smaller than a receiver's (and a root with an empty
+tensor left the others waiting for the timeout), for ``reduce_scatter`` with per-rank sizes and for
+``all_to_all`` when an output is larger than what its sender sends. Debug mode is off throughout.
 """
 
 import pytest
@@ -48,6 +49,12 @@ def _disagree_rank(rank, world, op, algorithm, case):
         t = torch.full((n,), STALE if rank else 1.0)
         C.broadcast(t, 0, algorithm=algorithm, debug=False)
         return t.tolist()
+    if op == "all_to_all":
+        bigger = {"receiver-larger": 3, "receiver-smaller": 1}[case]
+        ins = [torch.full((2,), float(10 * rank + j)) for j in range(world)]
+        outs = [torch.full((bigger if (rank == 0 and j == 1) else 2,), STALE) for j in range(world)]
+        C.all_to_all(outs, ins, debug=False)
+        return [o.tolist() for o in outs]
     raise AssertionError(op)
 
 
@@ -57,7 +64,8 @@ CASES = [(op, alg, case, world)
              ("all_gather", ("naive", "ring"), ("receiver-larger", "receiver-smaller", "tensor-form")),
              ("reduce_scatter", ("naive", "ring"), ("receiver-larger", "receiver-smaller")),
              ("broadcast", ("naive", "ring", "tree"), ("receiver-larger", "receiver-smaller",
-                                                       "empty-root"))]
+                                                       "empty-root")),
+             ("all_to_all", ("naive",), ("receiver-larger", "receiver-smaller"))]
          for alg in algs for case in cases]
 
 
@@ -68,7 +76,10 @@ def test_size_disagreement_is_an_error_naming_the_ranks(op, algorithm, case, wor
         pytest.fail(f"no error; results by rank: {got}")  # a silent (possibly stale) answer
     msg = str(info.value)
     assert "ranks disagree on the sizes" in msg, msg[-2000:]
-    assert "rank 0: [" in msg and "rank 1: [" in msg, msg[-2000:]
+    if op == "all_to_all":
+        assert "rank 1 sends 2 elements to rank 0, which expects" in msg, msg[-2000:]
+    else:
+        assert "rank 0: [" in msg and "rank 1: [" in msg, msg[-2000:]
 
 
 def _agree_rank(rank, world, algorithm):
@@ -81,6 +92,10 @@ def _agree_rank(rank, world, algorithm):
     C.reduce_scatter(out, [torch.full((s,), float(rank)) for s in sizes], algorithm=algorithm,
                      debug=False)
     assert torch.equal(out, torch.full_like(out, float(sum(range(world))))), out
+    ins = [torch.full((j + 1,), float(rank)) for j in range(world)]  # to rank j: j + 1 elements
+    outs = [torch.full((rank + 1,), STALE) for _ in range(world)]
+    C.all_to_all(outs, ins, debug=False)
+    assert all(torch.equal(o, torch.full_like(o, float(j))) for j, o in enumerate(outs)), outs
     return True
 
 

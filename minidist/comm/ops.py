@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["normalize_op", "combine_", "finish_avg_", "contiguous", "check_same_across_ranks",
-           "CollectiveMismatchError", "debug_enabled", "check_sizes_agree"]
+           "CollectiveMismatchError", "debug_enabled", "check_sizes_agree",
+           "check_exchange_sizes"]
 
 OPS = ("sum", "avg", "max", "min")
 
@@ -129,3 +130,27 @@ def check_sizes_agree(opname: str, group, sizes, device=None, root: int | None =
         f"(rank {dist.get_rank(group)} reporting):\n{rows}\n" + "; ".join(diffs[:8]) +
         ".\nEvery rank must pass the same sizes to " + opname + (
             f": rank {root}'s size." if root is not None else ": piece r has rank r's size on every rank."))
+
+
+def check_exchange_sizes(opname: str, group, send_sizes, recv_sizes, device=None) -> None:
+    """all_to_all's cheap, always-on check: rank r sends ``send_sizes[j]`` elements to rank j,
+    which must expect exactly that many from r (its ``recv_sizes[r]``); else a receive buffer
+    larger than its message would silently keep stale elements. One all-gather of 2W int64 per
+    rank, before any data moves; every rank sees the same table and raises the same error."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = torch.tensor([int(s) for s in send_sizes] + [int(s) for s in recv_sizes],
+                        dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    table = torch.stack(rows).view(world, 2, world).cpu()  # [r, 0, j]: r sends j; [r, 1, j]: r expects from j
+    sends, expects = table[:, 0, :], table[:, 1, :]
+    bad = (sends != expects.T).nonzero().tolist()
+    if bad:
+        lines = [f"rank {r} sends {int(sends[r, j])} elements to rank {j}, which expects "
+                 f"{int(expects[j, r])}" for r, j in bad[:8]]
+        raise CollectiveMismatchError(
+            f"{opname}: ranks disagree on the sizes before any data moved (rank "
+            f"{dist.get_rank(group)} reporting):\n  " + "\n  ".join(lines) +
+            f"\noutput[j] on rank r must have the size of rank j's input[r].")
