@@ -252,3 +252,18 @@ def test_same_message_on_every_rank_is_shown_once():
 
 def _same_everywhere(rank, world):
     return "sum is not divided by W"
+
+
+def test_busbw_factors_agree_with_the_benchmark():
+    from minidist import bench
+    from minidist.grading.composition import BUSBW_FACTOR
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"):
+        for w in (1, 2, 3, 8):
+            assert BUSBW_FACTOR[op](w) == bench.busbw_factor(op, w), (op, w)
+
+
+def test_report_total_scales_the_printed_score():
+    rep = grading.Report("part", total=4)
+    rep.check("a", lambda: None)
+    rep.check("b", lambda: "wrong")
+    assert (rep.score, rep.max_score) == (2, 4) and str(rep).endswith("score: 2/4")
