@@ -57,7 +57,8 @@ def _fsdp2(rank, world, name):
 
 
 def _all(rank, world, name):
-    return _ours(rank, world, name, True), _fsdp2(rank, world, name), _ours(rank, world, name, False)
+    return (_ours(rank, world, name, True), _fsdp2(rank, world, name),
+            _ours(rank, world, name, False))
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -1,5 +1,6 @@
 """Activation recomputation (minidist.sharding.checkpoint) gives the gradients of the run without
-it — bit for bit, dropout included (the RNG state is replayed) — like torch.utils.checkpoint in its
+it — bit for bit, dropout included (the RNG state is replayed) — like torch.utils.checkpoint in
+its
 reentrant and non-reentrant forms, and it works under bucketed DDP's and ZeRO-3's hooks."""
 
 import pytest

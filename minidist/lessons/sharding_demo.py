@@ -63,7 +63,8 @@ def demo_rows() -> list[dict]:
         err = max(max_abs_diff(r["equal"][s], single) for r in res)
         rows.append({"section": "sharding", "check": f"ZeRO-{s} AdamW vs one process",
                      "world_size": WORLD, "max_error": err, "ok": err <= TOL,
-                     "detail": f"{STEPS} steps, tied weights, frozen param, sizes not divisible by W"})
+                     "detail": f"{STEPS} steps, tied weights, frozen param, "
+                               "sizes not divisible by W"})
     for s in (1, 2, 3):
         got = res[0]["known"][s][0]
         want = zero_formula(668, WORLD, s, 8, 4, 4)
@@ -71,7 +72,8 @@ def demo_rows() -> list[dict]:
         total = got["params"] + got["grads"] + got["optimizer"]
         rows.append({"section": "sharding", "check": f"ZeRO-{s} memory = formula (bytes)",
                      "world_size": WORLD, "max_error": float(err), "ok": err == 0,
-                     "detail": f"{total} B accounted, {want['total']:.0f} B by ZeRO §5 (fp32, K=8)"})
+                     "detail": f"{total} B accounted, {want['total']:.0f} B by ZeRO §5 "
+                               "(fp32, K=8)"})
     ratio = res[0]["known"][3][1] / res[0]["known"][1][1]
     rows.append({"section": "sharding", "check": "ZeRO-3 traffic / ZeRO-1 traffic",
                  "world_size": WORLD, "max_error": abs(ratio - 1.5), "ok": ratio == 1.5,

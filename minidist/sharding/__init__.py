@@ -4,7 +4,8 @@
 * :func:`fully_shard` — ZeRO-3 / FSDP units with a flat sharded parameter each (:mod:`.fsdp`);
   full and sharded checkpoints, global-norm clipping (:mod:`.fsdp_state`);
 * :func:`checkpoint` — activation recomputation, RNG replayed (:mod:`.recompute`);
-* :func:`account`, :class:`ActivationMeter`, :func:`zero_formula` — memory per rank (:mod:`.memory`);
+* :func:`account`, :class:`ActivationMeter`, :func:`zero_formula` — memory per rank
+  (:mod:`.memory`);
 * flat padded buffers, the layout every stage uses (:mod:`.flat`);
 * the collectives they need, hand-built or torch's, and a communication thread (:mod:`.comms`).
 

@@ -2,7 +2,8 @@
 
 ``collectives="hand-built"`` runs minidist's own ring (:mod:`minidist.collectives`, built from
 isend/irecv, traffic counted by :mod:`minidist.comm.p2p`); ``"torch"`` runs ``torch.distributed``'s
-(``all_gather_into_tensor`` / ``reduce_scatter_tensor``; not counted by minidist's counters).
+(``all_gather_single`` / ``reduce_scatter_single``, formerly ``*_into_tensor``/``*_tensor``;
+not counted by minidist's counters).
 
 Every sharded buffer here is *flat and padded*: ``numel = W · shard_numel``, rank r's shard is
 elements ``[r·S, (r+1)·S)``. So both collectives move equal pieces, and per rank a ring moves
@@ -28,6 +29,9 @@ from .. import collectives as C
 __all__ = ["Collectives", "CommWorker", "Handle", "KINDS"]
 
 KINDS = ("hand-built", "torch")
+# torch renamed the flat-tensor collectives (the old names warn); keep torch >= 2.4 working
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Collectives:
@@ -57,7 +61,7 @@ class Collectives:
         if self.kind == "hand-built":
             C.all_gather(flat, shard.reshape(-1), group=self.group)
         else:
-            dist.all_gather_into_tensor(flat, shard.reshape(-1).clone(), group=self.group)
+            _ALL_GATHER(flat, shard.reshape(-1).clone(), group=self.group)
         return flat
 
     def reduce_scatter(self, shard: torch.Tensor, flat: torch.Tensor, op: str = "avg",
@@ -72,7 +76,7 @@ class Collectives:
                 C.reduce_scatter(shard, flat.reshape(-1), op="sum", group=self.group)
             else:
                 out = torch.empty_like(shard)
-                dist.reduce_scatter_tensor(out, flat.reshape(-1), group=self.group)
+                _REDUCE_SCATTER(out, flat.reshape(-1), group=self.group)
                 shard.copy_(out)
         elif flat.data_ptr() != shard.data_ptr():
             shard.copy_(flat.reshape(-1))

@@ -1,10 +1,10 @@
-"""ZeRO-3 / fully sharded data parallelism: :func:`fully_shard`, one flat sharded parameter per unit.
+"""ZeRO-3 / fully sharded data parallelism: :func:`fully_shard`, a flat sharded parameter per unit.
 
 Each call turns one module into a *unit* (Zhao et al. 2023, "PyTorch FSDP", §3.2; Rajbhandari et
 al. 2020, ZeRO, §5.3, P_os+g+p). The unit's trainable parameters — those not already in a unit
-below it — are packed into a flat buffer padded to W·S elements (:class:`~.flat.FlatBuffer`); rank r
-keeps only its [S] slice, registered on the module as the parameter ``flat_shard`` (so an ordinary
-optimizer built afterwards keeps state for 1/W of the model). Per training step:
+below it — are packed into a flat buffer padded to W·S elements (:class:`~.flat.FlatBuffer`);
+rank r keeps only its [S] slice, registered on the module as the parameter ``flat_shard`` (so an
+ordinary optimizer built afterwards keeps state for 1/W of the model). Per training step:
 
 1. **before the unit's forward** its flat buffer is all-gathered (in ``param_dtype``) and the
    original parameter names become views of it; the next unit's all-gather is *prefetched* on the
@@ -26,25 +26,15 @@ contains both uses (e.g. the root): anything else is a ``ValueError``.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .comms import Collectives, CommWorker
 from .flat import FlatBuffer
+from .mixed_precision import MixedPrecision, cast_floating
 
 __all__ = ["fully_shard", "MixedPrecision", "FlatParamUnit", "units", "set_requires_gradient_sync"]
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """``param_dtype``: dtype of the gathered parameters, i.e. of the compute (bf16/fp16);
-    ``reduce_dtype``: dtype gradients are reduce-scattered in (fp32 keeps the sum exact-ish).
-    The sharded master parameter and its gradient stay fp32 (torch's ``MixedPrecisionPolicy``)."""
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
 
 
 class _Context:
@@ -153,7 +143,7 @@ class FlatParamUnit:
             if i + 1 < len(ctx.order):
                 ctx.order[i + 1].gather(comm_thread=True)
         if self.mp.param_dtype is not None:
-            args, kwargs = _cast((args, kwargs), self.mp.param_dtype)
+            args, kwargs = cast_floating((args, kwargs), self.mp.param_dtype)
         return args, kwargs
 
     def post_forward(self, module, args, output):
@@ -243,18 +233,6 @@ def _tensors(obj):
             yield from _tensors(o)
 
 
-def _cast(obj, dtype):
-    if torch.is_tensor(obj):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple):
-        return tuple(_cast(o, dtype) for o in obj)
-    if isinstance(obj, list):
-        return [_cast(o, dtype) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
-    return obj
-
-
 def units(module: nn.Module) -> list[FlatParamUnit]:
     """Every unit in ``module`` (itself included), parents after children."""
     return [m._fsdp for m in module.modules() if getattr(m, "_fsdp", None) is not None][::-1]
@@ -262,7 +240,8 @@ def units(module: nn.Module) -> list[FlatParamUnit]:
 
 def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
     """``False``: backward accumulates full gradients locally, without communication (gradient
-    accumulation, like DDP's ``no_sync``); the next backward with ``True`` reduce-scatters the sum."""
+    accumulation, like DDP's ``no_sync``); the next backward with ``True`` reduce-scatters the
+    sum."""
     for u in units(module):
         u.sync = sync
 

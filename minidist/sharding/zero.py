@@ -69,7 +69,8 @@ class ShardedOptimizer:
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizer: stage must be 1 or 2, got {stage!r}")
         if grads not in ("averaged", "local"):
-            raise ValueError(f"ShardedOptimizer: grads must be 'averaged' or 'local', got {grads!r}")
+            raise ValueError("ShardedOptimizer: grads must be 'averaged' or 'local', "
+                             f"got {grads!r}")
         self.comm = Collectives(collectives, group)
         self.rank, self.world_size, self.stage, self.grads = (self.comm.rank, self.comm.world_size,
                                                               stage, grads)
