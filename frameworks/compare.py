@@ -49,19 +49,31 @@ class Framework:
     launcher: str            # torchrun | tf_config | single | paddle | horovodrun
     args: tuple = ()
     note: str = ""
+    wildcard_ports: int = 0  # servers it binds on every interface whatever it is told (measured)
+    zero_stage: int = 0      # minidist's matching reference besides DDP: ZeRO stage (0: DDP only)
 
 
 FRAMEWORKS = {f.name: f for f in [
     Framework("torch_ddp", None, "torch_ddp.py", "torchrun", note="DistributedDataParallel"),
-    Framework("torch_fsdp2", None, "torch_fsdp2.py", "torchrun", note="fully_shard (ZeRO-3)"),
+    Framework("torch_fsdp2", None, "torch_fsdp2.py", "torchrun", note="fully_shard (ZeRO-3)",
+              zero_stage=3),
+    # the torchrun of torch 2.13 (DeepSpeed's env) binds 2 stores on [::] whatever --rdzv-endpoint
+    # and --local-addr say (torch 2.14's, in the project venv, binds 127.0.0.1; both measured)
     *[Framework(f"deepspeed_zero{s}", "deepspeed", "deepspeed_zero.py", "torchrun",
-                ("--stage", str(s)), note=f"ZeRO stage {s}, CPU accelerator") for s in range(4)],
+                ("--stage", str(s)), note=f"ZeRO stage {s}, CPU accelerator", zero_stage=s,
+                wildcard_ports=2)
+      for s in range(4)],
+    # TF's gRPC server binds [::]:PORT for the port in TF_CONFIG: the address is fixed in its binary
     Framework("tf_multiworker", "tensorflow", "tf_multiworker.py", "tf_config",
-              note="MultiWorkerMirroredStrategy, 2 processes"),
+              note="MultiWorkerMirroredStrategy, 2 processes", wildcard_ports=job.WORKERS),
     Framework("tf_mirrored", "tensorflow", "tf_mirrored.py", "single",
               note="MirroredStrategy, 2 logical CPUs, 1 process"),
-    Framework("paddle_fleet", "paddle", "paddle_fleet.py", "paddle", note="fleet collective mode"),
-    Framework("horovod", "horovod", "horovod_job.py", "horovodrun", note="gloo, unmaintained"),
+    # rank 0's TCPStore (Paddle's libuv server) binds 0.0.0.0 even with --host/--master 127.0.0.1
+    Framework("paddle_fleet", "paddle", "paddle_fleet.py", "paddle", note="fleet collective mode",
+              wildcard_ports=1),
+    # horovodrun's rendezvous HTTP server binds ('', port): every interface, fixed in its code
+    Framework("horovod", "horovod", "horovod_job.py", "horovodrun", note="gloo, unmaintained",
+              wildcard_ports=1),
 ]}
 
 
@@ -173,6 +185,12 @@ def is_loopback(addr: str) -> bool:
     return ipaddress.ip_address(addr.rsplit(":", 1)[0]).is_loopback
 
 
+def listening_ok(fw: Framework, addrs) -> bool:
+    """Loopback only, but for the ``fw.wildcard_ports`` servers its code binds on every interface."""
+    wide = [a for a in addrs if not is_loopback(a)]
+    return len(wide) <= fw.wildcard_ports and all(a.rsplit(":", 1)[0] in ("::", "0.0.0.0") for a in wide)
+
+
 def _kill_all(procs) -> None:
     """SIGKILL each launcher, its process group, and everything it started; reap the launchers."""
     live = [p.pid for p in procs if p.poll() is None]   # a reaped pid may belong to someone else
@@ -278,6 +296,7 @@ def main(argv=None) -> int:
                        step_ms=round(1e3 * float(r["step_s"]), 2))
             row["equal"] = row["loss"] <= TOLERANCE and row["weights"] <= TOLERANCE
             row["listening"] = sorted(set(a.rsplit(":", 1)[0] for a in r["listening"]))
+            row["listening_ok"] = listening_ok(FRAMEWORKS[name], r["listening"])
             ok &= row["equal"]
             rows.append(row)
             print(f"{name:18s} {variant:5s} loss {row['loss']:.1e} weights {row['weights']:.1e} "

@@ -3,16 +3,19 @@
 * ``minidist``: :class:`minidist.data_parallel.BucketedDDP` on the hand-built collectives, 2 ranks
   started by :func:`minidist.run`; each rank trains on its contiguous half, the loss is averaged
   with minidist's ring all-reduce.
+* ``zero1``/``zero2``/``zero3``: minidist's own ZeRO (:mod:`minidist.sharding`), 2 ranks:
+  ``ShardedOptimizer`` stage 1 or 2, or ``fully_shard`` (one unit per Linear, then the root) for
+  stage 3 — the references of DeepSpeed's stages and of FSDP2.
 * ``single``: one torch process on the whole global batch (no distribution at all).
 
 Both run in the project's venv::
 
-    python frameworks/reference.py --inputs inputs.npz --out minidist.npz --variant short [--single]
+    python frameworks/reference.py --inputs inputs.npz --out minidist.npz --variant short \
+        [--single | --zero STAGE]
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 
@@ -40,22 +43,24 @@ def weights(model: nn.Module) -> dict:
             "w2": model[2].weight.detach().numpy().copy(), "b2": model[2].bias.detach().numpy().copy()}
 
 
-def _hand_built_kwargs() -> dict:
-    # minidist's DDP picks its collectives with `collectives="hand-built"` (older: `comm="minidist"`)
-    from minidist.data_parallel import DataParallelBase
-    params = inspect.signature(DataParallelBase.__init__).parameters
-    return {"collectives": "hand-built"} if "collectives" in params else {"comm": "minidist"}
-
-
-def _minidist_rank(rank: int, world: int, inputs_path: str, variant: str):
+def _minidist_rank(rank: int, world: int, inputs_path: str, variant: str, stage: int = 0):
     from minidist import collectives
     from minidist.data_parallel import BucketedDDP
+    from minidist.sharding import ShardedOptimizer, full_state_dict, fully_shard
 
     inputs = job.load_inputs(inputs_path)
     steps, lr = job.VARIANTS[variant]["steps"], job.VARIANTS[variant]["lr"]
     model = mlp(inputs)
-    ddp = BucketedDDP(model, **_hand_built_kwargs())
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    if stage == 0:                  # DDP: replicated everything, gradients all-reduced
+        ddp = BucketedDDP(model, collectives="hand-built")
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+    elif stage in (1, 2):           # ZeRO-1/2: optimizer state (and gradients) sharded
+        ddp = model
+        opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, grads="local",
+                               collectives="hand-built", lr=lr)
+    else:                           # ZeRO-3: parameters sharded too
+        ddp = fully_shard(model, auto_wrap=(nn.Linear,), collectives="hand-built")
+        opt = torch.optim.SGD(ddp.parameters(), lr=lr)
     losses = []
     for t in range(steps):
         x, y = job.shard(inputs, t, rank)
@@ -66,15 +71,21 @@ def _minidist_rank(rank: int, world: int, inputs_path: str, variant: str):
         mean = loss.detach().clone()
         collectives.all_reduce(mean, op="avg")   # halves are equal: mean of means = global mean
         losses.append(mean.item())
+    if stage == 3:                  # a collective: every rank gathers the full parameters
+        sd = full_state_dict(ddp)
+        return losses, {"w1": sd["0.weight"].numpy(), "b1": sd["0.bias"].numpy(),
+                        "w2": sd["2.weight"].numpy(), "b2": sd["2.bias"].numpy()}
     return losses, weights(model)
 
 
-def run_minidist(inputs_path: str, variant: str, timeout: float = 120.0) -> tuple[list, dict]:
-    """minidist's BucketedDDP on 2 ranks: (losses per step, final weights of rank 0)."""
+def run_minidist(inputs_path: str, variant: str, stage: int = 0,
+                 timeout: float = 180.0) -> tuple[list, dict]:
+    """minidist on 2 ranks: ``stage`` 0 = BucketedDDP, 1/2 = ShardedOptimizer, 3 = fully_shard.
+    Returns (losses per step, final weights of rank 0)."""
     import minidist
 
-    results = minidist.run(_minidist_rank, job.WORKERS, inputs_path, variant, backend="gloo",
-                           timeout=timeout)
+    results = minidist.run(_minidist_rank, job.WORKERS, inputs_path, variant, stage,
+                           backend="gloo", timeout=timeout)
     return results[0]
 
 
@@ -97,6 +108,11 @@ def run_single(inputs_path: str, variant: str) -> tuple[list, dict]:
 
 if __name__ == "__main__":
     args = job.parse_args(extra=[(("--single",), {"action": "store_true",
-                                                  "help": "one process instead of minidist's DDP"})])
-    losses, w = (run_single if args.single else run_minidist)(args.inputs, args.variant)
+                                                  "help": "one process instead of minidist's DDP"}),
+                                 (("--zero",), {"type": int, "choices": [0, 1, 2, 3], "default": 0,
+                                                "help": "minidist's ZeRO stage (0: DDP)"})])
+    if args.single:
+        losses, w = run_single(args.inputs, args.variant)
+    else:
+        losses, w = run_minidist(args.inputs, args.variant, args.zero)
     job.save_result(args.out, losses, w)

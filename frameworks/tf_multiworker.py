@@ -63,6 +63,12 @@ def main():
     if rank == 0:
         w1, b1, w2, b2 = (p.numpy() for p in params)
         job.save_result(args.out, losses, {"w1": w1.T, "b1": b1, "w2": w2.T, "b2": b2}, step_s=step_s)
+    else:
+        # collectives pull from the peer's buffers: leaving before worker 0 has finished its last
+        # step would reset its connection. Its result file says it has.
+        deadline = time.monotonic() + 120
+        while not os.path.exists(args.out) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 if __name__ == "__main__":
