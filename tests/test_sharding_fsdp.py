@@ -161,6 +161,8 @@ def _save_w2(rank, world, path, name):
     opt = cls(model.parameters(), **hyper)
     _steps(model, opt, rank, world, 3)
     sd, osd = fsdp_state.full_state_dict(model), fsdp_state.full_optim_state_dict(model, opt)
+    only0 = fsdp_state.full_state_dict(model, rank0_only=True)
+    assert (max_abs_diff(only0, sd) == 0.0) if rank == 0 else only0 == {}
     if rank == 0:
         torch.save((sd, osd), path)
     fsdp_state.save_sharded(model, path + ".sharded", opt)

@@ -41,12 +41,23 @@ class _Context:
     """What the units under one root share: the comm thread, the order, pending reduce-scatters."""
 
     def __init__(self, kind, group):
-        self.worker = CommWorker(kind, group)
+        self.kind, self.group, self._worker = kind, group, None
         self.order: list = []            # units in forward order (recorded in step 1)
         self.recording = True
         self.pending: list = []          # (unit, handle, reduced shard) of this backward
         self.in_backward = False
         self.prefetched = 0              # all-gathers that were started early on the comm thread
+
+    @property
+    def worker(self) -> CommWorker:
+        """Created at first use (the first forward, on every rank): only the root's is ever made."""
+        if self._worker is None:
+            self._worker = CommWorker(self.kind, self.group)
+        return self._worker
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
 
 
 class FlatParamUnit:
@@ -276,7 +287,7 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
     ctx = _Context(collectives, group)         # the newest outer unit's context is the shared one
     for u in below:
         if u.ctx is not None:
-            u.ctx.worker.close()
+            u.ctx.close()
         u.ctx = ctx
     return module
 
