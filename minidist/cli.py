@@ -138,7 +138,8 @@ def demo(argv=None) -> int:
 def bench(argv=None) -> int:
     from . import bench as B
 
-    p = argparse.ArgumentParser(prog="minidist bench", description="nccl-tests-style benchmark; "
+    p = argparse.ArgumentParser(prog="minidist bench", description="nccl-tests-style benchmark "
+                                "(each row beside torch and the point-to-point ceiling); "
                                 "'ddp', 'pp' and 'zero' benchmark the strategies.")
     p.add_argument("what", nargs="?", default="collectives",
                    choices=["collectives", "ddp", "pp", "zero"])

@@ -54,6 +54,7 @@ def test_bench_prints_the_nccl_tests_table_and_alpha_beta(tmp_path):
                     "--max-bytes", "64K", "--iters", "2", "--plot", str(plot))
     assert res.returncode == 0, res.stderr
     assert "busbw GB/s" in res.stdout and "alpha-beta fit all_reduce/ring W=2" in res.stdout
+    assert "of p2p" in res.stdout  # the point-to-point ceiling beside every row
     assert plot.stat().st_size > 1000
 
 

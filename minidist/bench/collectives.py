@@ -12,7 +12,14 @@ Definitions (nccl-tests, doc/PERFORMANCE.md):
 Each measurement: the input is refilled, ranks meet at a barrier, the op is timed; ``time_s`` is the
 median over iterations of the slowest rank's time. Algorithms alternate iteration by iteration, so
 the ratio to torch is measured under the same conditions. Every result is also checked (the ``wrong``
-column, as nccl-tests' ``#wrong``). The latency-bandwidth (alpha-beta) model
+column, as nccl-tests' ``#wrong``).
+
+The **point-to-point ceiling** is timed in the same alternation: one ``isend`` to the right
+neighbour and one ``irecv`` from the left per rank, of the elements a ring moves per rank
+(:func:`ceiling_elements`: busbw factor × N, e.g. 2(W-1)/W · N for all-reduce), as ONE message —
+no steps, no reductions, no Python between chunks. ``of_ceiling`` = ceiling time / the
+algorithm's time: the fraction of what the transport itself delivers to this traffic that the
+algorithm achieves (1.0 = nothing lost to steps, additions, copies or scheduling). The latency-bandwidth (alpha-beta) model
 ``time = alpha + beta · bytes`` is fitted by least squares (Hockney 1994; Thakur et al. 2005).
 """
 
@@ -28,7 +35,9 @@ from .. import collectives as C
 from ..launch import run
 
 __all__ = ["run_bench", "busbw_factor", "fit_alpha_beta", "plot_busbw", "format_table",
-           "ALGORITHMS", "OPS", "parse_size"]
+           "ALGORITHMS", "OPS", "parse_size", "ceiling_elements", "CEILING"]
+
+CEILING = "p2p"  # the name of the point-to-point ceiling's timings (not an algorithm of any op)
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 # per op: torch's built-in (the reference) and every hand-built algorithm the library offers
@@ -40,6 +49,44 @@ def busbw_factor(op: str, world_size: int) -> float:
     w = world_size
     return {"all_reduce": 2 * (w - 1) / w, "reduce_scatter": (w - 1) / w,
             "all_gather": (w - 1) / w, "broadcast": 1.0, "reduce": 1.0}[op]
+
+
+def ceiling_elements(op: str, numel: int, world_size: int) -> int:
+    """Elements each rank sends to its right neighbour (and receives from its left) in the
+    point-to-point ceiling of ``op`` on ``numel`` elements: what a ring moves per rank.
+
+    all-reduce 2(W-1)/W · N (reduce-scatter then all-gather), reduce-scatter and all-gather
+    (W-1)/W · N, broadcast N (a pipelined chain forwards the whole buffer once); computed from the
+    ring's W pieces of ``tensor_split`` so that it is exact when W does not divide N. Raises
+    ValueError for an unknown op or world_size < 1.
+    """
+    if world_size < 1:
+        raise ValueError(f"ceiling_elements: world_size must be >= 1, got {world_size}")
+    if op not in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+        raise ValueError(f"ceiling_elements: unknown op {op!r}")
+    if op == "broadcast":
+        return numel if world_size > 1 else 0
+    pieces = [numel // world_size + (i < numel % world_size) for i in range(world_size)]
+    per_phase = numel - min(pieces)  # W-1 steps; the rank skips one piece (the smallest bound)
+    return 2 * per_phase if op == "all_reduce" else per_phase
+
+
+def _ceiling_op(op: str, nbytes: int, rank: int, world: int):
+    """(prepare, call, check) of the point-to-point ceiling for one (op, size): one isend to the
+    right, one irecv from the left, of ceiling_elements(...) float32 elements."""
+    n = max(nbytes // 4 // world * world, world)
+    m = ceiling_elements(op, n, world)
+    send, recv = torch.full((m,), float(rank)), torch.empty(m)
+    right, left = (rank + 1) % world, (rank - 1) % world
+
+    def call():
+        if m:
+            works = [dist.irecv(recv, left), dist.isend(send, right)]
+            for w in works:
+                w.wait()
+
+    check = lambda: (recv - left).abs().max().item() if m else 0.0  # noqa: E731
+    return (lambda: None), call, check
 
 
 def parse_size(text: str) -> int:
@@ -99,7 +146,9 @@ def _bench_rank(rank, world, plan, iters, warmup):
         groups.setdefault((op, nbytes), []).append(algorithm)
     for (op, nbytes), algorithms in groups.items():
         closures = {a: _one_op(op, a, nbytes, rank, world) for a in algorithms}
-        times = {a: [] for a in algorithms}
+        if world > 1:  # the point-to-point ceiling, timed in the same alternation
+            closures[CEILING] = _ceiling_op(op, nbytes, rank, world)
+        times = {a: [] for a in closures}
         for i in range(warmup + iters):
             for a, (prep, call, _) in closures.items():
                 prep()
@@ -123,7 +172,9 @@ def run_bench(ops=OPS, algorithms=None, world_sizes=(2, 4), sizes=None, iters: i
 
     Each row: op, algorithm, world_size, bytes, time_s (median of the slowest rank), algbw_GBps,
     busbw_GBps, ratio_to_torch (busbw / torch's busbw for the same op, W and size; 1.0 for torch),
-    max_error and wrong (max_error above 1e-3 relative, which would be a bug).
+    ceiling_s (the point-to-point ceiling's time, same run; NaN at W=1), of_ceiling (ceiling_s /
+    time_s), max_error and wrong (max_error above 1e-3 relative, which would be a bug).
+    The ceiling's own timings are not rows: they are the ``ceiling_s`` of every row.
     """
     from tqdm.auto import tqdm
 
@@ -134,9 +185,18 @@ def run_bench(ops=OPS, algorithms=None, world_sizes=(2, 4), sizes=None, iters: i
         algs = [a for a in (algorithms or ALGORITHMS[op]) if a in ALGORITHMS[op]]
         plan = [(op, a, s) for s in sizes for a in algs]
         rows += run(_bench_rank, w, plan, iters, warmup, timeout=timeout)[0]
+    ceiling = {(r["op"], r["world_size"], r["bytes"]): r for r in rows if r["algorithm"] == CEILING}
+    for r in ceiling.values():
+        if r["max_error"] > 0:
+            raise RuntimeError(f"bench: the point-to-point ceiling of {r['op']} at W="
+                               f"{r['world_size']} received wrong data (error {r['max_error']})")
+    rows = [r for r in rows if r["algorithm"] != CEILING]
     torch_time = {(r["op"], r["world_size"], r["bytes"]): r["time_s"]
                   for r in rows if r["algorithm"] == "torch"}
     for r in rows:
+        c = ceiling.get((r["op"], r["world_size"], r["bytes"]))
+        r["ceiling_s"] = c["time_s"] if c else float("nan")
+        r["of_ceiling"] = r["ceiling_s"] / r["time_s"]
         r["algbw_GBps"] = r["bytes"] / r["time_s"] / 1e9
         r["busbw_GBps"] = r["algbw_GBps"] * busbw_factor(r["op"], r["world_size"])
         ref = torch_time.get((r["op"], r["world_size"], r["bytes"]))
@@ -169,13 +229,16 @@ def _human(nbytes: int) -> str:
 def format_table(rows: list[dict]) -> str:
     """The nccl-tests-like table, one line per row, plus an alpha-beta line per group."""
     head = f"{'op':<15}{'algorithm':<10}{'W':>3}{'size':>11}{'time ms':>10}{'algbw GB/s':>12}" \
-           f"{'busbw GB/s':>12}{'vs torch':>10}{'#wrong':>8}"
+           f"{'busbw GB/s':>12}{'vs torch':>10}{'of p2p':>8}{'#wrong':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['op']:<15}{r['algorithm']:<10}{r['world_size']:>3}{_human(r['bytes']):>11}"
                      f"{r['time_s'] * 1e3:>10.3f}{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}"
-                     f"{r['ratio_to_torch']:>9.2f}x{int(r['wrong']):>8}")
+                     f"{r['ratio_to_torch']:>9.2f}x{r.get('of_ceiling', float('nan')):>8.2f}"
+                     f"{int(r['wrong']):>8}")
     lines.append("")
+    lines.append("of p2p: the ceiling's time / this time; the ceiling = one isend to the right and one "
+                 "irecv from the left per rank of busbw factor x N elements, timed in the same run")
     groups = {}
     for r in rows:
         groups.setdefault((r["op"], r["algorithm"], r["world_size"]), []).append(r)
@@ -202,6 +265,13 @@ def plot_busbw(rows: list[dict], op: str | None = None):
         g = sorted(g, key=lambda r: r["bytes"])
         ax.plot([r["bytes"] for r in g], [r["busbw_GBps"] for r in g], marker="o",
                 linestyle="--" if alg == "torch" else "-", label=f"{alg}, W={w}")
+    for w in sorted({w for _, w in groups}):  # the point-to-point ceiling of each W, dotted
+        g = sorted({r["bytes"]: r for r in rows if r["op"] == op and r["world_size"] == w
+                    and r.get("ceiling_s", float("nan")) > 0}.values(), key=lambda r: r["bytes"])
+        if g:
+            ax.plot([r["bytes"] for r in g], [r["bytes"] / r["ceiling_s"] / 1e9
+                                              * busbw_factor(op, w) for r in g],
+                    ":", color="gray", label=f"p2p ceiling, W={w}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("busbw (GB/s)")
