@@ -12,6 +12,8 @@ Every call is recorded, per process:
 Peers are *group* ranks (the rank inside ``group``), like every other minidist API; they are
 translated to global ranks before reaching ``torch.distributed``. Empty tensors are never sent:
 gloo cannot send zero bytes, and both sides of a pair always agree that the message is empty.
+CUDA tensors on a gloo group (ranks sharing a GPU) travel through a reusable CPU buffer:
+:mod:`minidist.comm.staging`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from . import staging
 
 __all__ = [
     "send", "recv", "isend", "irecv", "wait_all", "exchange",
@@ -161,7 +165,7 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, _kind: st
     if tensor.numel() == 0:
         return _Done()
     _record(_kind, tensor, dst)
-    return dist.isend(tensor, _global(dst, group), group=group, tag=tag)
+    return staging.isend(tensor, _global(dst, group), group=group, tag=tag)  # CUDA via CPU
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, _kind: str = "irecv"):
@@ -174,7 +178,7 @@ def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, _kind: st
     if tensor.numel() == 0:
         return _Done()
     _record(_kind, tensor, src)
-    return dist.irecv(tensor, _global(src, group), group=group, tag=tag)
+    return staging.irecv(tensor, _global(src, group), group=group, tag=tag)  # CUDA via CPU
 
 
 def wait_all(works) -> None:

@@ -1,0 +1,184 @@
+"""Staging: move a CUDA tensor through a reusable (pinned) CPU buffer when the transport is gloo.
+
+Gloo's point-to-point ``send``/``recv`` take CPU tensors only. When several ranks share one GPU
+(``minidist.run(fn, W, device="cuda")``: each rank computes on the GPU, gloo carries the bytes),
+every message a collective, DDP, TP, PP or sharding sends is a CUDA tensor. This module is the ONE
+place where that is handled, and :mod:`minidist.comm.p2p` calls it for every non-empty message:
+
+* send: copy the tensor into a CPU buffer (device -> host, synchronous: the copy waits for the
+  kernels that produced the tensor on the current stream), then ``dist.isend`` the buffer;
+* receive: ``dist.irecv`` into a CPU buffer; when the Work is waited on, copy the buffer into the
+  CUDA tensor (host -> device, synchronous) and give the buffer back.
+
+Buffers come from a pool and are reused: a buffer is lent for one message and returned when its
+Work completes, so a collective that has k messages in flight at once holds k buffers, and the
+same collective called again allocates nothing. Buffers are page-locked ("pinned") when the tensor
+is on a GPU: a copy from pageable memory goes through a driver bounce buffer first, a copy from
+pinned memory is one DMA (CUDA C++ Best Practices Guide, "Pinned Memory").
+
+Tensors already on the CPU go straight to gloo, and with NCCL CUDA tensors go straight to NCCL;
+staging is used only for non-CPU tensors on a non-NCCL group. To test this path on a machine
+without a GPU, force staging for CPU tensors too: ``with staging.forced(): ...`` or the
+environment variable ``MINIDIST_FORCE_STAGING=1`` (read at each call).
+
+:func:`stats` counts buffers allocated, bytes allocated and messages staged, per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["isend", "irecv", "needs_staging", "forced", "stats", "reset", "StagingPool"]
+
+_MIN_BYTES = 4096  # smallest buffer: small messages (headers, sizes) share one size class
+
+
+class StagingPool:
+    """Free CPU byte buffers, pinned and pageable kept apart; lend the smallest that fits.
+
+    When no free buffer fits, a new one of the next power of two is allocated, and the largest
+    free buffer that was too small is dropped: the pool holds at most as many buffers as there
+    were messages in flight at once, each at most twice the largest message.
+    """
+
+    def __init__(self):
+        self._free = {True: [], False: []}
+        self._lock = threading.Lock()  # a DDP communication thread stages too
+        self.allocations = 0
+        self.bytes_allocated = 0
+        self.staged_sends = 0
+        self.staged_recvs = 0
+
+    def acquire(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """A 1-D uint8 CPU buffer of at least ``nbytes`` bytes (pinned if ``pin``)."""
+        with self._lock:
+            free = self._free[pin]
+            fits = [b for b in free if b.numel() >= nbytes]
+            if fits:
+                buf = min(fits, key=torch.Tensor.numel)
+                _remove(free, buf)
+                return buf
+            if free:  # it will be replaced by the bigger buffer allocated below
+                _remove(free, max(free, key=torch.Tensor.numel))
+            cap = max(_MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
+            self.allocations += 1
+            self.bytes_allocated += cap
+        return torch.empty(cap, dtype=torch.uint8, pin_memory=pin)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free[buf.is_pinned()].append(buf)
+
+    def held(self) -> int:
+        """Free buffers in the pool now (pinned + pageable)."""
+        with self._lock:
+            return len(self._free[True]) + len(self._free[False])
+
+
+def _remove(buffers: list, buf: torch.Tensor) -> None:
+    """``list.remove`` by identity (``==`` on tensors compares elements)."""
+    del buffers[next(i for i, b in enumerate(buffers) if b is buf)]
+
+
+_pool = StagingPool()
+_force = threading.local()
+
+
+@contextlib.contextmanager
+def forced(enabled: bool = True):
+    """Stage every message in the block, CPU tensors included (tests the path without a GPU)."""
+    before = getattr(_force, "on", None)
+    _force.on = enabled
+    try:
+        yield
+    finally:
+        _force.on = before
+
+
+def _forced() -> bool:
+    on = getattr(_force, "on", None)
+    if on is not None:
+        return on
+    return os.environ.get("MINIDIST_FORCE_STAGING", "") not in ("", "0")
+
+
+def needs_staging(tensor: torch.Tensor, group=None) -> bool:
+    """True when ``tensor`` must go through a CPU buffer: not on the CPU and the group is not NCCL
+    (or staging is forced, see :func:`forced`)."""
+    if _forced():
+        return True
+    return tensor.device.type != "cpu" and dist.get_backend(group) != "nccl"
+
+
+def _byte_view(buf: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``buf``'s first bytes seen as a flat tensor of ``tensor``'s dtype and element count."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return buf[:nbytes].view(tensor.dtype)
+
+
+class _StagedWork:
+    """The Work of a staged message: on completion, copy a received buffer into the real tensor
+    and return the buffer to the pool. ``wait`` and ``is_completed`` behave like torch's Work."""
+
+    def __init__(self, work, buf, target=None):
+        self._work, self._buf, self._target = work, buf, target
+
+    def _finish(self) -> None:
+        if self._target is not None:
+            self._target.view(-1).copy_(_byte_view(self._buf, self._target))
+        _pool.release(self._buf)
+        self._work = self._buf = self._target = None
+
+    def wait(self, timeout=None):
+        if self._work is not None:
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout)
+            self._finish()
+        return True
+
+    def is_completed(self) -> bool:
+        if self._work is not None and self._work.is_completed():
+            self.wait()
+        return self._work is None
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+    """``dist.isend`` (``dst`` a *global* rank), through a CPU buffer when needed."""
+    if not needs_staging(tensor, group):
+        return dist.isend(tensor, dst, group=group, tag=tag)
+    buf = _pool.acquire(tensor.numel() * tensor.element_size(), pin=tensor.is_cuda)
+    view = _byte_view(buf, tensor)
+    view.copy_(tensor.reshape(-1))
+    _pool.staged_sends += 1
+    return _StagedWork(dist.isend(view, dst, group=group, tag=tag), buf)
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
+    """``dist.irecv`` (``src`` a *global* rank) into ``tensor``, through a CPU buffer when needed;
+    the data lands in ``tensor`` when the returned Work is waited on."""
+    if not needs_staging(tensor, group):
+        return dist.irecv(tensor, src, group=group, tag=tag)
+    buf = _pool.acquire(tensor.numel() * tensor.element_size(), pin=tensor.is_cuda)
+    _pool.staged_recvs += 1
+    return _StagedWork(dist.irecv(_byte_view(buf, tensor), src, group=group, tag=tag), buf, tensor)
+
+
+def stats() -> dict:
+    """This process's staging counters: ``allocations``, ``bytes_allocated``, ``staged_sends``,
+    ``staged_recvs``, ``free_buffers``."""
+    return dict(allocations=_pool.allocations, bytes_allocated=_pool.bytes_allocated,
+                staged_sends=_pool.staged_sends, staged_recvs=_pool.staged_recvs,
+                free_buffers=_pool.held())
+
+
+def reset() -> None:
+    """Drop every pooled buffer and zero the counters (tests)."""
+    global _pool
+    _pool = StagingPool()
