@@ -217,3 +217,33 @@ def test_prefetch_happens_and_everything_is_freed_after_a_step():
     assert on["shard sizes"] == [101, 101, 44]
     assert sorted(on["params"]) == ["blocks.0.flat_shard", "blocks.1.flat_shard", "flat_shard",
                                     "frozen"]
+
+
+def _errors(rank, world):
+    out = {}
+    model = fsdp.fully_shard(make_model(), auto_wrap=(Block,))
+    for what, fn in {
+        "twice": lambda: fsdp.fully_shard(model),
+        "tied across units": lambda: _tie_blocks(),
+        "stage": lambda: __import__("minidist.sharding", fromlist=["x"]).ShardedOptimizer(
+            make_model().parameters(), torch.optim.SGD, stage=3, lr=0.1),
+    }.items():
+        try:
+            fn()
+            out[what] = "no error"
+        except ValueError as e:
+            out[what] = str(e)
+    return out
+
+
+def _tie_blocks():
+    model = make_model()
+    model.blocks[1].fc1.weight = model.blocks[0].fc1.weight  # one weight used in two units
+    fsdp.fully_shard(model, auto_wrap=(Block,))
+
+
+def test_bad_input_is_a_clear_error():
+    out = minidist.run(_errors, 1, timeout=60)[0]
+    assert "already a unit" in out["twice"]
+    assert "fc1.weight" in out["tied across units"] and "tied" in out["tied across units"]
+    assert "stage must be 1 or 2" in out["stage"]

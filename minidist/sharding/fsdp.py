@@ -79,7 +79,7 @@ class FlatParamUnit:
                 self.slots.append((sub, name, seen[id(p)], f"{mod_name}{name}"))
         self.names = [next(fq for _, _, i, fq in self.slots if i == k) for k in range(len(params))]
         self.layout = FlatBuffer(params, self.world_size, self.rank) if params else None
-        self.param_refs = [weakref.ref(p) for p in params]   # for the tied-parameter check
+        _claim(params, self.names, type(module).__name__)
         self.ctx, self.sync, self.state, self.handle = None, True, "sharded", None
         self.full, self.unsharded_grad = None, None
         if self.layout is None:
@@ -217,6 +217,22 @@ class FlatParamUnit:
                 unit._free()
 
 
+_CLAIMED: dict = {}   # id(parameter) -> (weak reference, unit name): which unit packed it
+
+
+def _claim(params, names, unit: str) -> None:
+    """Raise ``ValueError`` if a parameter was already packed by another unit (tied weights used in
+    two units); else record that ``unit`` owns them."""
+    for p, name in zip(params, names):
+        ref, owner = _CLAIMED.get(id(p), (None, None))
+        if ref is not None and ref() is p:
+            raise ValueError(f"fully_shard: parameter {name} of {unit} is tied to one already "
+                             f"packed by unit {owner}; a tied parameter must belong to one unit: "
+                             "shard a module that contains every use of it (e.g. the root)")
+    for p in params:
+        _CLAIMED[id(p)] = (weakref.ref(p), unit)
+
+
 def _gather(comm, unit: FlatParamUnit) -> None:
     unit._gather_into(comm)
 
@@ -267,7 +283,7 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
     (``"hand-built"`` or ``"torch"``), ``mp_policy`` (:class:`MixedPrecision`),
     ``reshard_after_forward`` (free after forward; False keeps it gathered until backward),
     ``prefetch`` (all-gather the next unit on the comm thread).
-    Raises ``ValueError`` for a module sharded twice or a parameter tied across units.
+    Raises ``ValueError`` for a module sharded twice or a parameter tied across two units.
     """
     if getattr(module, "_fsdp", None) is not None:
         raise ValueError(f"fully_shard: {type(module).__name__} is already a unit")
@@ -277,7 +293,6 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
         for sub in list(module.modules())[1:][::-1]:
             if isinstance(sub, tuple(auto_wrap)) and getattr(sub, "_fsdp", None) is None:
                 fully_shard(sub, **opts)
-    _check_ties(module)
     unit = FlatParamUnit(module, Collectives(collectives, group), mp_policy or MixedPrecision(),
                          reshard_after_forward, prefetch)
     module._fsdp = unit
@@ -290,16 +305,3 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
             u.ctx.close()
         u.ctx = ctx
     return module
-
-
-def _check_ties(module: nn.Module) -> None:
-    """A parameter already packed into a unit below must not be registered anywhere else."""
-    taken = {}
-    for u in units(module):
-        for ref in u.param_refs:
-            if ref() is not None:
-                taken[id(ref())] = u
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in taken and any(r() is p for r in taken[id(p)].param_refs):
-            raise ValueError(f"fully_shard: parameter {name} is tied to one inside unit "
-                             f"{taken[id(p)].unit_name()}; shard a module that contains both uses")
