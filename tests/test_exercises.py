@@ -428,3 +428,71 @@ def test_text_points_and_printed_score_agree(solution):
             assert scores, f"{gid}: no printed score stored (re-execute the solution)"
             assert float(scores[-1][1]) == meta["points"], (gid, scores, meta["points"])
             assert heading_points == meta["points"], (gid, heading_points, meta["points"])
+
+
+def test_ex01_rejects_a_token_that_adds_the_rank_and_a_ring_sum_one_shift_short():
+    _rejects("01_token_ring.ipynb", "token_ring_grade", {"token_ring": '''
+def token_ring(rank, world_size, laps):
+    token = torch.zeros(1)
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for _ in range(laps):
+        if rank == 0:
+            token += 1
+            if world_size > 1:
+                p2p.send(token, right)
+                p2p.recv(token, left)
+        else:
+            p2p.recv(token, left)
+            token += rank                 # should add rank + 1
+            p2p.send(token, right)
+    return token
+'''}, "token[0]: expected", "score: 0.5/2")
+    text = _rejects("01_token_ring.ipynb", "ring_sum_grade", {"ring_sum": '''
+def ring_sum(x, rank, world_size):
+    passing = x.clone()
+    for _ in range(world_size - 2):      # one shift short
+        passing = shift_right(passing, rank, world_size)
+        x += passing
+    return x
+'''}, "holds ranks", "missing")
+    assert "ring taught above" not in text  # ex01's ring_sum is not chapter 03's chunked ring
+
+
+def test_ex06_rejects_a_row_parallel_bias_added_on_every_rank():
+    ns_src = _solutions.load("06_tensor_parallel.ipynb")  # noqa: F841 (checks the notebook loads)
+    _rejects("06_tensor_parallel.ipynb", "column_row_grade", {"column_row": '''
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        full = nn.Linear(in_features, out_features)
+        self.weight = nn.Parameter(full.weight.data.chunk(world_size, 0)[rank].clone())
+        self.bias = nn.Parameter(full.bias.data.chunk(world_size, 0)[rank].clone())
+
+    def forward(self, x):
+        return F.linear(copy_to_region(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        full = nn.Linear(in_features, out_features)
+        self.weight = nn.Parameter(full.weight.data.chunk(world_size, 1)[rank].clone())
+        self.bias = nn.Parameter(full.bias.data.clone())
+
+    def forward(self, x_shard):
+        return reduce_from_region(F.linear(x_shard, self.weight, self.bias))   # bias W times
+'''}, "bias added once?", "✓ ColumnParallelLinear (world size 4)")
+
+
+def test_ex07_rejects_an_engine_run_on_the_whole_model():
+    _rejects("07_one_f_one_b.ipynb", "run_on_engine_grade", {"run_on_engine": '''
+def pipeline_rank(rank, world_size, M):
+    model = make_model()
+    x, y = make_batch()
+    loss = nn.functional.mse_loss(model(x), y)     # no pipeline: every rank runs everything
+    loss.backward()
+    modules = {0: model}
+    return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}
+'''}, "keep only this rank's stages", "✓ 1F1B M=3 equals one process (world size 1)")

@@ -189,7 +189,7 @@ def rs_wrong_chunk(chunks, rank, world):
 
 def test_wrong_reduce_scatter_is_decoded_into_missing_ranks_on_every_rank():
     report = grading.grade_collective(rs_one_step_short, "reduce_scatter", world_sizes=(3,),
-                                      sizes=(10,), total=4)
+                                      sizes=(10,), total=4, traffic="ring")
     msg = report.results[0].message
     for r in range(3):  # every failing rank is shown, not rank 0 only
         assert msg.count(f"rank {r}: result") == 1, msg
@@ -200,7 +200,7 @@ def test_wrong_reduce_scatter_is_decoded_into_missing_ranks_on_every_rank():
 
 def test_first_diverging_ring_step_is_named():
     report = grading.grade_collective(rs_wrong_chunk, "reduce_scatter", world_sizes=(3,),
-                                      sizes=(6,))
+                                      sizes=(6,), traffic="ring")
     msg = report.results[0].message
     assert "rank 1: chunk 1 holds ranks {1}, missing {0, 2}" in msg, msg
     assert ("at reduce-scatter step 1 rank 0 sent chunk 0, which holds ranks {0}; the ring sends "

@@ -3,9 +3,10 @@
 When a sum is wrong, the grader runs the code once more on inputs that name their contributors:
 chunk ``c`` of rank ``k`` holds ``10**(k + W·c)`` (float64, exact for W <= 4), so each decimal digit
 of a sum counts one (rank, chunk) contribution: a result reads "ranks {0, 1, 3}", "rank 2 counted
-2 times" or "chunk 1 of ranks {2}" (data of the wrong chunk). It reports, for every failing rank, which ranks a chunk holds
-and which are missing, and decodes every message each rank sent through ``minidist.comm.p2p`` to
-name the first ring step that differs from the ring taught in chapter 03.
+2 times" or "chunk 1 of ranks {2}" (data of the wrong chunk). It reports, for every failing rank,
+which ranks a chunk holds and which are missing; with ``traffic="ring"`` it also decodes every
+message each rank sent through ``minidist.comm.p2p`` and names the first step that differs from
+chapter 03's ring.
 """
 
 from __future__ import annotations
@@ -193,8 +194,10 @@ def _first_divergence(sent: list, world: int, phases: int) -> str | None:
     return None
 
 
-def _diagnose_sum(fn, reference: str, world: int, n: int, timeout: float) -> list[str]:
-    """Lines decoding a wrong sum: which ranks each failing rank's chunk holds, the first bad step."""
+def _diagnose_sum(fn, reference: str, world: int, n: int, timeout: float,
+                  ring: bool = True) -> list[str]:
+    """Lines decoding a wrong sum: which ranks each failing rank's chunk holds, and (``ring``: the
+    code is meant to be chapter 03's ring) the first step that differs from it."""
     try:
         outs = run(_spy_rank, world, fn, reference, n, timeout=timeout)
     except Exception:  # noqa: BLE001 - the diagnosis is a bonus; the failure is already reported
@@ -213,7 +216,7 @@ def _diagnose_sum(fn, reference: str, world: int, n: int, timeout: float) -> lis
             if float(got[i]) != sum(_code(k, c, world) for k in range(world)):
                 lines.append(f"rank {rank}: chunk {c} {_holds(float(got[i]), world, c)}")
                 break
-    if lines and n >= world:
+    if lines and ring and n >= world:
         div = _first_divergence([s for _, s in outs], world, REFERENCES[reference][1])
         if div:
             lines.append(div)
@@ -286,9 +289,10 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
                     and 1 < world <= 4):
                 decoded = True
                 # on at least one element per chunk first, so every ring step sends something
-                extra = _diagnose_sum(learner_fn, reference, world, max(n, world), timeout)
+                ring = traffic == "ring"
+                extra = _diagnose_sum(learner_fn, reference, world, max(n, world), timeout, ring)
                 if not extra and n < world:
-                    extra = _diagnose_sum(learner_fn, reference, world, n, timeout)
+                    extra = _diagnose_sum(learner_fn, reference, world, n, timeout, ring)
                 if extra:
                     result.message += "\n" + "\n".join(extra)
     if report.failed and requires:
