@@ -53,7 +53,8 @@ _GRACE_S = 1.0  # after the first failure: how long to wait for the other ranks'
 
 
 def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0,
-        ordered_output: bool = False, start_method: str | None = None) -> list:
+        ordered_output: bool = False, start_method: str | None = None, device: str | None = None,
+        memory_fraction: float | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and return the results by rank.
 
     Args:
@@ -64,6 +65,11 @@ def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0
         timeout: seconds for the whole run, start-up included.
         ordered_output: hold what ranks print and show it grouped by rank at the end.
         start_method: ``"fork"``/``"spawn"``/``"forkserver"``; default: fork when safe, else spawn.
+        device: ``None`` (as the backend implies), ``"cpu"``, or ``"cuda"``: every rank computes on
+            a GPU, sharing it when there are more ranks than GPUs (gloo carries the messages; nccl
+            refuses two ranks on one device). See :func:`minidist.env.plan_devices`.
+        memory_fraction: with ranks sharing a GPU, the share of its memory each rank may use
+            (default 1 / ranks per GPU).
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``; tensors come back on the CPU.
@@ -78,26 +84,40 @@ def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0
         raise TypeError(f"minidist.run: fn must be callable, got {type(fn).__name__}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"minidist.run: world_size must be an int >= 1, got {world_size!r}")
-    backend = _env.choose_backend(backend, local_world_size=world_size)
-    method = _choose_start_method(backend, start_method)
+    if device in (None, "auto"):
+        backend = _env.choose_backend(backend, local_world_size=world_size)
+        device = "cuda" if backend == "nccl" else "cpu"
+    else:  # device_count() leaves torch's CUDA state uninitialised here (is_initialized() False)
+        backend = _env.plan_devices(device, backend, world_size, torch.cuda.device_count(),
+                                    torch.distributed.is_nccl_available()).backend
+    method = _choose_start_method(backend, start_method, device)
     for attempt in range(1, _errors.START_ATTEMPTS + 1):
         try:
-            return _launch(fn, world_size, args, backend, timeout, ordered_output, method)
+            return _launch(fn, world_size, args, backend, timeout, ordered_output, method,
+                           (device, memory_fraction))
         except StartupFailure as e:
-            if attempt >= _errors.START_ATTEMPTS:
-                raise e.error.with_traceback(None) from None
-            _errors.log_restart(e, attempt)
+            error = e.error
+            if attempt < _errors.START_ATTEMPTS:
+                _errors.log_restart(e, attempt)
+        except RankError as e:
+            error = e
+            break
+    # raised here with no inner frames: IPython (which always shows the innermost frame) shows
+    # the learner's cell and this one line, then the report
+    raise error.with_traceback(None) from None
 
 
-def _choose_start_method(backend: str, start_method: str | None) -> str:
-    """Fork only for gloo in a parent that has not initialised CUDA; nccl ranks always spawn.
+def _choose_start_method(backend: str, start_method: str | None, device: str | None = None) -> str:
+    """Fork only for gloo CPU ranks in a parent that has not initialised CUDA; ranks that will
+    touch CUDA (nccl, or ``device="cuda"``) always spawn: a forked child cannot initialise CUDA
+    safely, and a spawned one starts clean whatever the parent (a notebook kernel) did.
 
     ``torch.cuda.is_initialized()`` asks torch, not the driver: calling ``is_available()`` here
     would itself initialise the CUDA driver in the parent and make every later fork unsafe.
     """
     if start_method is not None:
         return start_method
-    fork_ok = "fork" in mp.get_all_start_methods() and backend == "gloo"
+    fork_ok = "fork" in mp.get_all_start_methods() and backend == "gloo" and device != "cuda"
     return "fork" if fork_ok and not torch.cuda.is_initialized() else "spawn"
 
 
@@ -125,7 +145,7 @@ def _signal_group(p, sig) -> None:
             pass
 
 
-def _launch(fn, world_size, args, backend, timeout, ordered_output, method):
+def _launch(fn, world_size, args, backend, timeout, ordered_output, method, placement=(None, None)):
     __tracebackhide__ = True
     ctx = mp.get_context(method)
     if method == "fork":
@@ -147,7 +167,7 @@ def _launch(fn, world_size, args, backend, timeout, ordered_output, method):
                 # not daemonic: a rank may start processes of its own (DataLoader workers)
                 p = ctx.Process(target=rank_process.main, daemon=False, name=f"minidist-rank-{r}",
                                 args=(r, world_size, payload, tmp, backend, timeout + 30,
-                                      q, shms[r], dumps[r]))
+                                      q, shms[r], dumps[r], *placement))
                 p.start()
                 procs.append(p)
         return _supervise(procs, q, out, shms, dumps, timeout, world_size)
@@ -171,7 +191,7 @@ def _supervise(procs, q, out, shms, dumps, timeout, world_size):
                                           or len(have) + len(errors) == world_size):
             break  # everyone has reported (or the grace period is over): no need to wait longer
         if first_failure is None and now > deadline:
-            raise _timeout(procs, shms, dumps, timeout, have).with_traceback(None) from None
+            raise _timeout(procs, shms, dumps, timeout, have)
         try:
             msg = q.get(timeout=0.05)
         except queue_mod.Empty:
@@ -199,7 +219,7 @@ def _supervise(procs, q, out, shms, dumps, timeout, world_size):
     error = failure(world_size, errors, exited, have)
     if is_startup_failure(error, started=any(shm.raw.split(b"\0", 1)[0] for shm in shms)):
         raise StartupFailure(error)
-    raise error.with_traceback(None) from None
+    raise error
 
 
 def _timeout(procs, shms, dumps, timeout, have) -> RankTimeoutError:

@@ -43,6 +43,7 @@ _JOB = textwrap.dedent("""
     while time.time() < {start}:
         time.sleep(0.001)
     world = {world}
+    print("LOG entering minidist.run", file=sys.stderr, flush=True)
     res = minidist.run(f, world, timeout={timeout})
     expected = [world * (world + 1) / 2] * world if {all_reduce} else [r + 1.0 for r in range(world)]
     assert res == expected, res
@@ -53,8 +54,9 @@ def one_round(jobs: int, worlds: list[int], no_retry: bool, timeout: float,
               all_reduce: bool = False, python: str = sys.executable) -> list[dict]:
     """Start ``jobs`` processes that all call ``minidist.run`` at the same instant; one dict per job.
 
-    Each dict: ``world``, ``ok`` (exit status 0), ``retries`` (start-up retries logged) and ``error``
-    (the last line of the job's stderr when it failed).
+    Each dict: ``world``, ``ok`` (exit status 0), ``started`` (the job reached ``minidist.run``;
+    on a crowded machine importing torch alone can take minutes), ``retries`` (start-up retries
+    logged) and ``error`` (the first error line of the job's stderr when it failed).
     """
     start = time.time() + 3.0 + 0.25 * jobs  # every interpreter has imported torch by then
     procs = []
@@ -67,7 +69,7 @@ def one_round(jobs: int, worlds: list[int], no_retry: bool, timeout: float,
     results = []
     for world, p in procs:
         try:
-            _, err = p.communicate(timeout=timeout + 60 + 2 * jobs)
+            _, err = p.communicate(timeout=timeout + 600)
         except subprocess.TimeoutExpired:
             p.kill()
             _, err = p.communicate()
@@ -76,6 +78,7 @@ def one_round(jobs: int, worlds: list[int], no_retry: bool, timeout: float,
         errors = [ln for ln in lines if not ln.startswith("LOG ")]
         first = next((ln for ln in errors if "failed" in ln or "Error" in ln), errors[-1] if errors else "")
         results.append(dict(world=world, ok=p.returncode == 0,
+                            started=any("entering minidist.run" in ln for ln in lines),
                             retries=sum("starting again" in ln for ln in lines),
                             error="" if p.returncode == 0 else first[:300]))
     return results
@@ -92,21 +95,25 @@ def main(argv=None) -> int:
                         help="f does one all-reduce (default: f returns at once, as in the report)")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
-    failed_jobs = failed_rounds = retries = 0
+    failed_jobs = failed_rounds = retries = unstarted = 0
     t0 = time.monotonic()
     for r in range(args.rounds):
         res = one_round(args.jobs, worlds, args.no_retry, args.timeout, args.all_reduce)
-        bad = [x for x in res if not x["ok"]]
+        bad = [x for x in res if not x["ok"] and x["started"]]
+        not_started = [x for x in res if not x["started"]]
         failed_jobs += len(bad)
+        unstarted += len(not_started)
         failed_rounds += bool(bad)
         retries += sum(x["retries"] for x in res)
-        print(f"round {r + 1}/{args.rounds}: {len(res) - len(bad)}/{len(res)} ok, "
+        print(f"round {r + 1}/{args.rounds}: {sum(x['ok'] for x in res)}/{len(res)} ok, "
+              f"{len(not_started)} never reached minidist.run, "
               f"{sum(x['retries'] for x in res)} start-up retries", flush=True)
         for x in bad:
             print(f"    W={x['world']}: {x['error']}", flush=True)
     print(f"summary: jobs={args.jobs} worlds={args.worlds} rounds={args.rounds} "
           f"retry={'off' if args.no_retry else 'on'} all_reduce={args.all_reduce}: {failed_rounds} rounds with a failure, "
-          f"{failed_jobs} failed jobs of {args.jobs * args.rounds}, {retries} start-up retries, "
+          f"{failed_jobs} failed jobs of {args.jobs * args.rounds}, {unstarted} never reached "
+          f"minidist.run, {retries} start-up retries, "
           f"{time.monotonic() - t0:.0f} s (cpu count {os.cpu_count()})", flush=True)
     return 1 if failed_jobs else 0
 
