@@ -65,3 +65,13 @@ def test_run_bench_times_the_ceiling_in_the_same_run():
     for r in rows:
         assert r["ceiling_s"] > 0 and not r["wrong"]
         assert math.isclose(r["of_ceiling"], r["ceiling_s"] / r["time_s"])
+
+
+def test_ring_breakdown_times_every_part_and_checks_the_ring():
+    from minidist.bench.ring_breakdown import PARTS, ring_breakdown
+    res = ring_breakdown(3, 3 * 4096, iters=1, warmup=0, timeout=240)  # W=3: steps of uneven order
+    assert list(res) == list(PARTS)
+    for part in res.values():
+        assert 0 < part["min_s"] <= part["median_s"] <= part["max_s"]
+    with pytest.raises(ValueError, match="world_size must be >= 2"):
+        ring_breakdown(1, 4096)

@@ -7,6 +7,15 @@ flips every step), so machine noise hits all alike; the median step time (forwar
 synchronisation, optimizer) is reported, and the ratio to torch as the median of per-step ratios. The share of communication hidden behind backward is read
 from minidist's timeline: 1 − (time the step waited for buckets after backward) / (time the
 buckets' all-reduces took).
+
+With ``profile=True`` a third DDP joins the alternation — the same :class:`BucketedDDP` with
+``collectives="torch"`` (gloo's C++ ring underneath) — and every variant reports, besides its step
+time, its **CPU time per step** (``time.process_time``: all threads of the rank: backward, the
+communication thread, gloo's I/O threads) and, for the bucketed ones, the **wait** after backward
+(communication not hidden) and the communication thread's time per step. A step can never be
+shorter than the ranks' CPU work divided by the cores they get, so on a machine whose cores are all
+busy extra CPU work (Python ring steps, additions, copies) shows up as extra step time even when it
+is "hidden" behind backward; on idle cores only the wait does.
 """
 
 from __future__ import annotations
@@ -32,16 +41,23 @@ def _model(name: str):
 
 
 def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_mb, collectives,
-                with_flat, first_bucket_cap_mb):
+                with_flat, first_bucket_cap_mb, profile=False):
     from ..trace import Timeline
     from ..data_parallel.bucketed import BucketedDDP
     from ..data_parallel.flat import FlatDDP
 
-    tl = Timeline()
+    tls = {"minidist": Timeline()}
     variants = {}
     m, shape = _model(model_name)
     variants["minidist"] = BucketedDDP(m, bucket_cap_mb=bucket_cap_mb, collectives=collectives,
-                                       timeline=tl, first_bucket_cap_mb=first_bucket_cap_mb)
+                                       timeline=tls["minidist"],
+                                       first_bucket_cap_mb=first_bucket_cap_mb)
+    if profile:
+        m, _ = _model(model_name)
+        tls["bucketed+torch"] = Timeline()
+        variants["bucketed+torch"] = BucketedDDP(m, bucket_cap_mb=bucket_cap_mb,
+                                                 collectives="torch", timeline=tls["bucketed+torch"],
+                                                 first_bucket_cap_mb=first_bucket_cap_mb)
     m, _ = _model(model_name)
     variants["torch"] = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb)
     if with_flat:
@@ -49,6 +65,9 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
         variants["flat"] = FlatDDP(m, collectives=collectives)
     opts = {k: torch.optim.SGD(v.parameters(), lr=0.01) for k, v in variants.items()}
     times = {k: [] for k in variants}
+    cpu = {k: [] for k in variants}
+    waits = {k: [] for k in tls}
+    comms = {k: [] for k in tls}
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(batch_size, *shape, generator=g)
     y = torch.randint(0, 10, (batch_size,), generator=g)
@@ -58,7 +77,10 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
         # alternate the order every step, so neither variant always runs right after the other
         for name in (names if step % 2 == 0 else names[::-1]):
             model = variants[name]
-            tl.clear()
+            tl = tls.get(name)
+            if tl is not None:
+                tl.clear()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             opts[name].zero_grad()
             F.cross_entropy(model(x), y).backward()
@@ -66,23 +88,35 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
                 model.sync_gradients()
             opts[name].step()
             dt = time.perf_counter() - t0
+            dc = time.process_time() - c0
             if step >= warmup:
                 times[name].append(dt)
-                if name == "minidist":
+                cpu[name].append(dc)
+                if tl is not None:
                     comm_s = tl.total("all-reduce", lane="comm")
                     wait_s = tl.total("wait", lane="main")
-                    hidden.append(max(0.0, 1.0 - wait_s / comm_s) if comm_s > 0 else 0.0)
+                    waits[name].append(wait_s)
+                    comms[name].append(comm_s)
+                    if name == "minidist":
+                        hidden.append(max(0.0, 1.0 - wait_s / comm_s) if comm_s > 0 else 0.0)
     n_buckets = len(variants["minidist"].buckets)
-    variants["minidist"].close()
+    for name in tls:
+        variants[name].close()
     pair_ratio = statistics.median(a / b for a, b in zip(times["minidist"], times["torch"]))
-    return ({k: statistics.median(v) for k, v in times.items()}, statistics.median(hidden),
-            n_buckets, pair_ratio)
+    med = statistics.median
+    prof = {k: {"step_s": med(times[k]), "cpu_s": med(cpu[k]),
+                "ratio": med(a / b for a, b in zip(times[k], times["torch"])),
+                "step_spread_s": (min(times[k]), max(times[k])),
+                **({"wait_s": med(waits[k]), "comm_s": med(comms[k])} if k in tls else {})}
+            for k in variants}
+    return ({k: med(v) for k, v in times.items()}, med(hidden), n_buckets, pair_ratio, prof)
 
 
 def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
               model: str = "resnet18", batch_size: int = 16, warmup: int = 2,
               collectives: str = "hand-built", with_flat: bool = True, timeout: float = 600,
-              verbose: bool = True, first_bucket_cap_mb: float | None = 1.0) -> dict:
+              verbose: bool = True, first_bucket_cap_mb: float | None = 1.0,
+              profile: bool = False) -> dict:
     """Median step time of minidist's BucketedDDP vs torch's DDP (same run, same model).
 
     Returns ``{"minidist_s", "torch_s", "ratio", "hidden_share", "flat_s" (if with_flat),
@@ -91,13 +125,17 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
     machine whose load changes during the run), the slowest rank's.
     Times are seconds per step, the slowest rank's median. Both DDPs use ``bucket_cap_mb``;
     ``first_bucket_cap_mb`` (default 1 MiB, as torch's DDP does internally) caps minidist's
-    bucket 0.
+    bucket 0. ``profile=True`` adds ``out["profile"]``: per rank, per variant ("torch",
+    "minidist", "bucketed+torch" = BucketedDDP over torch's collectives, "flat"), the medians
+    ``step_s``, ``cpu_s`` (CPU seconds of the rank's threads per step), ``ratio`` (to torch, per
+    step), ``step_spread_s`` (min, max) and, for the bucketed ones, ``wait_s`` (after backward)
+    and ``comm_s`` (communication thread per step); it prints them as a table.
     """
     from ..launch import run
     import torch._dynamo  # noqa: F401  (optimizers import it; do it once before forking)
 
     results = run(_rank_bench, world_size, model, steps, warmup, batch_size, bucket_cap_mb,
-                  collectives, with_flat, first_bucket_cap_mb, timeout=timeout)
+                  collectives, with_flat, first_bucket_cap_mb, profile, timeout=timeout)
     med = {k: max(r[0][k] for r in results) for k in results[0][0]}
     hidden = min(r[1] for r in results)
     out = {"world_size": world_size, "model": model, "batch_size": batch_size, "steps": steps,
@@ -106,6 +144,8 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
            "hidden_share": hidden, "n_buckets": results[0][2]}
     if with_flat:
         out["flat_s"] = med["flat"]
+    if profile:
+        out["profile"] = [r[4] for r in results]
     if verbose:
         print(f"DDP step time, {model}, world size {world_size}, batch {batch_size}/rank, "
               f"bucket cap {bucket_cap_mb} MiB ({out['n_buckets']} buckets), "
@@ -119,4 +159,22 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
                   f"{out['flat_s'] / out['torch_s']:>10.2f}")
         print(f"  communication hidden behind backward (minidist): {100 * hidden:.0f}%")
         print(f"  ratio minidist/torch = {out['ratio']:.3f} (goal <= 1.05)")
+        if profile:
+            _print_profile(out["profile"])
     return out
+
+
+def _print_profile(per_rank: list[dict]) -> None:
+    names = {"torch": "torch DDP", "minidist": "BucketedDDP, hand-built ring",
+             "bucketed+torch": "BucketedDDP, torch's ring", "flat": "FlatDDP, hand-built ring"}
+    print("  per step, medians (wait: after backward, not hidden; comm: communication thread busy)")
+    print(f"  {'rank':<5}{'variant':<31}{'step ms':>9}{'spread':>13}{'vs torch':>9}{'CPU ms':>8}"
+          f"{'comm ms':>9}{'wait ms':>9}")
+    for rank, prof in enumerate(per_rank):
+        for k, p in prof.items():
+            lo, hi = p["step_spread_s"]
+            extra = (f"{1e3 * p['comm_s']:>9.1f}{1e3 * p['wait_s']:>9.1f}" if "wait_s" in p
+                     else f"{'':>9}{'':>9}")
+            print(f"  {rank:<5}{names.get(k, k):<31}{1e3 * p['step_s']:>9.1f}"
+                  f"{f'{1e3 * lo:.0f}-{1e3 * hi:.0f}':>13}{p['ratio']:>9.2f}{1e3 * p['cpu_s']:>8.1f}"
+                  + extra)
