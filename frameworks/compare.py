@@ -54,11 +54,12 @@ class Framework:
 
 
 FRAMEWORKS = {f.name: f for f in [
-    Framework("torch_ddp", None, "torch_ddp.py", "torchrun", note="DistributedDataParallel"),
+    # torchrun's agent (c10d rendezvous) binds 2 stores on [::] whatever --rdzv-endpoint and
+    # --local-addr say (torch 2.13 and 2.14 alike, measured); the workers' gloo stays on lo
+    Framework("torch_ddp", None, "torch_ddp.py", "torchrun", note="DistributedDataParallel",
+              wildcard_ports=2),
     Framework("torch_fsdp2", None, "torch_fsdp2.py", "torchrun", note="fully_shard (ZeRO-3)",
-              zero_stage=3),
-    # the torchrun of torch 2.13 (DeepSpeed's env) binds 2 stores on [::] whatever --rdzv-endpoint
-    # and --local-addr say (torch 2.14's, in the project venv, binds 127.0.0.1; both measured)
+              zero_stage=3, wildcard_ports=2),
     *[Framework(f"deepspeed_zero{s}", "deepspeed", "deepspeed_zero.py", "torchrun",
                 ("--stage", str(s)), note=f"ZeRO stage {s}, CPU accelerator", zero_stage=s,
                 wildcard_ports=2)
@@ -208,8 +209,24 @@ def _kill_all(procs) -> None:
         p.wait()
 
 
-def launch(name: str | Framework, inputs: str, out: str, variant: str = "short", timeout: float = 300.0,
-           build: bool = False, workdir: str | None = None) -> dict:
+# a port picked by free_port() was taken by someone else before the launcher bound it
+_PORT_LOST = ("RendezvousConnectionError", "Address already in use", "EADDRINUSE")
+
+
+def launch(name: str | Framework, inputs: str, out: str, variant: str = "short",
+           timeout: float = 300.0, build: bool = False, workdir: str | None = None) -> dict:
+    """:func:`launch_once`, started once more (on new ports) if the first start lost its port
+    before any training ran (no result written). Same arguments, result and errors."""
+    try:
+        return launch_once(name, inputs, out, variant, timeout, build, workdir)
+    except RuntimeError as e:
+        if not any(m in str(e) for m in _PORT_LOST):
+            raise
+        return launch_once(name, inputs, out, variant, timeout, build, workdir)
+
+
+def launch_once(name: str | Framework, inputs: str, out: str, variant: str = "short",
+                timeout: float = 300.0, build: bool = False, workdir: str | None = None) -> dict:
     """Run framework ``name``'s job; return its result (see job.load_result) plus ``launch_s``
     (seconds from start to exit) and ``listening`` (the TCP addresses its processes were seen
     listening on, sampled every 0.25 s).
@@ -295,13 +312,14 @@ def main(argv=None) -> int:
             row.update(compare(r, ref), launch_s=round(float(r["launch_s"]), 1),
                        step_ms=round(1e3 * float(r["step_s"]), 2))
             row["equal"] = row["loss"] <= TOLERANCE and row["weights"] <= TOLERANCE
-            row["listening"] = sorted(set(a.rsplit(":", 1)[0] for a in r["listening"]))
+            row["listening"] = sorted(str(a) for a in r["listening"])
             row["listening_ok"] = listening_ok(FRAMEWORKS[name], r["listening"])
             ok &= row["equal"]
             rows.append(row)
             print(f"{name:18s} {variant:5s} loss {row['loss']:.1e} weights {row['weights']:.1e} "
                   f"launch {row['launch_s']:6.1f} s step {row['step_ms']:7.2f} ms "
-                  f"{'✓' if row['equal'] else '✗ > %g' % TOLERANCE} listens on {row['listening']}",
+                  f"{'✓' if row['equal'] else '✗ > %g' % TOLERANCE} listens on "
+                  f"{sorted({a.rsplit(':', 1)[0] for a in row['listening']})}",
                   flush=True)
     if a.save:
         with open(RESULTS, "w") as f:

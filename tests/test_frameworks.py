@@ -11,7 +11,7 @@ about a GB each) and must give the same per-step losses and final weights within
 Each launch must also listen on loopback addresses only (sampled from /proc while it runs), except
 for the servers that ignore every loopback setting (compare.Framework.wildcard_ports, measured):
 TensorFlow's gRPC servers ([::]:PORT), horovodrun's rendezvous HTTP server, Paddle's rank-0
-TCPStore (0.0.0.0) and the torchrun of torch 2.13 in DeepSpeed's env ([::], two stores).
+TCPStore (0.0.0.0) and torchrun's agent ([::], two stores, in torch 2.13 and 2.14 alike).
 
 Select or skip them with ``-m frameworks`` / ``-m "not frameworks"``.
 """
