@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["DistEnv", "detect", "choose_backend", "device_for", "set_device", "init", "EnvError",
+           "DevicePlan", "plan_devices", "oom_hint",
            "parse_tasks_per_node", "check_socket_ifnames", "interfaces"]
 
 
@@ -151,8 +152,80 @@ def choose_backend(backend: str = "auto", local_world_size: int = 1) -> str:
         return "nccl" if gpus >= local_world_size > 0 else "gloo"
     if backend == "nccl" and torch.cuda.device_count() < local_world_size:
         raise ValueError(f"backend 'nccl' needs one GPU per local rank: {local_world_size} ranks, "
-                         f"{torch.cuda.device_count()} GPUs visible. Use backend='gloo'.")
+                         f"{torch.cuda.device_count()} GPUs visible (NCCL refuses two ranks on one "
+                         "device). Use backend='gloo'" + (", with device='cuda' to share the GPU"
+                                                        if torch.cuda.device_count() else "") + ".")
     return backend
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Where a job's ranks compute and what carries their messages (see :func:`plan_devices`).
+
+    ``ranks_per_gpu`` > 1 means ranks share a GPU: gloo moves the bytes (CUDA tensors through
+    :mod:`minidist.comm.staging`) and each rank may use ``memory_fraction`` of the device.
+    """
+
+    backend: str  # "gloo" | "nccl"
+    device: str  # "cpu" | "cuda"
+    ranks_per_gpu: int = 1
+
+    @property
+    def memory_fraction(self) -> float | None:
+        return 1.0 / self.ranks_per_gpu if self.ranks_per_gpu > 1 else None
+
+
+def plan_devices(device: str | None, backend: str, local_world_size: int, gpus: int,
+                 nccl_available: bool = True) -> DevicePlan:
+    """Backend and device for ``local_world_size`` ranks on a node with ``gpus`` GPUs; pure.
+
+    ``device=None``/``"auto"``: as :func:`choose_backend` (nccl and ``cuda:LOCAL_RANK`` when every
+    rank can have its own GPU, else gloo on the CPU). ``device="cpu"``: gloo. ``device="cuda"``:
+    every rank computes on a GPU; with fewer GPUs than ranks they share (rank i on GPU
+    ``i % gpus``, ``ceil(ranks / gpus)`` per GPU) and the backend is gloo, because NCCL refuses
+    two ranks on one device ("Duplicate GPU detected"; NCCL troubleshooting guide).
+
+    Raises:
+        ValueError: unknown device/backend; ``device="cuda"`` with no GPU; nccl with
+            ``device="cpu"``; nccl with more ranks than GPUs.
+    """
+    if device in (None, "auto"):
+        chosen = choose_backend(backend, local_world_size)
+        return DevicePlan(chosen, "cuda" if chosen == "nccl" else "cpu")
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    if device == "cpu":
+        if backend == "nccl":
+            raise ValueError("backend 'nccl' moves CUDA tensors only; device='cpu' needs "
+                             "backend='gloo' (or 'auto')")
+        return DevicePlan("gloo", "cpu")
+    if device != "cuda":
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if gpus < 1:
+        raise ValueError("device='cuda' but torch sees no GPU (torch.cuda.device_count() == 0; "
+                         "check CUDA_VISIBLE_DEVICES and the driver, e.g. with `minidist doctor`). "
+                         "Use device='cpu'.")
+    if backend == "nccl" and gpus < local_world_size:
+        raise ValueError(
+            f"backend 'nccl' with device='cuda': {local_world_size} ranks but {gpus} GPU(s). NCCL "
+            "refuses two ranks on one device (each NCCL rank needs a GPU of its own), so ranks "
+            "cannot share a GPU over NCCL. Use backend='gloo' (or 'auto'): every rank still "
+            "computes on the GPU, gloo carries the messages.")
+    if backend == "auto":
+        backend = "nccl" if nccl_available and gpus >= local_world_size else "gloo"
+    return DevicePlan(backend, "cuda", max(1, -(-local_world_size // gpus)))
+
+
+def oom_hint(error: BaseException) -> str:
+    """A sentence to append to an out-of-memory error raised inside a rank (empty for others)."""
+    if not isinstance(error, getattr(torch, "OutOfMemoryError", ())):
+        return ""
+    frac = os.environ.get("MINIDIST_MEMORY_FRACTION")
+    if frac:
+        return (f" [this rank ran out of GPU memory: it may use {float(frac):.0%} of a GPU it shares "
+                "with other ranks; use fewer ranks per GPU, a smaller batch, or a larger "
+                "memory_fraction]")
+    return " [this rank ran out of GPU memory: use a smaller batch or model]"
 
 
 def device_for(backend: str, local_rank: int) -> torch.device:
@@ -160,31 +233,60 @@ def device_for(backend: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
 
-def set_device(backend: str, local_rank: int) -> torch.device:
-    device = device_for(backend, local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device
+def set_device(backend: str, local_rank: int, device: str | None = None,
+               local_world_size: int = 1, memory_fraction: float | None = None) -> torch.device:
+    """Make this rank's device current. ``device="cuda"`` (or ``MINIDIST_DEVICE=cuda``): GPU
+    ``local_rank % gpus``, and when ranks share it, at most ``memory_fraction`` of its memory
+    (default 1 / ranks per GPU; ``torch.cuda.set_per_process_memory_fraction``)."""
+    device = device or os.environ.get("MINIDIST_DEVICE") or None
+    if device != "cuda":
+        chosen = device_for(backend, local_rank)
+        if chosen.type == "cuda":
+            torch.cuda.set_device(chosen)
+        return chosen
+    os.environ["MINIDIST_DEVICE"] = "cuda"  # device() below and the lessons read it
+    gpus = torch.cuda.device_count()
+    plan = plan_devices("cuda", backend, local_world_size, gpus)
+    chosen = torch.device("cuda", local_rank % gpus)
+    torch.cuda.set_device(chosen)
+    fraction = memory_fraction if memory_fraction is not None else plan.memory_fraction
+    if fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction, chosen)
+        os.environ["MINIDIST_MEMORY_FRACTION"] = str(fraction)
+    return chosen
 
 
 def device() -> torch.device:
     """The current rank's device (after the process group is initialised)."""
+    if os.environ.get("MINIDIST_DEVICE") == "cuda":  # ranks sharing a GPU, gloo between them
+        return torch.device("cuda", torch.cuda.current_device())
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
     return device_for(backend, detect().local_rank)
 
 
-def init(backend: str = "auto", timeout: float = 300.0, check_hosts: bool = True) -> DistEnv:
+def init(backend: str = "auto", timeout: float = 300.0, check_hosts: bool = True,
+         device: str | None = None, memory_fraction: float | None = None) -> DistEnv:
     """Initialise the process group for a script run by torchrun, srun or plain python.
 
     Reads the environment (see :func:`detect`), checks that GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME
     name interfaces that exist, picks the backend and the device, initialises the
     process group (env://), then all-gathers ``(hostname, local_rank)`` and checks that no pair is
     duplicated. Without a launcher it initialises a single-rank group. Returns the :class:`DistEnv`.
+
+    ``device="cuda"`` (or ``MINIDIST_DEVICE=cuda`` in the environment): compute on the GPU even
+    with more local ranks than GPUs (they share; gloo carries the messages; see
+    :func:`plan_devices`), each rank limited to ``memory_fraction`` of the GPU (default 1/sharers).
     """
     info = detect()
     check_socket_ifnames()  # a wrong interface name fails here, not in a hang
-    backend = choose_backend(backend, info.local_world_size)
-    set_device(backend, info.local_rank)
+    device = device or os.environ.get("MINIDIST_DEVICE") or None
+    if device in (None, "auto"):
+        backend = choose_backend(backend, info.local_world_size)
+    else:
+        backend = plan_devices(device, backend, info.local_world_size, torch.cuda.device_count(),
+                               dist.is_nccl_available()).backend
+    set_device(backend, info.local_rank, device if device != "auto" else None,
+               info.local_world_size, memory_fraction)
     kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
     if info.launcher == "single":
         store = dist.HashStore()

@@ -90,7 +90,8 @@ def _to_cpu(obj):
     return obj
 
 
-def main(rank, world_size, payload, tmpdir, backend, pg_timeout_s, q, shm, dump_path):
+def main(rank, world_size, payload, tmpdir, backend, pg_timeout_s, q, shm, dump_path,
+         device=None, memory_fraction=None):
     torch.set_num_threads(1)  # first: see the module docstring
     _die_with_parent()
     os.setpgrp()  # the launcher stops this rank's whole group: the rank and what it started
@@ -113,7 +114,8 @@ def main(rank, world_size, payload, tmpdir, backend, pg_timeout_s, q, shm, dump_
         timeout = datetime.timedelta(seconds=pg_timeout_s)
         store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
         store.set_timeout(timeout)
-        _env.set_device(backend, local_rank=rank)
+        _env.set_device(backend, local_rank=rank, device=device, local_world_size=world_size,
+                        memory_fraction=memory_fraction)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
         _all_connected(store, rank, world_size)
@@ -122,7 +124,7 @@ def main(rank, world_size, payload, tmpdir, backend, pg_timeout_s, q, shm, dump_
         q.put(("result", rank, cloudpickle.dumps(_to_cpu(result))))
     except BaseException as e:  # noqa: BLE001 - everything must reach the parent
         code = 1
-        summary = f"{type(e).__name__}: {e}".strip()
+        summary = f"{type(e).__name__}: {e}".strip() + _env.oom_hint(e)
         q.put(("error", rank, summary, traceback.format_exc()))
     finally:
         sys.stdout.flush()
