@@ -19,12 +19,17 @@
 # broken one tears it down first; `down` is safe to run any time.
 # Environment: MINIDIST_SLURM_DIR (state, default /tmp/minidist-slurm), MINIDIST_SLURM_MODE
 # (auto|netns|loopback), MINIDIST_SLURM_CPUS (CPUs per node, default: this machine's cores),
-# MINIDIST_SLURM_INSTALL=0 to never call apt-get. Facts this relies on: Slurm 22.05 (Debian 12).
+# MINIDIST_SLURM_INSTALL=0 to never call apt-get. `wait-job JOBID [TIMEOUT]` waits for a job and
+# fails at once, with Slurm's reason and what to change, when Slurm says the job can never start.
+# Facts this relies on: Slurm 22.05 (Debian 12).
 set -euo pipefail
 
 DIR=${MINIDIST_SLURM_DIR:-/tmp/minidist-slurm}
 MODE=${MINIDIST_SLURM_MODE:-auto}
-CPUS=${MINIDIST_SLURM_CPUS:-$(nproc)}
+# processors usable here: `nproc` alone honours OMP_NUM_THREADS / OMP_THREAD_LIMIT (torchrun and
+# HPC profiles export OMP_NUM_THREADS=1, which would give each node CPUs=1 and leave every
+# 2-tasks-per-node job pending forever), so count without them.
+CPUS=${MINIDIST_SLURM_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 NODES=(node1 node2)
 BR=mdslurm0                 # bridge in the root namespace
 NET=10.77.0                 # controller .1, node i .1i
@@ -234,9 +239,41 @@ cmd_status() {
     SLURM_CONF=$CONF sinfo -N -o "%N %T %c %o"
 }
 
+# Pending reasons after which Slurm will never start the job as submitted (squeue's %r).
+NEVER_START="PartitionConfig PartitionNodeLimit PartitionTimeLimit PartitionDown BadConstraints InvalidAccount InvalidQOS"
+
+never_start_hint() {   # $1 = reason: what to change
+    case "$1" in
+        PartitionConfig) echo "the job asks for more than a node of the partition has (tasks per node x cpus per task above a node's CPUs=, or more nodes than it has): compare \`scontrol show job\` with \`sinfo -N -o '%N %c %m'\`; on this local cluster set MINIDIST_SLURM_CPUS or lower --ntasks-per-node / --cpus-per-task" ;;
+        PartitionNodeLimit) echo "--nodes is outside the partition's MinNodes..MaxNodes: ask for fewer nodes" ;;
+        PartitionTimeLimit) echo "--time is above the partition's MaxTime: ask for less time" ;;
+        PartitionDown) echo "the partition is down: \`scontrol update PartitionName=... State=UP\`" ;;
+        *) echo "fix the request named by the reason (see squeue(1), JOB REASON CODES)" ;;
+    esac
+}
+
+cmd_wait_job() {   # $1 = job id, $2 = timeout (s): 0 when it ended, 1 when it can never start or timed out
+    local jid=${1:?usage: wait-job JOBID [TIMEOUT]} timeout=${2:-600} t0=$SECONDS line state reason
+    export SLURM_CONF=${SLURM_CONF:-$CONF}
+    while [ $((SECONDS - t0)) -lt "$timeout" ]; do
+        line=$(squeue -h -j "$jid" -o "%T %r" 2>/dev/null || true)
+        [ -z "$line" ] && return 0                      # left the queue: ended
+        state=${line%% *}; reason=${line#* }
+        if [ "$state" = PENDING ] && [[ " $NEVER_START " == *" $reason "* ]]; then
+            scancel "$jid" 2>/dev/null || true
+            log "job $jid can never start (Slurm's reason: $reason): $(never_start_hint "$reason")"
+            return 1
+        fi
+        sleep 0.5
+    done
+    scancel "$jid" 2>/dev/null || true
+    log "job $jid still in the queue after $timeout s: $line"; return 1
+}
+
 case "${1:-}" in
     up) cmd_up ;;
     down) cmd_down ;;
     status) cmd_status ;;
-    *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+    wait-job) shift; cmd_wait_job "$@" ;;
+    *) echo "usage: $0 up|down|status|wait-job JOBID [TIMEOUT]" >&2; exit 2 ;;
 esac
