@@ -11,9 +11,10 @@ function, and the result or the traceback sent back as bytes.
 The barrier after ``init_process_group``: gloo's init returns on a rank as soon as *its* side of
 every connection is up. A rank whose function returns at once could then tear down its process
 group and exit while a slower rank is still inside gloo's connect; the slower rank then fails
-with "Gloo connectFullMesh failed ... Connection closed by peer" (about 1 launch in 10 here when
-the machine is busy, e.g. several launches at the same moment). Every rank therefore waits until
-all ranks have returned from init before it runs any user code.
+with "Gloo connectFullMesh failed ... Connection closed by peer" (measured on a busy 2-core
+machine: 2 of 30 launches when 3 start at the same moment; with plain torch and one rank slowed
+down, 16 of 60). Every rank therefore waits until all ranks have returned from init before it
+runs any user code (0 of 60 with plain torch, and 0 in the launch measurements since).
 
 The rendezvous opens no network port: a ``FileStore`` in the launch's private temporary folder
 (mode 0700, a new folder per launch), and gloo's device on the loopback interface
