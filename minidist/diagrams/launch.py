@@ -70,9 +70,10 @@ def draw_rank_grid(tasks_per_node=(4, 4), launcher: str = "torchrun",
                                    edgecolor="black"))
             ax.text(i + 0.47, y + 0.52, f"{r}", ha="center", va="center", fontsize=11)
             ax.text(i + 0.47, y + 0.2, f"local {i}", ha="center", va="center", fontsize=6)
-    title = {"torchrun": f"torchrun: RANK = GROUP_RANK·{counts[0]} + LOCAL_RANK",
-             "slurm": f"Slurm, {distribution} distribution, SLURM_TASKS_PER_NODE="
-                      f"{','.join(map(str, counts))}"}[launcher]
+    title = {"torchrun": f"torchrun --nproc-per-node={counts[0]}\n"
+                         f"RANK = GROUP_RANK·{counts[0]} + LOCAL_RANK",
+             "slurm": f"Slurm, {distribution} distribution\n"
+                      f"SLURM_TASKS_PER_NODE={','.join(map(str, counts))}"}[launcher]
     ax.set_title(title, fontsize=9)
     ax.text(max(counts) / 2, -0.05, f"cell: {names[0]} (large), {names[1]} (small)", ha="center",
             va="top", fontsize=7)
@@ -113,7 +114,7 @@ def draw_launcher_tree(nnodes: int = 2, procs_per_node: int = 2, master_port: in
         cx = node_w * (n + 0.5)
         ax.add_patch(Rectangle((cx - node_w / 2 + 0.1, -0.55), node_w - 0.2, 3.0, fill=False,
                                linestyle=":", edgecolor="0.5"))
-        ax.text(cx - node_w / 2 + 0.2, 2.3, f"node {n}", fontsize=7, color="0.4")
+        ax.text(cx - node_w / 2 + 0.2, -0.5, f"node {n}", fontsize=7, color="0.4", va="bottom")
         agent = _box(ax, cx, 2.0, f"torchrun agent\n(GROUP_RANK={n})", "#cfe3f7", w=2.1)
         _arrow(ax, srun, agent)
         ax.add_patch(FancyArrowPatch((agent[0] + 1.05, agent[1]), (store[0] - 1.15, store[1]),
