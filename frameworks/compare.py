@@ -1,10 +1,11 @@
 """Launch the job in each framework and compare it with minidist's DDP (the chapter's table).
 
 Runs in the project's venv; each framework runs in its own venv (tools/framework-envs.sh), started
-by its own launcher, every one of them told to listen on the loopback interface only::
+by its own launcher, every one of them told to use the loopback interface (some servers bind every
+interface regardless: ``Framework.wildcard_ports``, checked by the tests)::
 
     python frameworks/compare.py                       # every framework whose env is built
-    python frameworks/compare.py --build all           # build missing envs first (minutes, GBs)
+    python frameworks/compare.py --build --save        # build missing envs; rewrite results.json
     python frameworks/compare.py torch_ddp deepspeed_zero2 --variant long
 
 Each launch writes rank 0's ``result.npz`` (losses per step, final weights, seconds per step);
