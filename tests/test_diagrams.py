@@ -7,7 +7,7 @@ import torch
 matplotlib.use("Agg")
 
 import minidist  # noqa: E402
-from minidist import diagrams  # noqa: E402
+from minidist import calc, diagrams  # noqa: E402
 from minidist.comm import ring  # noqa: E402
 
 
@@ -143,3 +143,49 @@ def test_draw_sequence_parallel_regions():
     assert any(t.startswith("all-gather") for t in texts)
     assert any(t.startswith("reduce-scatter") for t in texts)
     matplotlib.pyplot.close(fig)
+
+
+# --------------------------------------------------------------------------- chapter 09
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 64])
+def test_parallelism_memory_agrees_with_calc(world_size):
+    # calc.zero_memory is an independent implementation (training_memory's weights/grads/optimizer)
+    psi = 7.5e9
+    got = diagrams.parallelism_memory(psi, world_size, tp=3, pp=4)
+    for stage, name in enumerate(("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")):
+        assert got[name] == pytest.approx(calc.zero_memory(psi, world_size, stage), rel=1e-12)
+    assert got["TP"] == pytest.approx(calc.training_memory(psi, "fp16").total / 3, rel=1e-12)
+    assert got["PP"] == pytest.approx(calc.training_memory(psi, "fp16").total / 4, rel=1e-12)
+
+
+def test_parallelism_memory_zero_paper_figure_1():
+    # ZeRO §5, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 -> 120, 31.4, 16.6, 1.88 GB
+    got = diagrams.parallelism_memory(7.5e9, 64)
+    assert [round(got[n] / 1e9, 1) for n in ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")] == \
+        [120.0, 31.4, 16.6, 1.9]
+
+
+def test_largest_fitting_is_where_the_memory_runs_out():
+    fits = diagrams.largest_fitting(80e9, world_size=64, tp=8, pp=4)
+    for name, psi in fits.items():
+        assert diagrams.parallelism_memory(psi, 64, 8, 4)[name] == pytest.approx(80e9)
+        assert diagrams.parallelism_memory(psi * 1.01, 64, 8, 4)[name] > 80e9
+    assert fits["DP"] == pytest.approx(5e9)          # 80 GB / 16 bytes per parameter
+    assert fits["DP"] < fits["ZeRO-1"] < fits["ZeRO-2"] < fits["ZeRO-3"]
+    with pytest.raises(ValueError, match="memory"):
+        diagrams.largest_fitting(0)
+
+
+def test_draw_parallelism_memory_and_errors():
+    fig = diagrams.draw_parallelism_memory(world_size=64, tp=8, pp=4)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert [lab.split(" ")[0] for lab in labels] == ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "TP", "PP"]
+    assert "ZeRO-3 (N=64): fits ≤ 320B" in labels and "DP (N=64): fits ≤ 5B" in labels
+    assert any("80 GB" in t.get_text() for t in ax.texts)
+    matplotlib.pyplot.close(fig)
+    with pytest.raises(ValueError, match="tp must be an integer >= 1"):
+        diagrams.parallelism_memory(1e9, tp=0)
+    with pytest.raises(ValueError, match="psi"):
+        diagrams.parallelism_memory(0)
+    with pytest.raises(ValueError, match="device must be one of"):
+        diagrams.draw_parallelism_memory(device="TPU")

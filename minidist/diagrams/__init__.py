@@ -7,7 +7,10 @@
   (:func:`draw_launcher_tree`);
 * ``tensor_parallel.py`` (chapter 06): a weight split by columns and by rows with per-rank shapes
   (:func:`draw_weight_split`), the transformer block with f and g (:func:`draw_megatron_block`),
-  the sequence-parallel regions along the sequence axis (:func:`draw_sequence_parallel`).
+  the sequence-parallel regions along the sequence axis (:func:`draw_sequence_parallel`);
+* ``memory.py`` (chapter 09): which parallelism when — model states per device against model size
+  for DP, ZeRO-1/2/3, TP and PP (:func:`parallelism_memory`, :func:`largest_fitting`,
+  :func:`draw_parallelism_memory`).
 
 Every function returns the ``matplotlib.figure.Figure`` it drew.
 """
@@ -15,9 +18,12 @@ Every function returns the ``matplotlib.figure.Figure`` it drew.
 from .collectives import (COLLECTIVES, collective_layout, draw_collective,  # noqa: F401
                           draw_ring_steps, ring_schedule)
 from .launch import draw_launcher_tree, draw_rank_grid, rank_layout  # noqa: F401
+from .memory import (K_MIXED_ADAM, draw_parallelism_memory, largest_fitting,  # noqa: F401
+                     parallelism_memory)
 from .tensor_parallel import (draw_megatron_block, draw_sequence_parallel,  # noqa: F401
                               draw_weight_split, split_shapes)
 
 __all__ = ["COLLECTIVES", "collective_layout", "draw_collective", "ring_schedule",
            "draw_ring_steps", "rank_layout", "draw_rank_grid", "draw_launcher_tree",
-           "split_shapes", "draw_weight_split", "draw_megatron_block", "draw_sequence_parallel"]
+           "split_shapes", "draw_weight_split", "draw_megatron_block", "draw_sequence_parallel",
+           "K_MIXED_ADAM", "parallelism_memory", "largest_fitting", "draw_parallelism_memory"]
