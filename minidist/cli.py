@@ -25,8 +25,10 @@ def _demo_rank(rank, world):
     import torch
     import torch.distributed as dist
 
-    from . import bench
+    from . import bench, env
     from . import collectives as C
+
+    dev = env.device()  # the CPU, or the GPU the ranks share with ``--device cuda``
 
     gen = torch.Generator().manual_seed(1234 + rank)
     rows = []
@@ -36,9 +38,9 @@ def _demo_rank(rank, world):
             for n in _DEMO_SIZES:
                 x = torch.randn(n * world if op in ("reduce_scatter", "all_to_all") else n,
                                 generator=gen)
-                ours, ref, t_ours, t_torch = _demo_pair(op, alg, x, rank, world, C, dist)
+                ours, ref, t_ours, t_torch = _demo_pair(op, alg, x, rank, world, C, dist, dev)
                 if ours.numel():
-                    worst = max(worst, (ours - ref).abs().max().item())
+                    worst = max(worst, (ours.cpu() - ref).abs().max().item())
             bytes_ = timing_elems * 4 * (world if op in ("reduce_scatter", "all_to_all") else 1)
             factor = bench.busbw_factor(op if op in bench.OPS else "broadcast", world) \
                 if op != "all_to_all" else (world - 1) / world
@@ -51,9 +53,13 @@ def _demo_rank(rank, world):
     return rows
 
 
-def _demo_pair(op, alg, x, rank, world, C, dist):
-    """Run ``op`` with minidist (algorithm ``alg``) and with torch on the same input; time both."""
+def _demo_pair(op, alg, x, rank, world, C, dist, dev=None):
+    """Run ``op`` with minidist (algorithm ``alg``) on ``dev`` and with torch (gloo) on a CPU copy of
+    the same input; time both."""
     import torch
+
+    def mine(t):  # the hand-built collectives run on the rank's device; torch's reference on the CPU
+        return t.to(dev) if dev is not None else t
 
     def timed(f):
         dist.barrier()
@@ -62,35 +68,36 @@ def _demo_pair(op, alg, x, rank, world, C, dist):
         return out, time.perf_counter() - t0
 
     if op == "all_reduce":
-        ours, t1 = timed(lambda: C.all_reduce(x.clone(), algorithm=alg))
+        ours, t1 = timed(lambda: C.all_reduce(mine(x.clone()), algorithm=alg))
         ref, t2 = timed(lambda: (lambda y: (dist.all_reduce(y), y)[1])(x.clone()))
     elif op == "reduce_scatter":
         n = x.numel() // world
-        ours, t1 = timed(lambda: C.reduce_scatter(torch.empty(n), x.clone(), algorithm=alg))
+        ours, t1 = timed(lambda: C.reduce_scatter(mine(torch.empty(n)), mine(x.clone()), algorithm=alg))
         ref = torch.empty(n)
         _, t2 = timed(lambda: dist.reduce_scatter(ref, list(x.clone().split(n))) if n else None)
         if n == 0:
-            ref = ours
+            ref = ours.cpu()
     elif op == "all_gather":
-        ours, t1 = timed(lambda: C.all_gather(torch.empty(x.numel() * world), x, algorithm=alg))
+        ours, t1 = timed(lambda: C.all_gather(mine(torch.empty(x.numel() * world)), mine(x), algorithm=alg))
         parts = [torch.empty_like(x) for _ in range(world)]
         _, t2 = timed(lambda: dist.all_gather(parts, x))
         ref = torch.cat(parts)
     elif op == "broadcast":
-        ours, t1 = timed(lambda: C.broadcast(x.clone(), src=world - 1, algorithm=alg))
+        ours, t1 = timed(lambda: C.broadcast(mine(x.clone()), src=world - 1, algorithm=alg))
         ref, t2 = timed(lambda: (lambda y: (dist.broadcast(y, world - 1), y)[1])(x.clone()))
     elif op == "reduce":
-        ours, t1 = timed(lambda: C.reduce(x.clone(), dst=0, algorithm=alg))
+        ours, t1 = timed(lambda: C.reduce(mine(x.clone()), dst=0, algorithm=alg))
         ref, t2 = timed(lambda: (lambda y: (dist.reduce(y, 0), y)[1])(x.clone()))
         if rank != 0:  # only the destination's result is defined
             ours = ref
     else:  # all_to_all
         n = x.numel() // world
-        outs = [torch.empty(n) for _ in range(world)]
-        _, t1 = timed(lambda: C.all_to_all(outs, list(x.tensor_split(world))))
+        outs = [mine(torch.empty(n)) for _ in range(world)]
+        _, t1 = timed(lambda: C.all_to_all(outs, list(mine(x).tensor_split(world))))
         refs = [torch.empty(n) for _ in range(world)]
         _, t2 = timed(lambda: dist.all_to_all(refs, [p.clone() for p in x.tensor_split(world)]) if n else None)
-        ours, ref = torch.cat(outs), torch.cat(refs) if n else torch.cat(outs)
+        ours = torch.cat(outs).cpu()
+        ref = torch.cat(refs) if n else ours
     return ours, ref, t1, t2
 
 
@@ -99,6 +106,10 @@ def demo(argv=None) -> int:
                                 "(and the DDP/TP/PP sections) against torch's reference; exit 1 if "
                                 "any result is wrong.")
     p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where the collectives section's ranks compute; cuda: every rank shares "
+                        "the one GPU, messages go through gloo (default: gloo on CPU unless the "
+                        "machine has a GPU per rank)")
     p.add_argument("--sections", nargs="*", default=["collectives", *_SECTIONS],
                    choices=["collectives", *_SECTIONS], help="which sections to run (default: all)")
     args = p.parse_args(argv)
@@ -109,7 +120,8 @@ def demo(argv=None) -> int:
     if "collectives" in args.sections:
         print(f"minidist demo: hand-built collectives against torch.distributed, "
               f"world size {args.world_size} (gloo on CPU unless GPUs are available)\n")
-        rows = launch.run(_demo_rank, args.world_size, timeout=300)[0]
+        rows = launch.run(_demo_rank, args.world_size, timeout=300,
+                          device=args.device if args.device == "cuda" else None)[0]
         head = f"{'op/algorithm':<24}{'W':>3}{'max error':>12}{'busbw GB/s':>12}{'vs torch':>10}  ok"
         print(head + "\n" + "-" * len(head))
         for r in rows:
