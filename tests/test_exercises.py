@@ -496,3 +496,36 @@ def pipeline_rank(rank, world_size, M):
     modules = {0: model}
     return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}
 '''}, "keep only this rank's stages", "✓ 1F1B M=3 equals one process (world size 1)")
+
+
+def test_ex10_rejects_fsdp_as_zero2_a_true_loss_and_clipping_that_scales_up():
+    from minidist.grading import frameworks_map
+    ns = _solutions.load("10_framework_map.ipynb")
+    wrong = dict(ns["framework_map"](), **{"DeepSpeed zero_optimization.stage 3":
+                                           "ShardedOptimizer(stage=2)"})
+    rep = frameworks_map.grade_framework_map(lambda: wrong)
+    assert not rep.passed and "expected 'fully_shard', got 'ShardedOptimizer(stage=2)'" in str(rep)
+    text = _rejects("10_framework_map.ipynb", "logged_loss_grade", {"logged_loss": '''
+def logged_loss(worker_losses):
+    return sum(worker_losses) / len(worker_losses)      # the true loss, not what is logged
+'''}, "that is the true global loss", "expected 4, got 2")
+    assert "score: 0.4/2" in text, text
+    _rejects("10_framework_map.ipynb", "clip_factor_grade", {"clip_factor": '''
+def clip_factor(grad_norm, max_norm=1.0):
+    return True, max_norm / grad_norm if grad_norm else 1.0   # also scales small gradients up
+'''}, "factor expected 1 (torch.nn.utils.clip_grad_norm_), got 3.33333",
+        "clipping only shrinks")
+
+
+def test_ex11_rejects_cuda_local_rank_on_a_shared_gpu_and_nccl_that_does_not_raise():
+    text = _rejects("11_gpu_placement.ipynb", "place_grade", {"place": '''
+def place(local_rank, local_world_size, gpus, backend):
+    if gpus == 0:
+        return "cpu", "gloo", None
+    per_gpu = -(-local_world_size // gpus)
+    if backend == "auto":
+        backend = "nccl" if per_gpu == 1 else "gloo"
+    return f"cuda:{local_rank}", backend, (1 / per_gpu if per_gpu > 1 else None)
+'''}, "local rank 5 of 8, 1 GPU(s), backend 'gloo': device: expected 'cuda:0', got 'cuda:5'",
+        "local_rank % gpus", "backend 'nccl': expected ValueError")
+    assert "✓ local rank 3 of 4, 4 GPU(s), backend 'nccl'" in text, text
