@@ -498,7 +498,7 @@ def pipeline_rank(rank, world_size, M):
 '''}, "keep only this rank's stages", "✓ 1F1B M=3 equals one process (world size 1)")
 
 
-def test_ex10_rejects_fsdp_as_zero2_a_true_loss_and_clipping_that_scales_up():
+def test_ex10_rejects_stage3_as_zero2_a_true_loss_and_clipping_that_scales_up():
     from minidist.grading import frameworks_map
     ns = _solutions.load("10_framework_map.ipynb")
     wrong = dict(ns["framework_map"](), **{"DeepSpeed zero_optimization.stage 3":
