@@ -21,18 +21,7 @@ SIZES = (0, 1, 3, 1001)
 TOL = {torch.float32: 1e-5, torch.int64: 0}
 
 
-def _input(n, dtype, rank, salt=0):
-    g = torch.Generator().manual_seed(1000 * rank + salt)
-    if dtype.is_floating_point:
-        return torch.randn(n, generator=g).to(dtype)
-    return torch.randint(-50, 50, (n,), generator=g).to(dtype)
-
-
-def _err(a, b):
-    if a.numel() == 0:
-        return 0.0
-    scale = max(1.0, b.abs().max().item()) if b.dtype.is_floating_point else 1.0
-    return (a.double() - b.double()).abs().max().item() / scale
+from test_collectives import _err, _input  # the same seeded inputs and relative error as the collectives' tests
 
 
 _TORCH_OP = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
