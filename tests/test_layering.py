@@ -3,7 +3,7 @@
 Every module of the package is parsed (``ast``), every import counted — at the top, inside a
 function, or relative — and compared with the floor of the module it imports from:
 
-* floor 0, the ground: ``env``, ``comm``, ``trace``, ``grid``, ``models``, ``data``, ``text``
+* floor 0, the ground: ``env`` (and ``devices``), ``comm``, ``trace``, ``grid``, ``models``, ``data``, ``text``
 * floor 1, the launcher and the public collectives: ``collectives``, ``launch``, ``launch_errors``,
   ``rank_process``
 * floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``, ``sharding``
@@ -24,7 +24,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "minidist"
 
 FLOORS = {
-    0: ("env", "comm", "trace", "grid", "models", "data", "text"),
+    0: ("env", "devices", "comm", "trace", "grid", "models", "data", "text"),
     1: ("collectives", "launch", "launch_errors", "rank_process"),
     2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding"),
     3: ("lessons", "bench", "grading", "exercises", "cli", "doctor", "calc", "diagrams"),
