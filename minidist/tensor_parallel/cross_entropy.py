@@ -13,6 +13,11 @@ The full logits ``[..., V]`` never exist on one rank: rank r holds columns
 
 Backward needs no communication: ``dL/dz_j = softmax_j - (1-ε)·[j = t] - ε/V`` on real columns,
 0 on padding columns. Every rank ends with the same loss.
+
+Tokens whose target equals ``ignore_index`` (default -100, as ``F.cross_entropy``; padding, or the
+prompt part of a sequence) get loss 0 and gradient 0, and ``reduction="mean"`` divides by the number
+of *non-ignored* tokens — Megatron-LM masks the same way with its ``loss_mask``. Like torch, a mean
+over no token at all (all ignored, or empty input) is NaN with zero gradient.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, vocab_size, label_smoothing, group):
+    def forward(ctx, logits, target, vocab_size, label_smoothing, ignore_index, group):
         rank, world = R.tp_rank_world(group)
+        valid = target != ignore_index                              # ignored tokens: loss 0, grad 0
         local = logits.shape[-1]
         start = rank * local
         cols = torch.arange(start, start + local, device=logits.device)
@@ -39,7 +45,7 @@ class _VocabParallelCE(torch.autograd.Function):
             C.all_reduce(m, "max", group=group)
         shifted = (z - m.unsqueeze(-1)).masked_fill(~real, 0.0)
         exp = shifted.exp().masked_fill(~real, 0.0)
-        mine = (target >= start) & (target < start + local)
+        mine = (target >= start) & (target < start + local) & valid
         idx = (target - start).masked_fill(~mine, 0).unsqueeze(-1)
         picked = shifted.gather(-1, idx).squeeze(-1).masked_fill(~mine, 0.0)
         sums = torch.stack([exp.sum(-1), picked, shifted.sum(-1)])
@@ -51,38 +57,44 @@ class _VocabParallelCE(torch.autograd.Function):
         eps = label_smoothing
         if eps > 0:
             loss = (1 - eps) * loss + eps * (log_z - sum_shifted / vocab_size)
+        loss = loss.masked_fill(~valid, 0.0)
         softmax = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, idx, mine, real)
+        ctx.save_for_backward(softmax, idx, mine, real, valid)
         ctx.eps, ctx.vocab_size, ctx.dtype = eps, vocab_size, logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, idx, mine, real = ctx.saved_tensors
+        softmax, idx, mine, real, valid = ctx.saved_tensors
         grad = softmax.clone()
         onehot = torch.zeros_like(grad).scatter_(-1, idx, 1.0) * mine.unsqueeze(-1)
         grad -= (1 - ctx.eps) * onehot
         if ctx.eps > 0:
             grad -= ctx.eps / ctx.vocab_size
-        grad = grad.masked_fill(~real, 0.0) * grad_loss.unsqueeze(-1)
-        return grad.to(ctx.dtype), None, None, None, None
+        grad = grad.masked_fill(~real, 0.0).masked_fill(~valid.unsqueeze(-1), 0.0)
+        grad = grad * grad_loss.unsqueeze(-1)
+        return grad.to(ctx.dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
                                  label_smoothing: float = 0.0, reduction: str = "mean",
-                                 group=None) -> torch.Tensor:
+                                 group=None, ignore_index: int = -100) -> torch.Tensor:
     """Cross-entropy of vocabulary-sharded logits; equals ``F.cross_entropy`` on the full logits.
 
     Args:
         logits: ``[..., Vp/W]`` this rank's columns of the padded vocabulary (the output of a
             ColumnParallelLinear with ``padded_out_features=Vp``).
-        target: ``[...]`` int64 class ids in ``[0, vocab_size)`` (the same on every rank).
+        target: ``[...]`` int64 class ids in ``[0, vocab_size)`` or ``ignore_index`` (the same on
+            every rank).
         vocab_size: the real vocabulary size V (columns ``>= V`` are padding and ignored).
         label_smoothing: ε in ``[0, 1)``, with ``F.cross_entropy``'s definition.
-        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (per-token losses ``[...]``).
+        reduction: ``"mean"`` (default: over the non-ignored tokens; NaN if there is none, as
+            torch), ``"sum"`` or ``"none"`` (per-token losses ``[...]``, 0 where ignored).
+        ignore_index: target value whose tokens contribute neither loss nor gradient (-100, as
+            ``F.cross_entropy``; it may also be a class id in ``[0, V)``, which is then ignored).
 
-    Raises ``ValueError`` (naming the rank) for targets out of range, a shape mismatch, or a
-    vocabulary that does not fit ``W x`` the local columns.
+    Raises ``ValueError`` (naming the rank) for targets out of range that are not
+    ``ignore_index``, a shape mismatch, or a vocabulary that does not fit ``W x`` the local columns.
     """
     rank, world = R.tp_rank_world(group)
     where = f"vocab_parallel_cross_entropy (rank {rank})"
@@ -92,16 +104,23 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
     if not 1 <= vocab_size <= world * logits.shape[-1]:
         raise ValueError(f"{where}: {world} shards of {logits.shape[-1]} columns cannot hold a "
                          f"vocabulary of {vocab_size}")
-    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab_size):
-        raise ValueError(f"{where}: targets must be in [0, {vocab_size}), got min "
-                         f"{int(target.min())}, max {int(target.max())}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"{where}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    valid = target != ignore_index
+    bad = valid & ((target < 0) | (target >= vocab_size))
+    if bool(bad.any()):
+        out = target[bad]
+        raise ValueError(f"{where}: targets must be in [0, {vocab_size}) or ignore_index="
+                         f"{ignore_index}, got {int(bad.sum())} outside (min {int(out.min())}, "
+                         f"max {int(out.max())})")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"{where}: label_smoothing must be in [0, 1), got {label_smoothing}")
-    loss = _VocabParallelCE.apply(logits, target, vocab_size, float(label_smoothing), group)
+    loss = _VocabParallelCE.apply(logits, target, vocab_size, float(label_smoothing),
+                                  int(ignore_index), group)
     if reduction == "none":
         return loss
     if reduction == "sum":
         return loss.sum()
-    if reduction == "mean":
-        return loss.mean()
-    raise ValueError(f"{where}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    count = int(valid.sum())
+    # no token: NaN loss, zero gradient (what F.cross_entropy returns), not 0/0 in backward
+    return loss.sum() / count if count else loss.sum() + float("nan")
