@@ -147,14 +147,21 @@ def demo(argv=None) -> int:
     return 0
 
 
+# `minidist bench X` subcommands with their own parser: X -> module of minidist.bench with main(argv)
+_BENCH_MAINS = {"alpha-beta": "alpha_beta_bench", "flops": "flops"}
+
+
 def bench(argv=None) -> int:
+    if argv and argv[0] in _BENCH_MAINS:  # their own options: `minidist bench flops --help`
+        return importlib.import_module(f"minidist.bench.{_BENCH_MAINS[argv[0]]}").main(argv[1:])
     from . import bench as B
 
     p = argparse.ArgumentParser(prog="minidist bench", description="nccl-tests-style benchmark "
                                 "(each row beside torch and the point-to-point ceiling); "
-                                "'ddp', 'pp' and 'zero' benchmark the strategies.")
+                                "'ddp', 'pp' and 'zero' benchmark the strategies; 'alpha-beta' "
+                                "fits link latency and bandwidth with spreads; 'flops' the matmul rate.")
     p.add_argument("what", nargs="?", default="collectives",
-                   choices=["collectives", "ddp", "pp", "zero"])
+                   choices=["collectives", "ddp", "pp", "zero", *_BENCH_MAINS])
     p.add_argument("--ops", nargs="*", default=list(B.OPS), choices=B.OPS)
     p.add_argument("--algorithms", nargs="*", default=None,
                    help="torch and the names in minidist.collectives.ALGORITHMS (default: all "
@@ -205,7 +212,8 @@ def main(argv=None) -> int:
         asked = bool(argv) and argv[0] in ("-h", "--help")
         print("usage: minidist {demo,bench,doctor} [options]\n"
               "  demo    run every hand-built collective (and DDP/TP/PP) against torch; exit 1 if wrong\n"
-              "  bench   nccl-tests-style table (algbw, busbw, ratio to torch); bench ddp | pp | zero\n"
+              "  bench   nccl-tests-style table (algbw, busbw, ratio to torch); bench ddp | pp | zero |\n"
+              "          alpha-beta (link latency/bandwidth with spreads) | flops (matmul GFLOP/s)\n"
               "  doctor  what this machine offers: torch, backends, devices, network, launch variables",
               file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2

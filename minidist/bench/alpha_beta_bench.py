@@ -1,0 +1,165 @@
+"""``minidist bench alpha-beta``: measure a collective at many sizes, with repetitions scaled to the
+message size, and fit link alpha and beta with their bootstrap spread (:mod:`.alpha_beta`).
+
+Why the repetitions scale: a 1 KiB all-reduce takes tens of microseconds and its time on a shared
+machine is mostly scheduling noise, so a few repetitions give a median that can be off by
+milliseconds (an alpha that moves 3x between two runs); a 16 MiB one takes tens of milliseconds and
+ten repetitions pin it. So each size first gets a short probe, then ``budget_s / (sizes ×
+algorithms)`` seconds of repetitions (:func:`repetitions`: at least ``min_reps``, at most
+``max_reps``). The repetitions are spread over ``rounds`` passes through all sizes, and algorithms
+alternate call by call, so a load spike lands on every size and algorithm alike instead of on one.
+
+Each repetition: refill the input, barrier, time the call; a sample is the slowest rank's time
+(all ranks' times are max-reduced at the end). Every result is checked against the known sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..launch import run
+from .alpha_beta import MODELS, fit_alpha_beta_samples, format_fit, machine_note, save_fits
+from .collectives import _one_op, parse_size
+
+__all__ = ["repetitions", "measure_samples", "bench_alpha_beta", "main", "DEFAULT_SIZES"]
+
+DEFAULT_SIZES = tuple(1 << k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB, x4
+
+
+def repetitions(probe_s: float, budget_s: float, min_reps: int = 10, max_reps: int = 2000) -> int:
+    """How many repetitions fit ``budget_s`` seconds when one takes ``probe_s``: ``budget/probe``
+    clipped to [min_reps, max_reps]. Small messages get many, large ones ``min_reps``.
+    Raises ValueError unless 1 <= min_reps <= max_reps and budget_s >= 0."""
+    if not 1 <= min_reps <= max_reps or budget_s < 0:
+        raise ValueError(f"repetitions: need 1 <= min_reps <= max_reps and budget_s >= 0, got "
+                         f"min_reps={min_reps}, max_reps={max_reps}, budget_s={budget_s}")
+    if not probe_s > 0 or not math.isfinite(probe_s):
+        return max_reps
+    return int(min(max_reps, max(min_reps, budget_s // probe_s)))
+
+
+def _rank(rank, world, op, algorithms, sizes, budget_s, min_reps, max_reps, warmup, rounds):
+    """Per (algorithm, size): the slowest rank's time of every repetition, and the worst error."""
+    closures = {(a, s): _one_op(op, a, s, rank, world) for s in sizes for a in algorithms}
+
+    def once(a, s):
+        prep, call, _ = closures[(a, s)]
+        prep()
+        dist.barrier()
+        t0 = time.perf_counter()
+        call()
+        return time.perf_counter() - t0
+
+    per_size = budget_s / max(1, len(sizes) * len(algorithms))
+    reps = {}
+    for s in sizes:  # warm-up, then a probe of the wall time of one repetition (barrier included)
+        for _ in range(warmup):
+            for a in algorithms:
+                once(a, s)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            for a in algorithms:
+                once(a, s)
+        probe = torch.tensor([(time.perf_counter() - t0) / 3 / len(algorithms)], dtype=torch.float64)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX)  # every rank picks the same count
+        reps[s] = repetitions(probe.item(), per_size, min_reps, max_reps)
+    times = {k: [] for k in closures}
+    for r in range(rounds):
+        for s in sizes:
+            share = reps[s] // rounds + (r < reps[s] % rounds)
+            for _ in range(share):
+                for a in algorithms:
+                    times[(a, s)].append(once(a, s))
+    out = {}
+    for (a, s), ts in times.items():
+        t = torch.tensor(ts + [closures[(a, s)][2]()], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # slowest rank per repetition; worst error
+        out[(a, s)] = (t[:-1].tolist(), t[-1].item())
+    return out
+
+
+def measure_samples(world_size: int = 2, algorithms=("ring", "torch"), op: str = "all_reduce",
+                    sizes=DEFAULT_SIZES, budget_s: float = 30.0, min_reps: int = 10,
+                    max_reps: int = 2000, warmup: int = 3, rounds: int = 4,
+                    timeout: float = 900.0) -> dict[str, dict[int, list[float]]]:
+    """Time ``op`` for each algorithm and size (bytes, float32 buffers) on ``world_size`` ranks.
+
+    Returns {algorithm: {bytes: [seconds, one per repetition (the slowest rank's)]}}. Raises
+    RuntimeError if a result is wrong, ValueError for an algorithm without an alpha-beta model.
+    """
+    for a in algorithms:
+        if (op, a) not in MODELS:
+            raise ValueError(f"bench alpha-beta: no model for {op}/{a}; choose from "
+                             f"{sorted(k[1] for k in MODELS if k[0] == op)}")
+    out = run(_rank, world_size, op, tuple(algorithms), tuple(sizes), budget_s, min_reps,
+              max_reps, warmup, max(1, rounds), timeout=timeout)[0]
+    res = {a: {} for a in algorithms}
+    for (a, s), (ts, err) in out.items():
+        if err > 1e-3 * max(1.0, world_size ** 2):
+            raise RuntimeError(f"bench alpha-beta: {op}/{a} at W={world_size}, {s} bytes gave a "
+                               f"wrong result (max error {err:g})")
+        res[a][s] = ts
+    return res
+
+
+def bench_alpha_beta(world_size: int = 2, algorithms=("ring", "torch"), op: str = "all_reduce",
+                     sizes=DEFAULT_SIZES, budget_s: float = 30.0, min_reps: int = 10,
+                     max_reps: int = 2000, n_bootstrap: int = 1000, seed: int = 0,
+                     note: str = "", **kw) -> list:
+    """Measure (:func:`measure_samples`) and fit (:func:`fit_alpha_beta_samples`) each algorithm;
+    returns a list of :class:`~minidist.bench.alpha_beta.AlphaBetaFit`, one per algorithm."""
+    samples = measure_samples(world_size, algorithms, op, sizes, budget_s, min_reps, max_reps, **kw)
+    machine = machine_note(note)
+    machine["budget_s"] = budget_s
+    return [fit_alpha_beta_samples(samples[a], op, a, world_size, n_bootstrap=n_bootstrap,
+                                   seed=seed, machine=machine) for a in algorithms]
+
+
+def main(argv=None) -> int:
+    """``minidist bench alpha-beta [--world-size W] [--algorithm ring torch] [--json FILE] ...``"""
+    p = argparse.ArgumentParser(prog="minidist bench alpha-beta", description="Fit link alpha "
+                                "(latency, s) and beta (s/byte) of a collective from medians of "
+                                "repetitions scaled to the message size, with bootstrap spreads.")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--op", default="all_reduce", choices=sorted({k[0] for k in MODELS}))
+    p.add_argument("--algorithm", nargs="+", default=["ring", "torch"], choices=["ring", "torch"],
+                   help="one or more; several are timed in alternation in the same run")
+    p.add_argument("--min-bytes", default="1K")
+    p.add_argument("--max-bytes", default="16M")
+    p.add_argument("--factor", type=int, default=4, help="size multiplier between sizes")
+    p.add_argument("--budget-s", type=float, default=30.0,
+                   help="seconds of repetitions in all (split over sizes and algorithms)")
+    p.add_argument("--min-reps", type=int, default=10)
+    p.add_argument("--max-reps", type=int, default=2000)
+    p.add_argument("--bootstrap", type=int, default=1000, help="resamples for the spread")
+    p.add_argument("--note", default="", help="free text stored with the result (e.g. 'loaded')")
+    p.add_argument("--json", metavar="FILE", help="write the fits (format minidist-alpha-beta/1)")
+    args = p.parse_args(argv)
+    if args.world_size < 2:
+        p.error("--world-size must be >= 2 (one rank sends nothing)")
+    if args.factor < 2:
+        p.error("--factor must be >= 2")
+    sizes, s = [], parse_size(args.min_bytes)
+    while s <= parse_size(args.max_bytes):
+        sizes.append(s)
+        s *= args.factor
+    if len(sizes) < 2:
+        p.error("need at least two sizes between --min-bytes and --max-bytes")
+    start = time.perf_counter()
+    fits = bench_alpha_beta(args.world_size, args.algorithm, args.op, sizes, args.budget_s,
+                            args.min_reps, args.max_reps, args.bootstrap, note=args.note)
+    for f in fits:
+        print(format_fit(f) + "\n")
+    m = fits[0].machine
+    print(f"measured in {time.perf_counter() - start:.0f} s on {m['cpus']} CPUs, load average "
+          f"{m['loadavg_1_5_15']} (a shared machine's load moves these numbers between runs; the "
+          f"spread covers the noise within this run only)")
+    if args.json:
+        save_fits(args.json, fits)
+        print(f"wrote {args.json}")
+    return 0
