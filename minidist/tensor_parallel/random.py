@@ -14,19 +14,42 @@ Masks are drawn from these dedicated ``torch.Generator`` objects, never from tor
 generator: a rank that calls ``torch.rand`` for its own purposes (logging, data on rank 0 only)
 changes nothing. With sequence parallelism a replicated-region dropout draws the full-sequence
 mask and keeps its slice, so its masks differ per shard and the result equals plain TP's.
+
+**With pipeline and data parallelism too** (a :class:`~minidist.grid.ProcessGrid`), the seeds
+follow Megatron-LM's ``_set_random_seed`` (``megatron/training/initialize.py``):
+
+* **pipeline stages** hold different layers, so they must not draw the same masks: stage
+  ``pp_rank`` uses ``seed + 100·pp_rank`` as its base seed (without it, stage 1's first dropout
+  would repeat stage 0's first mask whenever the shapes agree);
+* **data-parallel replicas** reuse the seed by default: replica d draws the *same* masks as replica
+  0 (on different data). With ``data_parallel_random_init=True`` (Megatron's flag of that name)
+  the base seed also gets ``+ 10·dp_rank``, so replicas differ;
+* within a stage, ``"replicated"`` = base and ``"model-parallel"`` = base + 2718 + tp_rank, as above.
+
+The offsets are Megatron's and so are their limits: 10·dp_rank meets 100·pp_rank at dp_rank 10,
+and base + 100·27 comes near base + 2718; a grid that large needs a different scheme.
+
+The tracker's generator states can be saved and restored (:meth:`RNGTracker.get_states` /
+:meth:`RNGTracker.set_states`, Megatron's names) so that a resumed run continues the same masks,
+and :func:`record_masks` lists the masks drawn while it is active (for tests and the lesson).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from . import regions as R
 
-__all__ = ["RNGTracker", "get_rng_tracker", "model_parallel_seed", "dropout", "Dropout",
-           "MODEL_PARALLEL_OFFSET"]
+__all__ = ["RNGTracker", "get_rng_tracker", "model_parallel_seed", "grid_seed", "stage_seed",
+           "record_masks", "dropout", "Dropout", "MODEL_PARALLEL_OFFSET", "PIPELINE_OFFSET",
+           "DATA_PARALLEL_OFFSET"]
 
-MODEL_PARALLEL_OFFSET = 2718
+MODEL_PARALLEL_OFFSET = 2718   # Megatron-LM model_parallel_cuda_manual_seed
+PIPELINE_OFFSET = 100          # Megatron-LM _set_random_seed: seed + 100 * pp_rank
+DATA_PARALLEL_OFFSET = 10      # ... + 10 * dp_rank only with data_parallel_random_init
 
 
 class RNGTracker:
@@ -52,21 +75,74 @@ class RNGTracker:
             self._gens[key] = torch.Generator(device=device).manual_seed(self.seeds[name])
         return self._gens[key]
 
+    def get_states(self) -> dict:
+        """``{"seeds": {name: int}, "generators": {"name|device": ByteTensor}}``: a copy of the
+        seeds and of every generator's state (what a checkpoint saves)."""
+        return {"seeds": dict(self.seeds),
+                "generators": {f"{n}|{d}": g.get_state() for (n, d), g in self._gens.items()}}
+
+    def set_states(self, states: dict) -> None:
+        """Undo :meth:`get_states`: the generators continue exactly where they were saved."""
+        self.seeds = {k: int(v) for k, v in states["seeds"].items()}
+        self._gens = {}
+        for key, state in states["generators"].items():
+            name, device = key.split("|", 1)
+            gen = torch.Generator(device=torch.device(device))
+            gen.set_state(state)
+            self._gens[(name, device)] = gen
+
 
 _TRACKER = RNGTracker()
+_RECORDERS: list[list] = []
 
 
 def get_rng_tracker() -> RNGTracker:
     return _TRACKER
 
 
-def model_parallel_seed(seed: int, group=None, tracker: RNGTracker | None = None) -> RNGTracker:
-    """Seed ``"replicated"`` with ``seed`` and ``"model-parallel"`` with ``seed + 2718 + tp_rank``."""
+def stage_seed(seed: int, pp_rank: int = 0, dp_rank: int | None = None) -> int:
+    """Megatron-LM's per-rank base seed: ``seed + 100·pp_rank``, plus ``10·dp_rank`` when
+    ``dp_rank`` is given (``data_parallel_random_init``); ``dp_rank=None``: replicas share it."""
+    return int(seed) + PIPELINE_OFFSET * int(pp_rank) + (
+        DATA_PARALLEL_OFFSET * int(dp_rank) if dp_rank is not None else 0)
+
+
+def model_parallel_seed(seed: int, group=None, tracker: RNGTracker | None = None, *,
+                        pp_rank: int = 0, dp_rank: int | None = None) -> RNGTracker:
+    """Seed ``"replicated"`` with ``b = stage_seed(seed, pp_rank, dp_rank)`` and
+    ``"model-parallel"`` with ``b + 2718 + tp_rank`` (tp_rank: this rank's place in ``group``).
+
+    With the defaults (``pp_rank=0, dp_rank=None``) it is plain TP's ``seed`` / ``seed+2718+tp``.
+    Returns the tracker (the global one unless ``tracker`` is given).
+    """
     tracker = tracker or _TRACKER
     rank, _ = R.tp_rank_world(group)
-    tracker.add("replicated", seed)
-    tracker.add("model-parallel", seed + MODEL_PARALLEL_OFFSET + rank)
+    base = stage_seed(seed, pp_rank, dp_rank)
+    tracker.add("replicated", base)
+    tracker.add("model-parallel", base + MODEL_PARALLEL_OFFSET + rank)
     return tracker
+
+
+def grid_seed(seed: int, grid, data_parallel_random_init: bool = False,
+              tracker: RNGTracker | None = None) -> RNGTracker:
+    """:func:`model_parallel_seed` for this rank of a :class:`~minidist.grid.ProcessGrid`: TP
+    group ``grid.tp_group``, ``pp_rank=grid.pp_rank``, and ``dp_rank=grid.dp_rank`` only when
+    ``data_parallel_random_init`` (default: every DP replica draws the same masks, as Megatron-LM).
+    Seeds only the dropout tracker, not torch's global generator (weight init is the caller's)."""
+    return model_parallel_seed(seed, grid.tp_group, tracker, pp_rank=grid.pp_rank,
+                               dp_rank=grid.dp_rank if data_parallel_random_init else None)
+
+
+@contextmanager
+def record_masks():
+    """``with record_masks() as log:`` appends ``(region, keep)`` for every :func:`dropout` that
+    draws a mask in this process (``keep``: bool tensor of x's shape, True = kept), in call order."""
+    log: list = []
+    _RECORDERS.append(log)
+    try:
+        yield log
+    finally:
+        _RECORDERS.remove(log)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True, region: str = "replicated",
@@ -89,6 +165,8 @@ def dropout(x: torch.Tensor, p: float, training: bool = True, region: str = "rep
     keep = torch.rand(shape, generator=gen, device=x.device) >= p
     if sequence_parallel:
         keep = R.split_along(keep, seq_dim, group, "dropout")
+    for log in _RECORDERS:
+        log.append((region, keep.clone()))
     return x * keep.to(x.dtype) / (1.0 - p)
 
 
