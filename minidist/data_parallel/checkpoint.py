@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .replicas import unwrap
 
 __all__ = ["save_checkpoint", "load_checkpoint", "strip_prefix", "rank_state",
-           "restore_rank_state"]
+           "restore_rank_state", "atomic_save"]
 
 
 def strip_prefix(state: dict, prefix: str = "module.") -> dict:
@@ -69,6 +69,25 @@ def restore_rank_state(state: dict, sampler=None, rng: bool = True) -> None:
         sampler.load_state_dict(state["sampler"])
 
 
+def atomic_save(obj, path: str | os.PathLike) -> None:
+    """``torch.save(obj)`` into a temporary file next to ``path``, fsync'ed, then ``os.replace``:
+    ``path`` holds the old file or the whole new one, never half of one (creates the folder)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict | None = None,
                     group=None, sampler=None) -> None:
     """Rank 0 of ``group`` writes ``{"model", "optimizer", "extra", "ranks"}`` to ``path``
@@ -87,19 +106,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict 
         state = {"model": unwrap(model).state_dict(),
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "extra": extra or {}, "ranks": ranks}
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        atomic_save(state, path)
     if dist.is_initialized():
         dist.barrier(group=group)
 
