@@ -1,5 +1,6 @@
 """The ``minidist`` command: ``demo`` (the tour, exits non-zero on any wrong result), ``bench``
-(nccl-tests-style tables; ``bench ddp`` and ``bench pp`` for the strategies) and ``doctor``."""
+(nccl-tests-style tables; ``bench ddp`` and ``bench pp`` for the strategies), ``doctor`` and
+``plan`` (3-D parallel configurations, :mod:`minidist.plan`)."""
 
 from __future__ import annotations
 
@@ -205,16 +206,89 @@ def doctor(argv=None) -> int:
     return D.main(argv)
 
 
+def _number_or_json(text: str) -> float:
+    """``1.5e9``, or a JSON file holding ``{"flop_rate": ...}``."""
+    try:
+        return float(text)
+    except ValueError:
+        import json
+        with open(text) as f:
+            return float(json.load(f)["flop_rate"])
+
+
+def plan(argv=None) -> int:
+    """``minidist plan``: every valid dp x tp x pp (+ ZeRO, recomputation) configuration, best first."""
+    from . import calc
+    from . import plan as P
+
+    p = argparse.ArgumentParser(prog="minidist plan", description="List every valid (dp, tp, pp, "
+                                "micro-batches, ZeRO, recomputation) configuration of a GPT with its "
+                                "memory per device and predicted step time, best first.")
+    for name, default in (("layers", 24), ("hidden", 2304), ("heads", 24), ("vocab", 51200),
+                          ("seq-len", 2048), ("global-batch", 512), ("devices", 32)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--gpu", default="A100-80GB", choices=sorted(calc.GPUS),
+                   help="memory and peak FLOP/s (calc.GPUS) unless --memory / --flop-rate")
+    p.add_argument("--memory", type=float, help="bytes per device (e.g. 80e9)")
+    p.add_argument("--flop-rate", help="FLOP/s per device, or a JSON file with a 'flop_rate' key")
+    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of the GPU's peak reached")
+    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--intra", default=None, help="link inside a node: preset, alpha,beta or "
+                   "the JSON of `minidist bench alpha-beta` (default nvlink3)")
+    p.add_argument("--inter", default="ib-hdr", help="link between nodes (same forms)")
+    p.add_argument("--this-machine", action="store_true", help="ranks are processes sharing this "
+                   "machine's cores: rate x min(1, cores/ranks), one loopback link (--intra), fp32")
+    p.add_argument("--zero", type=int, nargs="*", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
+    p.add_argument("--recompute", nargs="*", default=["none", "full"], choices=list(P.RECOMPUTE))
+    p.add_argument("--interleave", type=int, nargs="*", default=[1])
+    p.add_argument("--precision", default=None, choices=sorted(P.PRECISIONS))
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--fits-only", action="store_true", help="drop configurations that do not fit")
+    p.add_argument("--top", type=int, default=20)
+    a = p.parse_args(argv)
+
+    def link(text):
+        parts = text.split(",")
+        return P.load_link(tuple(map(float, parts)) if len(parts) == 2 else text, a.devices)
+
+    try:
+        gpu = calc.GPUS[a.gpu]
+        rate = gpu["peak_flops"] * a.efficiency if a.flop_rate is None else _number_or_json(a.flop_rate)
+        if a.this_machine and (a.flop_rate is None or a.intra is None):
+            raise ValueError("--this-machine needs the measured --flop-rate (bench flops) and "
+                             "--intra loopback link (alpha,beta or the bench alpha-beta JSON)")
+        model = P.ModelSpec(a.layers, a.hidden, a.heads, a.vocab, a.seq_len)
+        kw = dict(zero_stages=a.zero, recompute=a.recompute, interleave=a.interleave,
+                  only_fits=a.fits_only, sequence_parallel=a.sequence_parallel)
+        if a.precision:
+            kw["precision"] = a.precision
+        if a.this_machine:
+            preds = P.this_machine(model, a.global_batch, a.devices, rate, link(a.intra),
+                                   memory=a.memory, **kw)
+        else:
+            preds = P.plan(model, a.global_batch, a.devices, a.memory or gpu["memory"], rate,
+                           P.Links(link(a.intra or "nvlink3"), link(a.inter)), a.devices_per_node, **kw)
+    except (ValueError, OSError, KeyError) as e:
+        print(f"minidist plan: {str(e).removeprefix('plan: ')}", file=sys.stderr)
+        return 2
+    print(f"{model.params / 1e9:.3g}B parameters, global batch {a.global_batch} x {a.seq_len} "
+          f"tokens, {a.devices} devices; {len(preds)} configurations, best first "
+          f"(memory in GB per device; times in s per step; 'DP exp' = exposed DP communication)")
+    print(P.format_table(preds, a.top))
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": demo, "bench": bench, "doctor": doctor}
+    commands = {"demo": demo, "bench": bench, "doctor": doctor, "plan": plan}
     if not argv or argv[0] not in commands:
         asked = bool(argv) and argv[0] in ("-h", "--help")
-        print("usage: minidist {demo,bench,doctor} [options]\n"
+        print("usage: minidist {demo,bench,doctor,plan} [options]\n"
               "  demo    run every hand-built collective (and DDP/TP/PP) against torch; exit 1 if wrong\n"
               "  bench   nccl-tests-style table (algbw, busbw, ratio to torch); bench ddp | pp | zero |\n"
               "          alpha-beta (link latency/bandwidth with spreads) | flops (matmul GFLOP/s)\n"
-              "  doctor  what this machine offers: torch, backends, devices, network, launch variables",
+              "  doctor  what this machine offers: torch, backends, devices, network, launch variables\n"
+              "  plan    every valid dp x tp x pp (+ ZeRO, recompute) configuration: memory, step time",
               file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
     return commands[argv[0]](argv[1:])

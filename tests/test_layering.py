@@ -8,7 +8,7 @@ function, or relative — and compared with the floor of the module it imports f
   ``rank_process``
 * floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``, ``sharding``
 * floor 3, what reads or drives them: ``lessons``, ``bench``, ``grading``, ``exercises``, ``cli``,
-  ``doctor``, ``calc``, ``cost``, ``diagrams``
+  ``doctor``, ``calc``, ``cost``, ``diagrams``, ``plan`` (and ``plan_reference``)
 
 Importing sideways (same floor) or down is allowed; a module the table does not know fails the
 test, so a new module has to be given a floor.
@@ -27,7 +27,8 @@ FLOORS = {
     0: ("env", "devices", "comm", "trace", "grid", "models", "data", "text"),
     1: ("collectives", "launch", "launch_errors", "rank_process"),
     2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding"),
-    3: ("lessons", "bench", "grading", "exercises", "cli", "doctor", "calc", "cost", "diagrams"),
+    3: ("lessons", "bench", "grading", "exercises", "cli", "doctor", "calc", "cost", "diagrams",
+        "plan", "plan_reference"),
 }
 FLOOR_OF = {name: floor for floor, names in FLOORS.items() for name in names}
 
