@@ -40,7 +40,7 @@ def repetitions(probe_s: float, budget_s: float, min_reps: int = 10, max_reps: i
                          f"min_reps={min_reps}, max_reps={max_reps}, budget_s={budget_s}")
     if not probe_s > 0 or not math.isfinite(probe_s):
         return max_reps
-    return int(min(max_reps, max(min_reps, budget_s // probe_s)))
+    return int(min(max_reps, max(min_reps, math.floor(budget_s / probe_s + 1e-9))))
 
 
 def _rank(rank, world, op, algorithms, sizes, budget_s, min_reps, max_reps, warmup, rounds):

@@ -209,6 +209,9 @@ def fit_alpha_beta(rows: list[dict]) -> tuple[float, float]:
     """Least-squares fit of ``time_s = alpha + beta · bytes``; returns (alpha in s, beta in s/byte).
 
     Pass the rows of one (op, algorithm, world size). 1/beta is the asymptotic algbw (bytes/s).
+    This is a plain line through one median per size (the table's quick look); the collective's
+    own model, repetitions scaled to the size and bootstrap spreads are in
+    :mod:`minidist.bench.alpha_beta` (``minidist bench alpha-beta``).
     """
     if len(rows) < 2:
         raise ValueError("fit_alpha_beta needs at least two sizes")

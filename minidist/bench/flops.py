@@ -127,9 +127,15 @@ def format_flops(res: FlopsResult) -> str:
 
 
 def save_flops(path, results: list[FlopsResult]) -> None:
-    """Write ``{"format": FORMAT, "results": [FlopsResult.to_dict(), ...]}`` as JSON."""
+    """Write ``{"format": FORMAT, "flop_rate": ..., "threads": ..., "results": [FlopsResult.to_dict(),
+    ...]}`` as JSON. ``flop_rate`` (FLOP/s) is the fewest-threads result's rate: one rank's rate
+    under :func:`minidist.run` (one thread per rank), what ``minidist plan --flop-rate FILE`` reads."""
+    if not results:
+        raise ValueError("save_flops: no results to write")
+    single = min(results, key=lambda r: r.threads)
     with open(path, "w") as f:
-        json.dump({"format": FORMAT, "results": [r.to_dict() for r in results]}, f, indent=1)
+        json.dump({"format": FORMAT, "flop_rate": single.flops_per_s, "threads": single.threads,
+                   "results": [r.to_dict() for r in results]}, f, indent=1)
 
 
 def load_flops(path) -> list[FlopsResult]:
