@@ -13,6 +13,7 @@ The strategies are one attribute away, imported on first use (``import minidist`
     minidist.tensor_parallel.ColumnParallelLinear    # Megatron-style TP layers, TPGPT, ...
     minidist.pipeline_parallel.make_schedule         # GPipe / 1F1B / interleaved, engine, simulator
     minidist.sharding                                # ZeRO-style sharding (when installed)
+    minidist.hybrid.HybridGPT                        # DP x TP x PP: the GPT on a ProcessGrid
 """
 
 import importlib
@@ -27,7 +28,7 @@ __version__ = "0.1.0"
 # subpackages and modules reachable as minidist.<name>, imported when first touched (PEP 562)
 _LAZY = ("collectives", "comm", "data_parallel", "tensor_parallel", "pipeline_parallel",
          "sharding", "grid", "models", "data", "trace", "lessons", "bench", "calc", "diagrams",
-         "grading")
+         "grading", "hybrid")
 
 __all__ = ["run", "init", "RankError", "RankTimeoutError", "env", *_LAZY]
 

@@ -12,6 +12,10 @@ then data-parallel replicas. Rank ``r`` sits at ``(dp_rank, pp_rank, tp_rank)`` 
 
 Example, world 8 = dp 2 x pp 2 x tp 2: rank 5 is at (1, 0, 1); DP group [1, 5], PP group [5, 7],
 TP group [4, 5].
+
+With ``pp > 1`` there is a fourth kind, the **embedding group**: the first and the last stage of
+each pipeline (``[pp_ranks[0], pp_ranks[-1]]``), which sum the gradients of an embedding tied to
+the output head (Megatron-LM's ``_allreduce_word_embedding_grads``). Rank 5 above: [5, 7].
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ class ProcessGrid:
     Every rank must construct it (``dist.new_group`` is collective), with the same sizes.
     Attributes: ``dp_rank``, ``pp_rank``, ``tp_rank`` (coordinates = ranks inside each group),
     ``dp_size``, ``pp_size``, ``tp_size``, ``dp_group``, ``pp_group``, ``tp_group``,
-    ``dp_ranks``/``pp_ranks``/``tp_ranks`` (global ranks of this rank's groups), ``grid``.
+    ``dp_ranks``/``pp_ranks``/``tp_ranks`` (global ranks of this rank's groups), ``grid``;
+    ``embedding_ranks`` / ``embedding_group``: the first and last stage of this rank's pipeline
+    (``embedding_group`` is None on the stages between, and when ``pp == 1``).
     """
 
     def __init__(self, dp: int, pp: int = 1, tp: int = 1):
@@ -72,6 +78,13 @@ class ProcessGrid:
                 if self.rank in ranks:
                     setattr(self, f"{dim}_group", group)
                     setattr(self, f"{dim}_ranks", ranks)
+        self.embedding_ranks = sorted({self.pp_ranks[0], self.pp_ranks[-1]})
+        self.embedding_group = None
+        if pp > 1:
+            for ranks in layout["pp"]:
+                group = dist.new_group([ranks[0], ranks[-1]])
+                if self.rank in (ranks[0], ranks[-1]):
+                    self.embedding_group = group
 
     @property
     def is_first_stage(self) -> bool:

@@ -6,9 +6,10 @@ function, or relative — and compared with the floor of the module it imports f
 * floor 0, the ground: ``env`` (and ``devices``), ``comm``, ``trace``, ``grid``, ``models``, ``data``, ``text``
 * floor 1, the launcher and the public collectives: ``collectives``, ``launch``, ``launch_errors``,
   ``rank_process``
-* floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``, ``sharding``
+* floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``, ``sharding``,
+  ``hybrid``
 * floor 3, what reads or drives them: ``lessons``, ``bench``, ``grading``, ``exercises``, ``cli``,
-  ``doctor``, ``calc``, ``cost``, ``diagrams``, ``plan`` (and ``plan_reference``)
+  ``doctor``, ``calc``, ``cost``, ``diagrams``, ``plan`` (and ``plan_reference``, ``plan_machine``)
 
 Importing sideways (same floor) or down is allowed; a module the table does not know fails the
 test, so a new module has to be given a floor.
@@ -26,9 +27,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "minidist"
 FLOORS = {
     0: ("env", "devices", "comm", "trace", "grid", "models", "data", "text"),
     1: ("collectives", "launch", "launch_errors", "rank_process"),
-    2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding"),
+    2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding", "hybrid"),
     3: ("lessons", "bench", "grading", "exercises", "cli", "doctor", "calc", "cost", "diagrams",
-        "plan", "plan_reference"),
+        "plan", "plan_reference", "plan_machine"),
 }
 FLOOR_OF = {name: floor for floor, names in FLOORS.items() for name in names}
 

@@ -1,7 +1,7 @@
 """A tiny character-level GPT in plain PyTorch, nanoGPT-style: the single-process reference.
 
 Pre-LayerNorm blocks as GPT-2 (Radford et al. 2019) / nanoGPT (Karpathy); the head is not tied to
-the embedding; PyTorch's default initialisation; ``nn.Dropout``. Shapes: ids ``[b, s]``
+the embedding unless ``GPTConfig(tie_embeddings=True)``; PyTorch's default initialisation; ``nn.Dropout``. Shapes: ids ``[b, s]``
 (s <= block_size) -> logits ``[b, s, V]``. Built on the CPU; move it with ``.to(device)``.
 
 The fused QKV projection's output rows are laid out head by head, ``[head][q|k|v][head_dim]``
@@ -31,6 +31,7 @@ class GPTConfig:
     n_embd: int = 32
     dropout: float = 0.0        # embedding and residual dropout
     attn_dropout: float = 0.0   # dropout on the attention probabilities
+    tie_embeddings: bool = False  # head.weight is tok_emb.weight (Press & Wolf 2017; GPT-2)
 
 
 def causal_attention(qkv: torch.Tensor, n_head: int, head_dim: int,
@@ -105,6 +106,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:  # one parameter; drawn after the head's, so the RNG calls match
+            self.head.weight = self.tok_emb.weight
 
     def forward(self, ids, targets=None, label_smoothing: float = 0.0):
         s = ids.shape[1]

@@ -14,10 +14,21 @@ the accumulated gradients equal one process on the whole batch (to fp32 rounding
 size N >= M. With data parallelism (``dp_group``), each stage's gradients are averaged over its DP
 replicas once, right after the rank's last backward — the point where they are final
 (Narayanan et al. 2021 do the same for PipeDream-Flush).
+
+That weighting is right for a loss that is a mean over *samples*. Two other reductions
+(``loss_reduction``, see :mod:`.microbatch`): ``"sum"`` (each micro-batch's sum, weight 1; over
+DP replicas the sum, not the mean) and ``"per_token"`` — ``loss_fn`` returns ``(sum, count)``,
+e.g. the cross-entropy summed over the positions that are not ``ignore_index`` and their number;
+each backward starts from the sum, and after the last one the gradients are divided by the
+*global* count (summed over micro-batches, sent from the last stage to every stage of the
+pipeline, summed over the DP replicas). Megatron-Core's ``calculate_per_token_loss``. Weighting
+a per-micro-batch token mean by ``n_m/N`` instead is wrong whenever micro-batches hold different
+numbers of counted tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -25,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import env
+from .. import collectives as C, env
 from ..trace import Event
 from ..data_parallel.flat import average_flat
 from . import microbatch
@@ -48,6 +59,8 @@ class StepResult:
     peak_inflight: dict = field(default_factory=dict)
     peak_activation_bytes: dict = field(default_factory=dict)
     t0: float = 0.0  # this rank's time.perf_counter() at the start (events are relative to it)
+    global_loss: float | None = None  # "sum"/"per_token": the loss of the global batch (all ranks)
+    tokens: float | None = None       # "per_token": the global count the gradients were divided by
 
 
 def local_stages(stages: list[nn.Module], schedule: Schedule, rank: int) -> dict[int, nn.Module]:
@@ -103,6 +116,10 @@ class _StepState:
     mb_inputs: list | None = None     # on the rank holding stage 0
     mb_targets: list | None = None    # on the rank holding the last stage
     weights: list | None = None       # n_m / N per micro-batch (last stage)
+    reduction: str = "mean"
+    backward_context: object = None   # (stage, mb, last) -> context manager around a backward
+    last_backward: dict = field(default_factory=dict)  # stage -> mb of its last B op here
+    count: float = 0.0                # "per_token": counted tokens so far (last stage)
     saved: dict = field(default_factory=dict)   # (mb, stage) -> (x, y) kept for the backward
     events: list = field(default_factory=list)
     total: torch.Tensor | None = None             # the summed weighted loss (last stage)
@@ -122,13 +139,27 @@ def _forward_op(st: _StepState, m: int, s: int) -> None:
     with st.meter.forward(s, m):
         y = st.modules[s](x)
         if s == last:
-            y = st.loss_fn(y, st.mb_targets[m].to(st.device)) * st.weights[m]
+            y = _micro_loss(st, st.loss_fn(y, st.mb_targets[m].to(st.device)), m)
     st.events.append(Event("F", start, st.clock(), rank=st.rank, mb=m, stage=s))
     if s == last:
         st.total = y.detach() if st.total is None else st.total + y.detach()
     else:
         st.transport.send(y, st.schedule.owner(s + 1), "act", m, s, s + 1)
     st.saved[(m, s)] = (x, y)
+
+
+def _micro_loss(st: _StepState, out, m: int) -> torch.Tensor:
+    """The scalar micro-batch m backpropagates: weighted mean, sum, or the token-loss sum."""
+    if st.reduction == "mean":
+        return out * st.weights[m]
+    if st.reduction == "sum":
+        return out
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ValueError(f"pipeline_step (rank {st.rank}): loss_reduction='per_token' needs "
+                         f"loss_fn to return (sum, count), got {type(out).__name__}")
+    total, count = out
+    st.count += float(count)
+    return total
 
 
 def _backward_op(st: _StepState, m: int, s: int) -> None:
@@ -139,7 +170,10 @@ def _backward_op(st: _StepState, m: int, s: int) -> None:
     grad = None if s == last else st.transport.recv(st.schedule.owner(s + 1), "grad", m, s + 1, s)
     start = st.clock()
     if y.requires_grad:
-        torch.autograd.backward(y, grad)
+        ctx = (st.backward_context(s, m, st.last_backward[s] == m) if st.backward_context
+               else contextlib.nullcontext())
+        with ctx:
+            torch.autograd.backward(y, grad)
     st.meter.backward(s, m)
     st.events.append(Event("B", start, st.clock(), rank=st.rank, mb=m, stage=s))
     if s > 0:
@@ -149,7 +183,8 @@ def _backward_op(st: _StepState, m: int, s: int) -> None:
 
 def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
                   group=None, dp_group=None, record: bool = False, device=None,
-                  prefetch: bool | None = None) -> StepResult:
+                  prefetch: bool | None = None, loss_reduction: str = "mean",
+                  sync_dp: bool = True, backward_context=None) -> StepResult:
     """Run one training step's forwards and backwards of ``schedule`` on this rank.
 
     Args:
@@ -157,9 +192,19 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         modules: {stage: module} for exactly the stages this rank holds (:func:`local_stages`).
         inputs: the whole batch ``[N, ...]`` — used on the rank holding stage 0 (None elsewhere).
         targets: the whole batch's targets ``[N, ...]`` — used on the rank holding the last stage.
-        loss_fn: ``loss_fn(output, target) -> scalar``, a *mean* over the micro-batch.
+        loss_fn: ``loss_fn(output, target) -> scalar``, a *mean* over the micro-batch (or as
+            ``loss_reduction`` says).
         group: the pipeline process group (ranks inside it are pipeline ranks); default: world.
-        dp_group: if given, gradients are averaged over it once, after this rank's last backward.
+        dp_group: if given, gradients are averaged over it once, after this rank's last backward
+            (unless ``sync_dp=False``: then it only sums the loss and token count over replicas).
+        loss_reduction: ``"mean"`` (over samples; weights ``n_m/N``), ``"sum"`` or
+            ``"per_token"`` (``loss_fn`` returns ``(sum, count)``; gradients divided by the global
+            count). With DP, ``"mean"`` assumes equal shards per replica.
+        sync_dp: False when something else averages the gradients over ``dp_group`` (a DDP
+            wrapper's hooks, ZeRO).
+        backward_context: ``f(stage, mb, last) -> context manager`` entered around each backward;
+            ``last`` is True for the stage's last backward of the step (where a bucketed DDP wrapper
+            must synchronise, Narayanan et al. 2021 §3.3).
         record: keep a timeline of compute and communication events.
         device: where received tensors and micro-batches go (default ``minidist.env.device()``:
             ``cuda:LOCAL_RANK`` with nccl, the CPU with gloo); the modules must already be there.
@@ -172,7 +217,7 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
 
     Raises:
         ValueError: the schedule does not fit the group, the modules are not this rank's stages,
-            or the batch has fewer than M samples.
+            or the batch has fewer than M samples, or ``loss_reduction`` is unknown.
     """
     rank = dist.get_rank(group)
     P = dist.get_world_size(group)
@@ -182,6 +227,9 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
     if sorted(modules) != schedule.stages_of(rank):
         raise ValueError(f"pipeline_step (rank {rank}): got modules for stages {sorted(modules)}, "
                          f"this rank holds stages {schedule.stages_of(rank)} (use local_stages)")
+    if loss_reduction not in microbatch.REDUCTIONS:
+        raise ValueError(f"pipeline_step (rank {rank}): loss_reduction must be one of "
+                         f"{microbatch.REDUCTIONS}, got {loss_reduction!r}")
     device = device or env.device()
     M, last = schedule.M, schedule.n_stages - 1
     mb_inputs = microbatch.split(inputs, M, "input batch") if 0 in modules else None
@@ -196,13 +244,17 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
 
     transport = Transport(group, device, clock if record else None)
     st = _StepState(schedule, modules, rank, device, transport, ActivationMeter(modules), clock,
-                    loss_fn, mb_inputs, mb_targets, weights)
+                    loss_fn, mb_inputs, mb_targets, weights, loss_reduction, backward_context,
+                    {op.stage: op.mb for op in schedule[rank] if op.kind == "B"})
     if prefetch if prefetch is not None else dist.get_backend(group) == "gloo":
         transport.start_prefetch(recv_plan(schedule, rank))
     for op in schedule[rank]:
         (_forward_op if op.kind == "F" else _backward_op)(st, op.mb, op.stage)
     transport.finish()
-    if dp_group is not None:
+    global_loss = tokens = None
+    if loss_reduction != "mean":
+        global_loss, tokens = _reduce_loss(st, modules, group, dp_group, loss_reduction)
+    if dp_group is not None and sync_dp:
         start = clock()
         sync_gradients(modules, dp_group)
         st.events.append(Event("dp_sync", start, clock(), rank=rank))
@@ -211,5 +263,35 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         events = st.events + [Event(k, a, b, rank=rank, mb=mb, stage=s)
                               for k, mb, s, a, b in transport.events]
         events.sort(key=lambda e: e.start)
-    return StepResult(None if st.total is None else float(st.total), events,
-                      dict(st.meter.peak_inflight), dict(st.meter.peak_bytes), t0)
+    local = None if st.total is None else float(st.total)
+    if local is not None and loss_reduction == "per_token":
+        local = local / st.count if st.count else float("nan")
+    return StepResult(local, events, dict(st.meter.peak_inflight), dict(st.meter.peak_bytes), t0,
+                      global_loss, tokens)
+
+
+def _reduce_loss(st: _StepState, modules, group, dp_group, reduction: str):
+    """Sum [loss, count] over the pipeline (only the last stage's are non-zero: a broadcast to
+    every stage) and over the DP replicas; scale this rank's gradients so the DP average that
+    follows gives the gradient of the global sum ("sum") or of the global token mean."""
+    stats = torch.tensor([0.0 if st.total is None else float(st.total), st.count],
+                         dtype=torch.float64, device=st.device)
+    if dist.get_world_size(group) > 1:
+        C.all_reduce(stats, "sum", group=group)
+    dp = 1 if dp_group is None else dist.get_world_size(dp_group)
+    if dp > 1:
+        C.all_reduce(stats, "sum", group=dp_group)
+    loss_sum, count = stats.tolist()
+    if reduction == "sum":
+        scale, value, count = float(dp), loss_sum, None
+    else:  # count 0 (every position ignored): nan, as F.cross_entropy's mean
+        scale = dp / count if count else float("nan")
+        value = loss_sum / count if count else float("nan")
+    if scale != 1.0:
+        seen = set()
+        for s in sorted(modules):
+            for p in modules[s].parameters():
+                if p.grad is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    p.grad.mul_(scale)
+    return value, count

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["split", "sizes", "loss_weights"]
+__all__ = ["split", "sizes", "loss_weights", "REDUCTIONS"]
+
+# how a loss is reduced over a batch (pipeline_step's ``loss_reduction``):
+# "mean" over samples: micro-batch means weighted n_m/N; "sum": weight 1;
+# "per_token": loss_fn returns (sum, count), divided once by the global count (Megatron-Core's
+# calculate_per_token_loss): the only exact one for a token mean with ignored positions, whose
+# micro-batches hold different numbers of counted tokens.
+REDUCTIONS = ("mean", "sum", "per_token")
 
 
 def sizes(batch_size: int, M: int) -> list[int]:

@@ -1,0 +1,64 @@
+"""Gradient clipping by the global norm when the model is split over TP shards and pipeline stages.
+
+``torch.nn.utils.clip_grad_norm_`` on one process computes ``‖g‖ = sqrt(Σ_p ‖g_p‖²)`` over every
+parameter once, then multiplies every gradient by ``min(1, max_norm / (‖g‖ + 1e-6))``. Split over a
+``dp x pp x tp`` grid, each rank holds part of the sum; counting each parameter exactly once
+(Megatron-LM's ``clip_grad_norm_fp32``, with ``param_is_not_shared`` and
+``param_is_not_tensor_parallel_duplicate``; Shoeybi et al. 2019):
+
+* a tensor-parallel shard (``tensor_model_parallel``) counts on every TP rank (disjoint shards;
+  the vocabulary padding has zero gradient);
+* a TP-replicated parameter (LayerNorm, row-parallel bias, position embedding) counts on TP rank
+  0 only (after sequence-parallel finishing, its gradient is the same on every TP rank);
+* the last stage's copy of a tied embedding does not count (the first stage's does);
+* DP replicas hold the same averaged gradient: not summed over the DP group.
+
+The squared sums are added over the TP group, then over the pipeline group: every rank of a
+replica gets the same norm (and each replica the same one). Call it after the DP sync, the
+sequence-parallel finish and the tied-embedding sum, before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import collectives as C
+
+__all__ = ["global_grad_norm", "clip_grad_norm_"]
+
+
+def global_grad_norm(model, norm_type: float = 2.0) -> float:
+    """The 2-norm of the whole model's gradient (a :class:`~.stages.HybridGPT`), on every rank.
+
+    Collective over the grid's TP and PP groups. Raises ``ValueError`` for a norm other than 2.
+    """
+    if float(norm_type) != 2.0:
+        raise ValueError(f"global_grad_norm (rank {model.grid.rank}): only the 2-norm is "
+                         f"implemented, got norm_type={norm_type}")
+    grid = model.grid
+    params = model.parameters()
+    device = params[0].device if params else torch.device("cpu")
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for p in params:
+        if p.grad is None or model.is_tied_copy(p):
+            continue
+        if not getattr(p, "tensor_model_parallel", False) and grid.tp_rank != 0:
+            continue
+        total += p.grad.detach().double().pow(2).sum()
+    if grid.tp_size > 1:
+        C.all_reduce(total, "sum", group=grid.tp_group)
+    if grid.pp_size > 1:
+        C.all_reduce(total, "sum", group=grid.pp_group)
+    return float(total.sqrt())
+
+
+def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0) -> float:
+    """Scale every gradient of ``model`` in place by ``min(1, max_norm / (norm + 1e-6))`` (as
+    ``torch.nn.utils.clip_grad_norm_``) and return the global norm before clipping (a float)."""
+    norm = global_grad_norm(model, norm_type)
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm

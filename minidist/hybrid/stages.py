@@ -1,0 +1,231 @@
+"""This rank's pipeline stages of the tensor-parallel GPT: the model of 3-D (DP x TP x PP) training.
+
+The tiny GPT (:class:`minidist.models.gpt.GPT`) is cut into ``P·v`` pipeline stages (``P`` the
+pipeline size, ``v`` model chunks per rank for the interleaved schedule): its ``n_layer`` blocks
+are split as evenly as possible (:func:`minidist.pipeline_parallel.partition.balanced_bounds`),
+stage 0 also holds the token and position embeddings, the last stage ``ln_f`` and the head.
+Inside a stage every layer is tensor-parallel over the grid's TP group, as in
+:class:`minidist.tensor_parallel.gpt.TPGPT` (VocabParallelEmbedding, ParallelSelfAttention and
+ParallelMLP in the plain ``Block``, a vocabulary-parallel head; optionally sequence parallelism).
+Rank ``r`` holds stages ``r, r+P, ...`` (chunk order) of its pipeline. Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2-3.
+
+Weights: every rank builds the full ``GPT(cfg)`` after ``torch.manual_seed(seed)`` and keeps its
+shards of its stages' parameters (:func:`~minidist.tensor_parallel.sharding.shard_state_dict`), so
+the distributed model equals the one-process model exactly, by construction. Parameter names are
+the GPT's (``blocks.5.attn.qkv.weight``), so gathered gradients compare key by key.
+
+Tied embeddings (``cfg.tie_embeddings``): the head reuses the token embedding. When one stage holds
+both (``P·v == 1``) it is one parameter; otherwise the last stage holds a copy (same TP shard
+layout: rows of the padded vocabulary), and after backward the two copies' gradients are summed
+(:meth:`HybridGPT.allreduce_tied_grads`, over the grid's embedding group, as Megatron-LM's
+``_allreduce_word_embedding_grads``), so they get the same update and stay identical.
+
+Shapes: stage 0 takes ids ``[b, s]``; between stages the hidden state ``[b, s, h]`` (``[b, s/tp, h]``
+with sequence parallelism); the last stage returns this rank's logits ``[b, s, Vp/tp]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import collectives as C
+from ..models.gpt import GPT, Block, GPTConfig
+from ..pipeline_parallel.partition import balanced_bounds
+from ..tensor_parallel import accounting, regions as R
+from ..tensor_parallel.attention import ParallelSelfAttention
+from ..tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, mark_parameter,
+                                      pad_to_multiple)
+from ..tensor_parallel.mlp import ParallelMLP
+from ..tensor_parallel.random import Dropout
+from ..tensor_parallel.sequence import allreduce_sequence_parallel_grads, mark_sequence_parallel
+from ..tensor_parallel.sharding import gather_state_dict, shard_state_dict
+
+__all__ = ["GPTStage", "HybridGPT", "stage_bounds", "check_grid"]
+
+
+def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
+    """``[start, end)`` block ranges of the ``n_stages`` stages (sizes differ by at most one)."""
+    return balanced_bounds([1.0] * n_layer, n_stages)
+
+
+def check_grid(cfg: GPTConfig, dp: int, pp: int, tp: int, chunks: int = 1,
+               sequence_parallel: bool = False, rank: int | None = None, seq_len: int | None = None,
+               batch: int | None = None, microbatches: int | None = None) -> None:
+    """Raise ``ValueError`` (naming ``rank`` and what to change) when the grid does not divide the
+    model or the batch: fewer layers than ``pp·chunks`` stages, ``n_head % tp``, ``seq_len % tp``
+    with sequence parallelism, a global batch not divisible by ``dp``, fewer samples per replica
+    than ``microbatches``, or ``microbatches % pp`` with the interleaved schedule (``chunks > 1``).
+    Every rank raises the same error before any communication, so nothing hangs."""
+    who = f"hybrid GPT (rank {rank}, grid dp={dp} pp={pp} tp={tp} chunks={chunks})"
+    if cfg.n_layer < pp * chunks:
+        raise ValueError(f"{who}: {cfg.n_layer} layers cannot fill pp x chunks = {pp * chunks} "
+                         f"stages (each needs a block); use n_layer >= {pp * chunks} or fewer "
+                         "stages/chunks")
+    if cfg.n_head % tp:
+        raise ValueError(f"{who}: n_head={cfg.n_head} is not divisible by tp={tp}; choose tp "
+                         f"among the divisors of {cfg.n_head}")
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(f"{who}: n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise ValueError(f"{who}: sequence parallelism needs the sequence length ({seq_len}) "
+                         f"divisible by tp={tp}; change the sequence length or turn it off")
+    if batch is not None:
+        if batch % dp:
+            raise ValueError(f"{who}: the global batch of {batch} samples does not split evenly "
+                             f"over dp={dp} replicas; use a multiple of {dp}")
+        if microbatches is not None and batch // dp < microbatches:
+            raise ValueError(f"{who}: each replica gets {batch // dp} samples, fewer than the "
+                             f"{microbatches} micro-batches; use microbatches <= {batch // dp} or "
+                             "a larger batch")
+    if chunks > 1 and microbatches is not None and microbatches % pp:
+        raise ValueError(f"{who}: the interleaved schedule needs microbatches ({microbatches}) to "
+                         f"be a multiple of pp={pp}")
+
+
+class GPTStage(nn.Module):
+    """Stage ``index`` of ``n_stages``: blocks ``layers`` (global indices), plus the embeddings on
+    the first stage and ``ln_f`` + head on the last, tensor-parallel over ``group``."""
+
+    def __init__(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group=None,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        sp = sequence_parallel
+        self.cfg, self.index, self.group, self.sequence_parallel = cfg, index, group, sp
+        self.is_first, self.is_last = index == 0, index == n_stages - 1
+        self.tp_rank, self.tp_size = R.tp_rank_world(group)
+        if self.is_first:
+            self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, group, sp)
+            self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+            mark_parameter(self.pos_emb.weight, sequence_parallel=sp)
+            self.drop = Dropout(cfg.dropout, "replicated", group, sp)
+        self.blocks = nn.ModuleDict()
+        for i in layers:
+            attn = ParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout, cfg.dropout,
+                                         group, sp)
+            mlp = ParallelMLP(cfg.n_embd, 4 * cfg.n_embd, cfg.dropout, group, sp)
+            self.blocks[str(i)] = block = Block(cfg, attn, mlp)
+            if sp:
+                mark_sequence_parallel(block.ln1), mark_sequence_parallel(block.ln2)
+        if self.is_last:
+            self.ln_f = nn.LayerNorm(cfg.n_embd)
+            self.head = ColumnParallelLinear(cfg.n_embd, cfg.vocab_size, bias=False, group=group,
+                                             sequence_parallel=sp,
+                                             padded_out_features=pad_to_multiple(cfg.vocab_size,
+                                                                                 self.tp_size))
+            if sp:
+                mark_sequence_parallel(self.ln_f)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            s = x.shape[1]
+            if s > self.cfg.block_size:
+                raise ValueError(f"GPTStage 0 (TP rank {self.tp_rank}): sequence length {s} "
+                                 f"exceeds block_size {self.cfg.block_size}")
+            with accounting.scope("embed"):
+                tok = self.tok_emb(x)
+                pos = self.pos_emb(torch.arange(s, device=x.device))
+                if self.sequence_parallel:
+                    pos = R.split_along(pos, 0, self.group, "GPTStage sequence split")
+                x = self.drop(tok + pos)
+        for i, block in self.blocks.items():
+            with accounting.scope(f"block{i}"):
+                x = block(x)
+        if self.is_last:
+            with accounting.scope("head"):
+                x = self.head(self.ln_f(x))
+        return x
+
+
+class HybridGPT:
+    """This rank's stages of ``GPT(cfg)`` on a :class:`minidist.grid.ProcessGrid`.
+
+    Args: ``cfg``; ``grid`` (``ProcessGrid(dp, pp, tp)``); ``chunks`` = ``v`` model chunks per
+    rank (interleaved 1F1B); ``sequence_parallel``; ``seed`` for the full model's weights.
+
+    Attributes: ``stages`` {stage index: :class:`GPTStage`} (this rank's), ``n_stages`` = pp·v,
+    ``bounds`` (block ranges per stage), ``tied`` (tied embeddings held as two copies).
+
+    Raises ``ValueError`` from :func:`check_grid`.
+    """
+
+    def __init__(self, cfg: GPTConfig, grid, chunks: int = 1, sequence_parallel: bool = False,
+                 seed: int = 0):
+        check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, chunks, sequence_parallel,
+                   grid.rank)
+        self.cfg, self.grid, self.chunks, self.sequence_parallel = cfg, grid, chunks, sequence_parallel
+        self.n_stages = grid.pp_size * chunks
+        self.bounds = stage_bounds(cfg.n_layer, self.n_stages)
+        torch.manual_seed(seed)
+        full = GPT(cfg).state_dict()
+        self.stages = {}
+        for c in range(chunks):
+            s = c * grid.pp_size + grid.pp_rank
+            stage = GPTStage(cfg, s, self.n_stages, range(*self.bounds[s]), grid.tp_group,
+                             sequence_parallel)
+            stage.load_state_dict(shard_state_dict(full, stage, grid.tp_group))
+            self.stages[s] = stage
+        last, first = self.n_stages - 1, 0
+        self.shared = cfg.tie_embeddings and self.n_stages == 1
+        self.tied = cfg.tie_embeddings and self.n_stages > 1
+        if self.shared:   # one stage holds both: one parameter, as in the one-process model
+            self.stages[0].head.weight = self.stages[0].tok_emb.weight
+        self.first, self.last = self.stages.get(first), self.stages.get(last)
+
+    # ------------------------------------------------------------------ parameters
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each once (stage order)."""
+        seen, out = set(), []
+        for s in sorted(self.stages):
+            for p in self.stages[s].parameters():
+                if id(p) not in seen:
+                    seen.add(id(p)), out.append(p)
+        return out
+
+    def is_tied_copy(self, p: nn.Parameter) -> bool:
+        """True for the last stage's copy of a tied embedding (count it once: in the embedding)."""
+        return self.tied and self.last is not None and p is self.last.head.weight
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    # ------------------------------------------------------------------ gradient duties
+    def finish_sequence_parallel_grads(self) -> None:
+        """Sum the partial gradients of sequence-sharded parameters over the TP group (Korthikanti
+        et al. 2022 §4.2.2). Call once, after every micro-batch's backward (it commutes with the DP
+        average, so before or after it)."""
+        if self.sequence_parallel:
+            for s in sorted(self.stages):
+                allreduce_sequence_parallel_grads(self.stages[s], self.grid.tp_group)
+
+    def allreduce_tied_grads(self) -> None:
+        """Sum the gradients of the tied embedding's two copies (first and last stage)."""
+        if not self.tied:
+            return
+        if self.first is not None and self.last is not None:   # pp == 1, chunks > 1: same rank
+            a, b = self.first.tok_emb.weight, self.last.head.weight
+            total = _grad(a) + _grad(b)
+            a.grad, b.grad = total, total.clone()
+            return
+        if self.grid.embedding_group is None:
+            return   # a middle stage
+        p = self.first.tok_emb.weight if self.first is not None else self.last.head.weight
+        p.grad = _grad(p)
+        C.all_reduce(p.grad, "sum", group=self.grid.embedding_group)
+
+    # ------------------------------------------------------------------ inspection
+    def gather(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Full (unpadded) parameters or gradients of this rank's stages, by GPT name; the tied
+        copy is returned as ``head.weight``. A collective over the TP group."""
+        out = {}
+        for s in sorted(self.stages):
+            out.update(gather_state_dict(self.stages[s], self.grid.tp_group, grads=grads))
+        return out
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+

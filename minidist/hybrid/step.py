@@ -1,0 +1,134 @@
+"""One training step of the GPT on a ``dp x pp x tp`` grid (Narayanan et al. 2021, §2-3).
+
+:func:`train_step`, in order, on every rank:
+
+1. zero the gradients;
+2. take this replica's shard of the global batch (``tensor_split`` over ``dp``) and run the
+   pipeline schedule (:func:`minidist.pipeline_parallel.engine.pipeline_step`: 1F1B, interleaved
+   1F1B, GPipe) over the PP group; the loss is the vocabulary-parallel cross-entropy on the TP
+   group, reduced as ``loss_reduction`` says; DP averaging by the engine (``"flat"``, ``"zero1"``)
+   or by the bucketed wrappers during each stage's last backward (``"bucketed"``, see :mod:`.dp`);
+3. sum the sequence-parallel parameters' partial gradients over the TP group;
+4. sum the tied embedding's two copies' gradients over the embedding group;
+5. clip by the global norm (:mod:`.clip`) when ``max_norm`` is given;
+6. the optimizer step (ZeRO-1: each replica steps its slice, then all-gathers).
+
+Steps 2's DP average, 3 and 4 are linear and act on different groups, so their order does not
+change the result (beyond fp32 rounding). Returns a :class:`StepOutput` whose ``loss`` is the
+global batch's loss on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import collectives as C
+from ..pipeline_parallel.engine import StepResult, pipeline_step
+from ..pipeline_parallel.schedules import make_schedule
+from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from .clip import clip_grad_norm_
+from .dp import DP_MODES, PipelineBucketedDDP
+from .stages import check_grid
+
+__all__ = ["StepOutput", "train_step", "wrap_stages", "make_loss_fn"]
+
+
+@dataclass
+class StepOutput:
+    """``loss``: the global batch's loss (every rank); ``grad_norm``: the global gradient norm
+    before clipping (None without ``max_norm``); ``result``: the engine's :class:`StepResult`
+    (timeline, peak activations)."""
+
+    loss: float
+    grad_norm: float | None
+    result: StepResult
+
+
+def make_loss_fn(model, loss_reduction: str = "mean", ignore_index: int = -100):
+    """The last stage's loss on logits ``[b, s, Vp/tp]`` and targets ``[b, s]``: vocab-parallel
+    cross-entropy over the TP group; ``"mean"`` over the micro-batch's counted tokens, ``"sum"``,
+    or ``"per_token"``: ``(sum, number of targets != ignore_index)``."""
+    V, group = model.cfg.vocab_size, model.grid.tp_group
+
+    def ce(y, t, reduction):
+        return vocab_parallel_cross_entropy(y, t, V, reduction=reduction, group=group,
+                                            ignore_index=ignore_index)
+    if loss_reduction == "per_token":
+        return lambda y, t: (ce(y, t, "sum"), int((t != ignore_index).sum()))
+    if loss_reduction in ("mean", "sum"):
+        return lambda y, t: ce(y, t, loss_reduction)
+    raise ValueError(f"make_loss_fn (rank {model.grid.rank}): loss_reduction must be 'mean', "
+                     f"'sum' or 'per_token', got {loss_reduction!r}")
+
+
+def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> dict:
+    """{stage: module} the engine runs: the stages themselves, or (``"bucketed"``) each wrapped in a
+    :class:`~.dp.PipelineBucketedDDP` on the DP group (a small ``bucket_cap_mb``: several buckets
+    even for the tiny model). Collective over the DP group for ``"bucketed"``."""
+    if dp_mode not in DP_MODES:
+        raise ValueError(f"wrap_stages (rank {model.grid.rank}): dp_mode must be one of "
+                         f"{DP_MODES}, got {dp_mode!r}")
+    if dp_mode != "bucketed":
+        return dict(model.stages)
+    return {s: PipelineBucketedDDP(m, group=model.grid.dp_group, bucket_cap_mb=bucket_cap_mb)
+            for s, m in sorted(model.stages.items())}
+
+
+def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torch.Tensor,
+               microbatches: int, schedule: str = "1f1b", dp_mode: str = "flat",
+               loss_reduction: str = "mean", max_norm: float | None = None,
+               record: bool = False, step: bool = True) -> StepOutput:
+    """One step on the global batch ``ids``/``targets`` ``[B, s]`` (the same on every rank).
+
+    ``model``: a :class:`~.stages.HybridGPT`; ``modules``: from :func:`wrap_stages` with the same
+    ``dp_mode``; ``optimizer``: from :func:`~.dp.make_optimizer` (or None with ``step=False``);
+    ``schedule``: ``"1f1b"`` (``"interleaved"`` when ``model.chunks > 1``) or ``"gpipe"``.
+    ``step=False`` stops after clipping (gradients left in ``.grad``, for checks).
+
+    Raises ``ValueError`` (every rank, before communicating) when ``B`` does not split over dp,
+    a replica gets fewer than ``microbatches`` samples, or the grid does not fit the model.
+    """
+    grid, cfg = model.grid, model.cfg
+    check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, model.chunks,
+               model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches)
+    if model.chunks > 1 and schedule != "interleaved":
+        schedule = "interleaved"
+    sched = make_schedule(schedule, grid.pp_size, microbatches, v=model.chunks)
+    model.zero_grad()
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    x = ids.tensor_split(grid.dp_size)[grid.dp_rank]
+    y = targets.tensor_split(grid.dp_size)[grid.dp_rank]
+    bucketed = dp_mode == "bucketed"
+    ctx = (lambda s, m, last: modules[s].backward_sync(last)) if bucketed else None
+    result = pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),
+                           group=grid.pp_group, dp_group=grid.dp_group, record=record,
+                           loss_reduction=loss_reduction, sync_dp=not bucketed,
+                           backward_context=ctx, device=_device(model))
+    model.finish_sequence_parallel_grads()
+    model.allreduce_tied_grads()
+    norm = clip_grad_norm_(model, max_norm) if max_norm is not None else None
+    if step:
+        optimizer.step()
+    return StepOutput(_global_loss(model, result, loss_reduction), norm, result)
+
+
+def _device(model):
+    params = model.parameters()
+    return params[0].device if params else None
+
+
+def _global_loss(model, result: StepResult, loss_reduction: str) -> float:
+    """"sum"/"per_token": the engine already reduced it. "mean": the last stage's replica mean,
+    sent to every stage (a sum where only the last stage is non-zero), averaged over replicas."""
+    if result.global_loss is not None:
+        return result.global_loss
+    grid = model.grid
+    t = torch.tensor([result.loss or 0.0], dtype=torch.float64, device=_device(model))
+    if grid.pp_size > 1:
+        C.all_reduce(t, "sum", group=grid.pp_group)
+    if grid.dp_size > 1:
+        C.all_reduce(t, "avg", group=grid.dp_group)
+    return float(t)
