@@ -7,10 +7,12 @@
 * DP replicas: the same masks (Megatron-LM's default), different ones with
   ``data_parallel_random_init``.
 
-Each stage is a one-layer TPGPT over the stage's TP group, fed the same ids on every stage of a
-replica: masks depend on the generator and the shape only, not on the activations.
+The seeding rules are checked on one-layer TPGPTs standing for stages (fed the same ids on every
+stage of a replica: masks depend on the generator and the shape only), then on the real thing:
+HybridGPT's stages in one pipelined train_step on a (2, 2, 2) grid.
 """
 
+import dataclasses
 import itertools
 
 import pytest
@@ -18,6 +20,7 @@ import torch
 
 import minidist
 from minidist.grid import ProcessGrid
+from minidist.hybrid import HybridGPT, make_optimizer, train_step, wrap_stages
 from minidist.models.gpt import GPTConfig
 from minidist.tensor_parallel.gpt import TPGPT
 from minidist.tensor_parallel.random import (grid_seed, model_parallel_seed, record_masks,
@@ -113,3 +116,31 @@ def test_tracker_states_round_trip():
     again = [dropout(x, P, tracker=fresh, region=r) for r in ("replicated", "model-parallel")]
     assert all(torch.equal(a, b) for a, b in zip(expected, again))
     assert fresh.seeds == {"replicated": 105, "model-parallel": 105 + 2718}
+
+
+def _train_step_masks_case(rank, world):
+    grid = ProcessGrid(dp=2, pp=2, tp=2)
+    model = HybridGPT(dataclasses.replace(CFG, n_layer=2), grid, seed=0)
+    modules = wrap_stages(model, "flat")
+    opt = make_optimizer(model, "flat", torch.optim.SGD, lr=0.1)
+    grid_seed(SEED, grid)
+    ids = torch.randint(0, CFG.vocab_size, (4, 8), generator=torch.Generator().manual_seed(0))
+    with record_masks() as log:
+        train_step(model, opt, modules, ids, torch.roll(ids, -1, 1), microbatches=2)
+    return (grid.dp_rank, grid.pp_rank, grid.tp_rank), log
+
+
+def test_masks_in_a_pipelined_3d_train_step():
+    """HybridGPT, 1F1B, 2 micro-batches per replica: stage 0 draws embedding + block 0 masks per
+    micro-batch, stage 1 block 1's; the rules above hold in the real step."""
+    res = dict(minidist.run(_train_step_masks_case, 8, timeout=180))
+    block = ["model-parallel", "replicated", "replicated"]       # attention probs, attn out, MLP
+    assert [r for r, _ in res[(0, 0, 0)]] == (["replicated"] + block) * 2   # + embedding
+    assert [r for r, _ in res[(0, 1, 0)]] == block * 2
+    for (d, p, t), log in res.items():
+        assert _all_differ(log[:len(log) // 2], log[len(log) // 2:]), "micro-batches differ"
+        assert _equal(log, res[(1 - d, p, t)]), "DP replicas: the same masks (Megatron default)"
+        assert _equal(_region(log, "replicated"), _region(res[(d, p, 1 - t)], "replicated"))
+        assert _all_differ(log, res[(d, p, 1 - t)], "model-parallel")
+    s0 = [m for i, m in enumerate(res[(0, 0, 0)]) if i % 4]           # stage 0 without embedding
+    assert _all_differ(s0, res[(0, 1, 0)]), "stages draw their own masks"

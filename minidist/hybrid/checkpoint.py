@@ -1,0 +1,194 @@
+"""Checkpoint and resume of a 3-D (dp x pp x tp) run: one file per rank, bit-identical resume.
+
+No rank holds the whole model, so every rank writes its own file (Megatron-LM writes one per
+model-parallel rank, ``mp_rank_XX_YYY/model_optim_rng.pt``, with the RNG states inside):
+
+* **model**: the ``state_dict`` of each of this rank's stages (its TP shards of its layers);
+* **optimizer**: a plain ``torch.optim`` optimizer's ``state_dict`` (over this rank's parameters:
+  no communication), or for ZeRO-1 (:class:`~minidist.sharding.zero.ShardedOptimizer`) only the
+  inner optimizer over this rank's 1/dp slices — each replica saves its own shard of the Adam
+  moments, as Megatron-LM's distributed optimizer does, instead of gathering them all;
+* **random state**: torch's CPU generator, the CUDA generators when CUDA is initialised, Python's
+  ``random``, NumPy's global generator when NumPy is loaded, and the dropout tracker's generators
+  (:meth:`~minidist.tensor_parallel.random.RNGTracker.get_states`) — every rank its own, since
+  ranks draw different dropout masks;
+* **data position**: ``step`` and, if given, ``sampler.state_dict()`` (anything with
+  ``state_dict``/``load_state_dict``: epoch and position, or a data generator's state);
+* **who wrote it**: the grid ``(dp, pp, tp)``, model chunks, sequence parallelism and the model
+  config, checked on load.
+
+Files: ``folder/rank{r:05d}.pt``, each written atomically (temporary file, fsync, ``os.replace``:
+:func:`minidist.data_parallel.checkpoint.atomic_save`); then a barrier; then rank 0 writes
+``folder/manifest.pt`` (grid, step, world size). A folder without a manifest, or a rank file from
+another step than the manifest's (a save that died half-way), is refused: never a resume from a
+mix of two steps.
+
+Resuming on the grid that wrote the checkpoint continues the run bit for bit: the same losses
+and, in fp32, the same parameters (``==``) as a run that never stopped. Another grid (or chunks,
+sequence parallelism, model config) is a ``ValueError`` naming the rank and both grids: the shards
+would not fit (reshard by gathering the full model first, e.g. ``HybridGPT.gather``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ..data_parallel.checkpoint import atomic_save, rank_state, restore_rank_state
+from ..sharding.zero import ShardedOptimizer
+from ..tensor_parallel.random import RNGTracker, get_rng_tracker
+
+__all__ = ["save_hybrid_checkpoint", "load_hybrid_checkpoint", "rank_file", "FORMAT"]
+
+FORMAT = "minidist-hybrid-checkpoint/1"
+MANIFEST = "manifest.pt"
+
+
+def rank_file(folder: str | os.PathLike, rank: int) -> str:
+    """The path of global rank ``rank``'s file in ``folder``."""
+    return os.path.join(os.fspath(folder), f"rank{rank:05d}.pt")
+
+
+def _layout(model) -> dict:
+    g = model.grid
+    cfg = model.cfg
+    return {"dp": g.dp_size, "pp": g.pp_size, "tp": g.tp_size, "world": g.world_size,
+            "chunks": getattr(model, "chunks", 1),
+            "sequence_parallel": bool(getattr(model, "sequence_parallel", False)),
+            "cfg": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))}
+
+
+def _describe(layout: dict) -> str:
+    return (f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']} chunks={layout['chunks']} "
+            f"sequence_parallel={layout['sequence_parallel']}")
+
+
+def _numpy_state():
+    np = sys.modules.get("numpy")
+    if np is None:
+        return None
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+            "has_gauss": int(has_gauss), "gauss": float(gauss)}
+
+
+def _restore_numpy(state) -> None:
+    if state is None:
+        return
+    import numpy as np
+    np.random.set_state((state["kind"], state["keys"].numpy().astype(np.uint32), state["pos"],
+                         state["has_gauss"], state["gauss"]))
+
+
+def save_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, step: int = 0,
+                           sampler=None, extra: dict | None = None,
+                           tracker: RNGTracker | None = None) -> None:
+    """Every rank writes its own file of ``model`` (a :class:`~.stages.HybridGPT`: ``stages``,
+    ``grid``, ``cfg``), ``optimizer``, random state, ``step``, ``sampler`` state and ``extra``
+    (a small dict, e.g. the losses so far) into ``folder``; then all ranks wait; then rank 0
+    writes the manifest. Collective over the world (a barrier): call it on every rank, between
+    steps (gradients are not saved)."""
+    grid = model.grid
+    state = {
+        "format": FORMAT, "rank": grid.rank, "step": int(step), "layout": _layout(model),
+        "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank),
+        "model": {int(s): m.state_dict() for s, m in sorted(model.stages.items())},
+        "optimizer": _optimizer_state(optimizer),
+        "rng": {**rank_state(sampler), "numpy": _numpy_state(),
+                "tracker": (tracker or get_rng_tracker()).get_states()},
+        "extra": extra or {},
+    }
+    atomic_save(state, rank_file(folder, grid.rank))
+    if dist.is_initialized():
+        dist.barrier()
+    if grid.rank == 0:
+        atomic_save({"format": FORMAT, "step": int(step), "layout": state["layout"]},
+                    os.path.join(os.fspath(folder), MANIFEST))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _optimizer_state(optimizer):
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, ShardedOptimizer):   # this replica's slices only (ZeRO-1/2)
+        return {"kind": "zero", "shard_numels": optimizer.shard_numels(),
+                "state": optimizer.optim.state_dict()}
+    return {"kind": "plain", "state": optimizer.state_dict()}
+
+
+def load_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, sampler=None,
+                           restore_rng: bool = True, tracker: RNGTracker | None = None) -> dict:
+    """Load this rank's file from ``folder`` into ``model``'s stages, ``optimizer`` and (with
+    ``restore_rng``) every generator and the dropout tracker; ``sampler`` gets its state back
+    whatever ``restore_rng`` says. Returns ``{"step": int, "extra": dict}``; continue with step
+    ``step`` (the number of steps done). No communication.
+
+    Raises:
+        FileNotFoundError: no manifest (nothing saved there, or a save that did not finish) or no
+            file for this rank.
+        ValueError: the checkpoint was written on another grid / chunks / sequence parallelism /
+            model config (message: this rank, the saved and the current layout), a rank file from
+            another step than the manifest, or an optimizer of another kind or shard size.
+    """
+    folder = os.fspath(folder)
+    grid = model.grid
+    where = f"load_hybrid_checkpoint (rank {grid.rank}, {folder!r})"
+    manifest_path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(manifest_path):
+        raise FileNotFoundError(f"{where}: no {MANIFEST}: nothing was saved there, or the save "
+                                "did not finish on every rank")
+    manifest = torch.load(manifest_path, map_location="cpu", weights_only=True)
+    mine = _layout(model)
+    if manifest["layout"] != mine:
+        raise ValueError(f"{where}: the checkpoint was saved on grid {_describe(manifest['layout'])}"
+                         f"{_cfg_note(manifest['layout'], mine)}, this run is {_describe(mine)}; a "
+                         "3-D checkpoint loads only on the layout that wrote it")
+    path = rank_file(folder, grid.rank)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{where}: no file {os.path.basename(path)} for this rank")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state["step"] != manifest["step"] or state["rank"] != grid.rank:
+        raise ValueError(f"{where}: {os.path.basename(path)} is from step {state['step']} (rank "
+                         f"{state['rank']}), the manifest from step {manifest['step']}: a save was "
+                         "interrupted; use an older checkpoint")
+    if set(state["model"]) != set(model.stages):
+        raise ValueError(f"{where}: the file holds stages {sorted(state['model'])}, this rank "
+                         f"has {sorted(model.stages)}")
+    for s, stage in model.stages.items():
+        stage.load_state_dict(state["model"][s])   # copies in place: ZeRO's flat views stay
+    _load_optimizer(where, optimizer, state["optimizer"])
+    rng = state["rng"]
+    restore_rank_state(rng, sampler, rng=restore_rng)
+    if restore_rng:
+        _restore_numpy(rng.get("numpy"))
+        (tracker or get_rng_tracker()).set_states(rng["tracker"])
+    return {"step": state["step"], "extra": state["extra"]}
+
+
+def _cfg_note(saved: dict, mine: dict) -> str:
+    diff = sorted(k for k in set(saved["cfg"]) | set(mine["cfg"])
+                  if saved["cfg"].get(k) != mine["cfg"].get(k))
+    return f" (model config differs in {diff})" if diff else ""
+
+
+def _load_optimizer(where: str, optimizer, saved) -> None:
+    if optimizer is None:
+        return
+    if saved is None:
+        raise ValueError(f"{where}: the checkpoint holds no optimizer state")
+    zero = isinstance(optimizer, ShardedOptimizer)
+    if saved["kind"] != ("zero" if zero else "plain"):
+        raise ValueError(f"{where}: the checkpoint holds a {saved['kind']!r} optimizer state, this "
+                         f"run uses {type(optimizer).__name__}")
+    if zero:
+        if list(saved["shard_numels"]) != optimizer.shard_numels():
+            raise ValueError(f"{where}: saved ZeRO shards of {saved['shard_numels']} elements, this "
+                             f"optimizer's are {optimizer.shard_numels()}")
+        optimizer.optim.load_state_dict(saved["state"])
+    else:
+        optimizer.load_state_dict(saved["state"])
