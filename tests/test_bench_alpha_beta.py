@@ -202,7 +202,8 @@ def test_cli_runs_quickly_with_tiny_settings_and_writes_json(tmp_path):
     assert [f.algorithm for f in fits] == ["ring", "torch"] and fits[0].world_size == 2
     for f in fits:
         assert [p["bytes"] for p in f.points] == [1024, 4096]
-        assert all(3 <= p["reps"] <= 20 for p in f.points)
+        reps = [p["reps"] for p in f.points]
+        assert all(3 <= r <= 20 for r in reps) and reps == sorted(reps, reverse=True)
         assert f.machine["cpus"] >= 1 and f.n_bootstrap == 20
 
 

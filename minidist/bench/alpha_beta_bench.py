@@ -6,7 +6,8 @@ machine is mostly scheduling noise, so a few repetitions give a median that can 
 milliseconds (an alpha that moves 3x between two runs); a 16 MiB one takes tens of milliseconds and
 ten repetitions pin it. So each size first gets a short probe, then ``budget_s / (sizes ×
 algorithms)`` seconds of repetitions (:func:`repetitions`: at least ``min_reps``, at most
-``max_reps``). The repetitions are spread over ``rounds`` passes through all sizes, and algorithms
+``max_reps``; a larger size never gets more than a smaller one, whatever a noisy probe says).
+The repetitions are spread over ``rounds`` passes through all sizes, and algorithms
 alternate call by call, so a load spike lands on every size and algorithm alike instead of on one.
 
 Each repetition: refill the input, barrier, time the call; a sample is the slowest rank's time
@@ -68,6 +69,8 @@ def _rank(rank, world, op, algorithms, sizes, budget_s, min_reps, max_reps, warm
         probe = torch.tensor([(time.perf_counter() - t0) / 3 / len(algorithms)], dtype=torch.float64)
         dist.all_reduce(probe, op=dist.ReduceOp.MAX)  # every rank picks the same count
         reps[s] = repetitions(probe.item(), per_size, min_reps, max_reps)
+    for small, large in zip(sizes, sizes[1:]):  # a noisy probe never gives a larger size more
+        reps[large] = min(reps[large], reps[small])
     times = {k: [] for k in closures}
     for r in range(rounds):
         for s in sizes:
@@ -96,7 +99,7 @@ def measure_samples(world_size: int = 2, algorithms=("ring", "torch"), op: str =
         if (op, a) not in MODELS:
             raise ValueError(f"bench alpha-beta: no model for {op}/{a}; choose from "
                              f"{sorted(k[1] for k in MODELS if k[0] == op)}")
-    out = run(_rank, world_size, op, tuple(algorithms), tuple(sizes), budget_s, min_reps,
+    out = run(_rank, world_size, op, tuple(algorithms), tuple(sorted(sizes)), budget_s, min_reps,
               max_reps, warmup, max(1, rounds), timeout=timeout)[0]
     res = {a: {} for a in algorithms}
     for (a, s), (ts, err) in out.items():
