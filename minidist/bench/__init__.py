@@ -11,6 +11,11 @@ module                  what it measures
 ``zero``                DDP, ZeRO-1/2/3 (hand-built and torch collectives) and torch's FSDP2:
                         step time and accounted memory per rank beside ZeRO's formula
                         (``minidist bench zero``)
+``alpha_beta``          the collective's alpha-beta model fitted to medians of size-scaled
+                        repetitions, with bootstrap spreads (``alpha_beta_bench``:
+                        ``minidist bench alpha-beta``); what ``minidist plan`` reads
+``flops``               fp32 matmul GFLOP/s (2 n³ FLOPs), median of repetitions, threads stated
+                        (``minidist bench flops``)
 ======================  ====================================================================
 
 ``from minidist import bench`` gives the collectives benchmark's functions directly
