@@ -23,7 +23,8 @@ the device's FLOP rate. Bubble: (p-1)/(v·m) of the compute (Narayanan §2.2). C
 :func:`minidist.calc.comm_time` (ring, alpha-beta) on the link the group spans:
 TP — per layer and micro-batch 2 all-reduces of bsh forward, 2 backward, 2 more when recomputing,
 plus the embedding's and the head's, and 3 small ones of vocab-parallel cross-entropy: all exposed;
-PP — 2(v·m + p - 1) point-to-point messages of bsh: exposed; DP — ZeRO-0 all-reduces the
+PP — 2(v·m + p - 1) point-to-point messages of bsh, and the tied embedding's gradient all-reduce
+between the first and last stage: exposed; DP — ZeRO-0 all-reduces the
 gradients, ZeRO-1 reduce-scatters them and all-gathers the weights, ZeRO-2 reduce-scatters every
 micro-batch, ZeRO-3 also all-gathers the weights twice per micro-batch. The gradient traffic
 overlaps ``overlap`` × the backward of the last micro-batch (every micro-batch's for ZeRO-2/3,
@@ -32,16 +33,14 @@ whose gathers also hide behind the forward); the final weight all-gather of ZeRO
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass, field
 
 from . import calc
 from .plan_reference import LINKS, PRECISIONS
 
-__all__ = ["ModelSpec", "Link", "Links", "Config", "Prediction", "predict", "plan", "this_machine",
-           "predict_step_seconds", "load_link", "spearman", "format_table"]
+__all__ = ["ModelSpec", "Link", "Links", "Config", "Prediction", "predict", "plan", "format_table",
+           "this_machine", "predict_step_seconds", "calibrate_overhead", "load_link", "spearman"]
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -114,8 +113,14 @@ def _collective(op, nbytes, w, link):
 
 def predict(model: ModelSpec, cfg: Config, global_batch: int, flop_rate: float, device_memory: float,
             links: Links = Links(), devices_per_node: int = 8, precision: str = "mixed",
-            act_bytes: int = 2, sequence_parallel: bool = False, overlap: float = 1.0) -> Prediction:
+            act_bytes: int = 2, sequence_parallel: bool = False, overlap: float = 1.0,
+            layer_overhead: float = 0.0, zero1_all_reduce: bool = False) -> Prediction:
     """Memory per device and step time of one configuration (see the module docstring).
+    ``layer_overhead``: fixed seconds per layer (and for the head) per forward, twice per backward,
+    once more per recomputed forward — the dispatch cost that dominates tiny models on a CPU and
+    that no FLOP count sees (:func:`calibrate_overhead` fits it to one measured step); 0 on GPUs.
+    ``zero1_all_reduce``: ZeRO-1 all-reduces the gradients instead of reduce-scattering them
+    (what :mod:`minidist.hybrid`'s ``"zero1"`` mode does), then all-gathers the weights.
     Does not check validity: :func:`plan` does."""
     L, h, a, V, s = model.layers, model.hidden, model.heads, model.vocab, model.seq_len
     d, t, p, m, v = cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, cfg.v
@@ -141,8 +146,9 @@ def predict(model: ModelSpec, cfg: Config, global_batch: int, flop_rate: float, 
     # compute, per micro-batch, on the busiest (last) stage
     f_layer = 24 * b * s * h * h + 4 * b * s * s * h
     extra = {"none": 0, "selective": 4 * b * s * s * h, "full": f_layer}[cfg.recompute]
-    fwd = (lp * f_layer + 2 * b * s * h * V) / t / flop_rate
-    bwd = (lp * (2 * f_layer + extra) + 4 * b * s * h * V) / t / flop_rate
+    fwd = (lp * f_layer + 2 * b * s * h * V) / t / flop_rate + (lp + 1) * layer_overhead
+    bwd = ((lp * (2 * f_layer + extra) + 4 * b * s * h * V) / t / flop_rate
+           + (2 * (lp + 1) + (lp if cfg.recompute == "full" else 0)) * layer_overhead)
     compute = m * (fwd + bwd)
     bubble = (p - 1) / (v * m) * compute
     intra_tp = t <= devices_per_node
@@ -152,11 +158,14 @@ def predict(model: ModelSpec, cfg: Config, global_batch: int, flop_rate: float, 
                 + 3 * _collective("all_reduce", 4 * s * b, t, tp_link))
     pp_link = links.intra if t * p <= devices_per_node else links.inter
     pp_t = 2 * (v * m + p - 1) * (pp_link.alpha + sbh * act_bytes * pp_link.beta) if p > 1 else 0.0
+    if p > 1 and model.tied:   # the tied embedding's gradient, summed by the first and last stage
+        pp_t += _collective("all_reduce", emb * gb, 2, pp_link)
     dp_link = links.intra if d * t * p <= devices_per_node else links.inter
     g_bytes, w_bytes = n_par * gb, n_par * wb
     rs, ag = (_collective(op, nb, d, dp_link) for op, nb in (("reduce_scatter", g_bytes), ("all_gather", w_bytes)))
+    hideable_z1 = _collective("all_reduce", g_bytes, d, dp_link) if zero1_all_reduce else rs
     hideable, exposed_dp, window = {0: (_collective("all_reduce", g_bytes, d, dp_link), 0.0, bwd),
-                                    1: (rs, ag, bwd), 2: (m * rs, ag, m * bwd),
+                                    1: (hideable_z1, ag, bwd), 2: (m * rs, ag, m * bwd),
                                     3: (m * (rs + 2 * ag), 0.0, m * (fwd + bwd))}[z]
     exposed_dp += max(0.0, hideable - overlap * window)
     dp_total = hideable + (ag if z in (1, 2) else 0.0)
@@ -179,7 +188,7 @@ def plan(model: ModelSpec, global_batch: int, n_devices: int, device_memory: flo
     predicted step time. Valid: tp divides heads and hidden and ``devices_per_node`` (TP stays in a
     node); pp·v <= layers; dp divides ``global_batch``; micro-batches divide the per-replica batch
     (and are a multiple of pp when v > 1, as Megatron-LM's interleaved schedule needs). ``kw``
-    goes to :func:`predict` (precision, act_bytes, sequence_parallel, overlap).
+    goes to :func:`predict` (precision, act_bytes, sequence_parallel, overlap, layer_overhead).
 
     Raises ValueError naming what to change: no devices, no tp that divides the heads, no valid
     configuration, or (``only_fits``) none that fits in ``device_memory``.
@@ -226,62 +235,6 @@ def plan(model: ModelSpec, global_batch: int, n_devices: int, device_memory: flo
     return out
 
 
-def this_machine(model: ModelSpec, global_batch: int, n_ranks: int, flop_rate: float, link: Link,
-                 cores: int | None = None, memory: float | None = None, **kw) -> list[Prediction]:
-    """:func:`plan` for ``n_ranks`` processes sharing this machine's CPU cores: each computes at
-    ``flop_rate`` (the measured single-rank rate, ``minidist bench flops``) × min(1, cores/ranks),
-    every group talks over ``link`` (measured gloo loopback, ``minidist bench alpha-beta``),
-    fp32 weights and activations, AdamW, no overlap (communication competes for the same cores).
-    ``cores``: default ``len(os.sched_getaffinity(0))``; ``memory``: default RAM / ranks."""
-    cores = cores or len(os.sched_getaffinity(0))
-    if memory is None:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / n_ranks
-    opts = dict(precision="fp32", act_bytes=4, overlap=0.0, devices_per_node=n_ranks) | kw
-    return plan(model, global_batch, n_ranks, memory, flop_rate * min(1.0, cores / n_ranks),
-                Links(link, link), **opts)
-
-
-def predict_step_seconds(gpt_config, global_batch: int, n_ranks: int, flop_rate: float, link: Link,
-                         cores: int | None = None, **kw) -> dict[Config, float]:
-    """{Config: predicted step seconds} for the capstone's GPT config on this machine (every
-    valid configuration of :func:`this_machine`); compare with measured times via :func:`spearman`."""
-    preds = this_machine(ModelSpec.from_gpt_config(gpt_config), global_batch, n_ranks, flop_rate,
-                         link, cores, **kw)
-    return {q.config: q.step_s for q in preds}
-
-
-def load_link(source, world_size: int | None = None) -> Link:
-    """A Link from (alpha, beta), {"alpha":..,"beta":..}, a preset name of LINKS, or the JSON file of
-    ``minidist bench alpha-beta`` (format ``minidist-alpha-beta/1``: the all-reduce fit, torch's
-    first, nearest ``world_size``)."""
-    if isinstance(source, Link):
-        return source
-    if isinstance(source, str) and source in LINKS:
-        return Link(*LINKS[source])
-    if isinstance(source, (str, os.PathLike)):
-        with open(source) as f:
-            doc = json.load(f)
-        fits = [x for x in doc.get("fits", []) if x.get("op") == "all_reduce"] or doc.get("fits", [])
-        if not fits:
-            raise ValueError(f"load_link: {source} holds no alpha-beta fits (expected format "
-                             f"minidist-alpha-beta/1 with a 'fits' list)")
-        fits.sort(key=lambda x: (x.get("algorithm") != "torch", abs(x.get("world_size", 0) - (world_size or 0))))
-        source = fits[0]
-    if isinstance(source, dict):
-        return Link(float(source["alpha"]), float(source["beta"]))
-    alpha, beta = source
-    return Link(float(alpha), float(beta))
-
-
-def spearman(a, b) -> float:
-    """Spearman rank correlation of two equal-length sequences (ties get average ranks);
-    scipy.stats.spearmanr (scipy comes with scikit-learn, a dependency)."""
-    if len(a) != len(b) or len(a) < 2:
-        raise ValueError(f"spearman: need two sequences of equal length >= 2, got {len(a)} and {len(b)}")
-    from scipy.stats import spearmanr
-    return float(spearmanr(a, b)[0])
-
-
 def format_table(preds: list[Prediction], top: int | None = 20) -> str:
     """A readable table: the configuration, memory per device (GB) and step time split (s)."""
     head = (f"{'dp':>4}{'tp':>4}{'pp':>4}{'v':>3}{'m':>5}{'b':>4}{'zero':>5} {'recomp':<9}"
@@ -296,3 +249,8 @@ def format_table(preds: list[Prediction], top: int | None = 20) -> str:
                     f"{tt['compute']:>9.3g}{tt['bubble']:>8.3g}{tt['tp']:>8.3g}{tt['pp']:>8.3g}"
                     f"{tt['exposed'] - tt['tp'] - tt['pp']:>8.3g}{q.step_s:>9.3g}{q.tokens_per_s:>10.4g}")
     return "\n".join(rows)
+
+
+# the mode for this machine (CPU ranks sharing cores) and the measured-link loader live apart
+from .plan_machine import (calibrate_overhead, load_link, predict_step_seconds,  # noqa: E402
+                           spearman, this_machine)

@@ -104,6 +104,23 @@ def test_zero_3_moves_more_than_zero_0_and_overlap_hides_it():
     assert z0.time["overlapped"] == 0 and z0.time["exposed"] == pytest.approx(z0.time["dp"])
     hidden = _predict(m, P.Config(dp=4, tp=1, pp=1, microbatches=2, zero=0), 8, flop_rate=1e9)
     assert hidden.time["exposed"] < z0.time["exposed"]
+    # ZeRO-1 as minidist.hybrid runs it: all-reduce the gradients, then all-gather the weights
+    links = P.Links(P.Link(1e-5, 1e-9), P.Link(1e-5, 1e-9))
+    z1 = _predict(m, P.Config(dp=4, tp=1, pp=1, microbatches=2, zero=1), 8, links=links,
+                  precision="fp32", zero1_all_reduce=True)
+    n = m.params * 4
+    assert z1.time["dp"] == pytest.approx(calc.comm_time("all_reduce", n, 4, 1e-5, 1e-9)
+                                          + calc.comm_time("all_gather", n, 4, 1e-5, 1e-9))
+
+
+def test_pipeline_messages_and_the_tied_embedding_all_reduce():
+    links = P.Links(P.Link(1e-5, 1e-9), P.Link(1e-5, 1e-9))
+    for tied in (False, True):
+        m = P.ModelSpec(layers=4, hidden=64, heads=4, vocab=100, seq_len=16, tied=tied)
+        q = _predict(m, P.Config(dp=1, tp=1, pp=2, microbatches=4, v=2), 8, links=links)
+        msg = 1e-5 + 2 * 16 * 64 * 2 * 1e-9                   # b = 2, bsh 16-bit activations
+        emb = calc.comm_time("all_reduce", 100 * 64 * 2, 2, 1e-5, 1e-9) if tied else 0
+        assert q.time["pp"] == pytest.approx(2 * (2 * 4 + 2 - 1) * msg + emb)
 
 
 def test_plan_lists_only_valid_configurations_sorted_best_first():
@@ -152,6 +169,26 @@ def test_this_machine_shares_the_cores_between_ranks():
     secs = P.predict_step_seconds(TINY, 8, 4, 1e9, link, cores=2, memory=1e9)
     assert secs[q.config] == pytest.approx(q.step_s) and len(secs) == len(four)
     assert {c.tp for c in secs} == {1, 2, 4} and all(v > 0 for v in secs.values())
+
+
+def test_layer_overhead_is_per_layer_per_pass_and_one_measured_step_calibrates_it():
+    spec = P.ModelSpec.from_gpt_config(TINY)                 # 4 layers (+ the head: 5 blocks)
+    cfg = P.Config(1, 1, 1, 2)
+    q0, q1 = (P.predict(spec, cfg, 8, 1e9, 1e9, layer_overhead=x) for x in (0.0, 1e-4))
+    assert q1.time["compute"] - q0.time["compute"] == pytest.approx(2 * 3 * 5 * 1e-4)
+    measured = P.predict(spec, cfg, 8, 1e9, 1e9, precision="fp32", act_bytes=4,
+                         layer_overhead=3e-4).step_s
+    assert P.calibrate_overhead(spec, 8, measured, 1e9, microbatches=2) == pytest.approx(3e-4)
+    assert P.calibrate_overhead(spec, 8, 1e-12, 1e9) == 0.0  # FLOPs alone are slower: no negative
+    with pytest.raises(ValueError, match="measured_step_s must be > 0"):
+        P.calibrate_overhead(spec, 8, 0.0, 1e9)
+    # four ranks on two cores: each rank's overhead (like its FLOP rate) stretches by 4/2
+    link = P.Link(0.0, 0.0)
+    four = P.this_machine(spec, 8, 4, 1e9, link, cores=2, memory=1e9, layer_overhead=1e-4)
+    q = next(x for x in four if x.config == P.Config(4, 1, 1, 1))
+    same = P.predict(spec, q.config, 8, 0.5e9, 1e9, P.Links(link, link), 4, precision="fp32",
+                     act_bytes=4, overlap=0.0, layer_overhead=2e-4)
+    assert q.step_s == pytest.approx(same.step_s)
 
 
 def test_load_link_reads_the_alpha_beta_file(tmp_path):
