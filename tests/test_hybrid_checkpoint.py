@@ -127,8 +127,10 @@ def test_other_grid_unfinished_save_and_mixed_files_are_clear_errors(tmp_path):
         minidist.run(_load_only, 4, (1, 2, 2), a, timeout=120)
     shutil.copy(rank_file(b, 1), rank_file(a, 1))          # a save that died half-way
     with pytest.raises(minidist.RankError, match=r"rank 1, .*rank00001.pt is from step 1 \(rank 1\), "
-                       r"the manifest from step 0: a save was interrupted"):
+                       r"the manifest from step 0: a save was interrupted") as info:
         minidist.run(_load_only, 4, (2, 2, 1), a, timeout=120)
+    assert str(info.value).count(r"rank(s) [1] could not load") == 3, \
+        "the ranks that could load refuse too (else they would hang in the first collective)"
     os.remove(os.path.join(b, "manifest.pt"))
     with pytest.raises(minidist.RankError, match="no manifest.pt"):
         minidist.run(_load_only, 4, (2, 2, 1), b, timeout=120)

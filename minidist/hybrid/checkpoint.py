@@ -126,7 +126,8 @@ def load_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, sam
     """Load this rank's file from ``folder`` into ``model``'s stages, ``optimizer`` and (with
     ``restore_rng``) every generator and the dropout tracker; ``sampler`` gets its state back
     whatever ``restore_rng`` says. Returns ``{"step": int, "extra": dict}``; continue with step
-    ``step`` (the number of steps done). No communication.
+    ``step`` (the number of steps done). Collective (one all-reduce over the world, so that if any
+    rank cannot load, every rank raises instead of the others hanging later).
 
     Raises:
         FileNotFoundError: no manifest (nothing saved there, or a save that did not finish) or no
@@ -134,10 +135,48 @@ def load_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, sam
         ValueError: the checkpoint was written on another grid / chunks / sequence parallelism /
             model config (message: this rank, the saved and the current layout), a rank file from
             another step than the manifest, or an optimizer of another kind or shard size.
+        RuntimeError: on the other ranks, when some rank raised one of the above.
     """
     folder = os.fspath(folder)
     grid = model.grid
     where = f"load_hybrid_checkpoint (rank {grid.rank}, {folder!r})"
+    try:
+        state = _read_and_check(folder, model, optimizer, where)
+        failed = None
+    except (OSError, ValueError, KeyError) as e:
+        state, failed = None, e
+    _agree(where, model, failed)                  # every rank loads, or none does
+    for s, stage in model.stages.items():
+        stage.load_state_dict(state["model"][s])   # copies in place: ZeRO's flat views stay
+    _load_optimizer(optimizer, state["optimizer"])
+    rng = state["rng"]
+    restore_rank_state(rng, sampler, rng=restore_rng)
+    if restore_rng:
+        _restore_numpy(rng.get("numpy"))
+        (tracker or get_rng_tracker()).set_states(rng["tracker"])
+    return {"step": state["step"], "extra": state["extra"]}
+
+
+def _agree(where: str, model, failed: Exception | None) -> None:
+    """Raise on every rank if any rank could not read its file (one all-reduce of W flags): a
+    rank that resumed while another gave up would wait for it forever in the first collective."""
+    grid = model.grid
+    bad = [grid.rank] if failed is not None else []
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        params = model.parameters()               # the flags live where the backend wants them
+        flags = torch.zeros(dist.get_world_size(), device=params[0].device if params else None)
+        flags[grid.rank] = float(failed is not None)
+        dist.all_reduce(flags)
+        bad = flags.nonzero().flatten().tolist()
+    if failed is not None:
+        raise failed
+    if bad:
+        raise RuntimeError(f"{where}: rank(s) {bad} could not load their part of the checkpoint "
+                           "(see their errors); no rank resumes")
+
+
+def _read_and_check(folder: str, model, optimizer, where: str) -> dict:
+    grid = model.grid
     manifest_path = os.path.join(folder, MANIFEST)
     if not os.path.exists(manifest_path):
         raise FileNotFoundError(f"{where}: no {MANIFEST}: nothing was saved there, or the save "
@@ -159,15 +198,8 @@ def load_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, sam
     if set(state["model"]) != set(model.stages):
         raise ValueError(f"{where}: the file holds stages {sorted(state['model'])}, this rank "
                          f"has {sorted(model.stages)}")
-    for s, stage in model.stages.items():
-        stage.load_state_dict(state["model"][s])   # copies in place: ZeRO's flat views stay
-    _load_optimizer(where, optimizer, state["optimizer"])
-    rng = state["rng"]
-    restore_rank_state(rng, sampler, rng=restore_rng)
-    if restore_rng:
-        _restore_numpy(rng.get("numpy"))
-        (tracker or get_rng_tracker()).set_states(rng["tracker"])
-    return {"step": state["step"], "extra": state["extra"]}
+    _check_optimizer(where, optimizer, state["optimizer"])
+    return state
 
 
 def _cfg_note(saved: dict, mine: dict) -> str:
@@ -176,7 +208,7 @@ def _cfg_note(saved: dict, mine: dict) -> str:
     return f" (model config differs in {diff})" if diff else ""
 
 
-def _load_optimizer(where: str, optimizer, saved) -> None:
+def _check_optimizer(where: str, optimizer, saved) -> None:
     if optimizer is None:
         return
     if saved is None:
@@ -185,10 +217,15 @@ def _load_optimizer(where: str, optimizer, saved) -> None:
     if saved["kind"] != ("zero" if zero else "plain"):
         raise ValueError(f"{where}: the checkpoint holds a {saved['kind']!r} optimizer state, this "
                          f"run uses {type(optimizer).__name__}")
-    if zero:
-        if list(saved["shard_numels"]) != optimizer.shard_numels():
-            raise ValueError(f"{where}: saved ZeRO shards of {saved['shard_numels']} elements, this "
-                             f"optimizer's are {optimizer.shard_numels()}")
+    if zero and list(saved["shard_numels"]) != optimizer.shard_numels():
+        raise ValueError(f"{where}: saved ZeRO shards of {saved['shard_numels']} elements, this "
+                         f"optimizer's are {optimizer.shard_numels()}")
+
+
+def _load_optimizer(optimizer, saved) -> None:
+    if optimizer is None:
+        return
+    if isinstance(optimizer, ShardedOptimizer):
         optimizer.optim.load_state_dict(saved["state"])
     else:
         optimizer.load_state_dict(saved["state"])
