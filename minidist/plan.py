@@ -214,7 +214,8 @@ def plan(model: ModelSpec, global_batch: int, n_devices: int, device_memory: flo
                 continue
             for m in _divisors(global_batch // d):
                 for v in interleave:
-                    if p * v > model.layers or (v > 1 and (p == 1 or m % p)):
+                    if p * v > model.layers or (v > 1 and (p == 1 or m % p)) or (
+                            kw.get("sequence_parallel") and model.seq_len % t):
                         continue
                     for z in (zero_stages if d > 1 else (0,)):
                         for r in modes:
@@ -222,8 +223,10 @@ def plan(model: ModelSpec, global_batch: int, n_devices: int, device_memory: flo
                                                flop_rate, device_memory, links, devices_per_node, **kw))
     if not out:
         raise ValueError(f"plan: no (dp, tp, pp) with dp·tp·pp = {n_devices} has dp dividing the "
-                         f"global batch {global_batch} and pp <= {model.layers} layers; change the "
-                         f"global batch (a multiple of the data-parallel size) or the device count")
+                         f"global batch {global_batch}, pp <= {model.layers} layers and tp in {tps} "
+                         f"(the sizes dividing heads={model.heads}, hidden={model.hidden} and "
+                         f"{devices_per_node} devices per node); change the global batch (a multiple "
+                         f"of the data-parallel size), the device count or the heads")
     out.sort(key=lambda q: (not q.fits, q.step_s, q.config))
     if only_fits:
         if not out[0].fits:
@@ -236,18 +239,22 @@ def plan(model: ModelSpec, global_batch: int, n_devices: int, device_memory: flo
 
 
 def format_table(preds: list[Prediction], top: int | None = 20) -> str:
-    """A readable table: the configuration, memory per device (GB) and step time split (s)."""
+    """A readable table: the configuration (m micro-batches of b sequences), memory per device
+    (GB; ``infl``: micro-batches in flight on the first stage) and the step split (s): compute,
+    bubble, exposed TP and PP communication, DP communication exposed and hidden behind backward."""
     head = (f"{'dp':>4}{'tp':>4}{'pp':>4}{'v':>3}{'m':>5}{'b':>4}{'zero':>5} {'recomp':<9}"
-            f"{'W+G+O GB':>9}{'act GB':>8}{'total':>8} fits {'compute':>9}{'bubble':>8}{'TP':>8}"
-            f"{'PP':>8}{'DP exp':>8}{'step s':>9}{'tok/s':>10}")
+            f"{'W+G+O GB':>9}{'act GB':>8}{'infl':>5}{'total':>8} fits {'compute':>9}{'bubble':>8}"
+            f"{'TP':>8}{'PP':>8}{'DP exp':>8}{'DP hid':>8}{'step s':>9}{'tok/s':>10}")
     rows = [head, "-" * len(head)]
     for q in preds[:top]:
         c, mm, tt = q.config, q.memory, q.time
         rows.append(f"{c.dp:>4}{c.tp:>4}{c.pp:>4}{c.v:>3}{c.microbatches:>5}{q.micro_batch:>4}"
                     f"{c.zero:>5} {c.recompute:<9}{(mm['weights'] + mm['grads'] + mm['optimizer']) / 1e9:>9.3g}"
-                    f"{mm['activations'] / 1e9:>8.3g}{mm['total'] / 1e9:>8.3g} {'yes ' if q.fits else 'NO  '}"
+                    f"{mm['activations'] / 1e9:>8.3g}{q.in_flight:>5.3g}{mm['total'] / 1e9:>8.3g} "
+                    f"{'yes ' if q.fits else 'NO  '}"
                     f"{tt['compute']:>9.3g}{tt['bubble']:>8.3g}{tt['tp']:>8.3g}{tt['pp']:>8.3g}"
-                    f"{tt['exposed'] - tt['tp'] - tt['pp']:>8.3g}{q.step_s:>9.3g}{q.tokens_per_s:>10.4g}")
+                    f"{tt['exposed'] - tt['tp'] - tt['pp']:>8.3g}{tt['overlapped']:>8.3g}"
+                    f"{q.step_s:>9.3g}{q.tokens_per_s:>10.4g}")
     return "\n".join(rows)
 
 

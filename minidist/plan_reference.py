@@ -5,8 +5,8 @@ Every figure carries its source; nothing here is measured on this machine.
 **Links.** Per-direction bandwidth of one GPU's link, as ``beta = 1 / bandwidth`` (s/byte), the
 quantity :func:`minidist.calc.comm_time` takes. Spec sheets give bandwidth, never a latency: the
 ``alpha`` values are an assumption of the order of one NCCL ring step (a few microseconds inside a
-node, ~10 µs across InfiniBand), not a published figure. Sources (vendor spec sheets, read
-2026-11-30):
+node, ~10 µs across InfiniBand), not a published figure. Sources (vendor spec sheets, dated by
+their edition):
 
 * NVLink 3 (A100 SXM): 600 GB/s per GPU, both directions together -> 300 GB/s each way
   (NVIDIA A100 Tensor Core GPU datasheet, 2021);
