@@ -243,6 +243,8 @@ def plan(argv=None) -> int:
     p.add_argument("--interleave", type=int, nargs="*", default=[1])
     p.add_argument("--precision", default=None, choices=sorted(P.PRECISIONS))
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--layer-overhead", type=float, default=0.0, help="fixed seconds per layer "
+                   "per forward (single rank; plan.calibrate_overhead fits it to one measured step)")
     p.add_argument("--fits-only", action="store_true", help="drop configurations that do not fit")
     p.add_argument("--top", type=int, default=20)
     a = p.parse_args(argv)
@@ -259,7 +261,8 @@ def plan(argv=None) -> int:
                              "--intra loopback link (alpha,beta or the bench alpha-beta JSON)")
         model = P.ModelSpec(a.layers, a.hidden, a.heads, a.vocab, a.seq_len)
         kw = dict(zero_stages=a.zero, recompute=a.recompute, interleave=a.interleave,
-                  only_fits=a.fits_only, sequence_parallel=a.sequence_parallel)
+                  only_fits=a.fits_only, sequence_parallel=a.sequence_parallel,
+                  layer_overhead=a.layer_overhead)
         if a.precision:
             kw["precision"] = a.precision
         if a.this_machine:

@@ -242,19 +242,21 @@ def format_table(preds: list[Prediction], top: int | None = 20) -> str:
     """A readable table: the configuration (m micro-batches of b sequences), memory per device
     (GB; ``infl``: micro-batches in flight on the first stage) and the step split (s): compute,
     bubble, exposed TP and PP communication, DP communication exposed and hidden behind backward."""
-    head = (f"{'dp':>4}{'tp':>4}{'pp':>4}{'v':>3}{'m':>5}{'b':>4}{'zero':>5} {'recomp':<9}"
-            f"{'W+G+O GB':>9}{'act GB':>8}{'infl':>5}{'total':>8} fits {'compute':>9}{'bubble':>8}"
-            f"{'TP':>8}{'PP':>8}{'DP exp':>8}{'DP hid':>8}{'step s':>9}{'tok/s':>10}")
+    cols = [("dp", 3), ("tp", 3), ("pp", 3), ("v", 2), ("m", 4), ("b", 4), ("zero", 4),
+            ("recomp", 9), ("W+G+O GB", 9), ("act GB", 8), ("infl", 5), ("total", 8), ("fits", 4),
+            ("compute", 9), ("bubble", 8), ("TP", 8), ("PP", 8), ("DP exp", 8), ("DP hid", 8),
+            ("step s", 9), ("tok/s", 9)]
+    head = " ".join(f"{name:>{w}}" for name, w in cols)
     rows = [head, "-" * len(head)]
     for q in preds[:top]:
         c, mm, tt = q.config, q.memory, q.time
-        rows.append(f"{c.dp:>4}{c.tp:>4}{c.pp:>4}{c.v:>3}{c.microbatches:>5}{q.micro_batch:>4}"
-                    f"{c.zero:>5} {c.recompute:<9}{(mm['weights'] + mm['grads'] + mm['optimizer']) / 1e9:>9.3g}"
-                    f"{mm['activations'] / 1e9:>8.3g}{q.in_flight:>5.3g}{mm['total'] / 1e9:>8.3g} "
-                    f"{'yes ' if q.fits else 'NO  '}"
-                    f"{tt['compute']:>9.3g}{tt['bubble']:>8.3g}{tt['tp']:>8.3g}{tt['pp']:>8.3g}"
-                    f"{tt['exposed'] - tt['tp'] - tt['pp']:>8.3g}{tt['overlapped']:>8.3g}"
-                    f"{q.step_s:>9.3g}{q.tokens_per_s:>10.4g}")
+        vals = [c.dp, c.tp, c.pp, c.v, c.microbatches, q.micro_batch, c.zero, c.recompute,
+                (mm["weights"] + mm["grads"] + mm["optimizer"]) / 1e9, mm["activations"] / 1e9,
+                q.in_flight, mm["total"] / 1e9, "yes" if q.fits else "NO", tt["compute"],
+                tt["bubble"], tt["tp"], tt["pp"], tt["exposed"] - tt["tp"] - tt["pp"],
+                tt["overlapped"], q.step_s, q.tokens_per_s]
+        rows.append(" ".join(f"{x:>{w}.3g}" if isinstance(x, float) else f"{x:>{w}}"
+                             for x, (_, w) in zip(vals, cols)))
     return "\n".join(rows)
 
 
