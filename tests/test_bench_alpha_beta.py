@@ -12,8 +12,9 @@ import torch
 
 import minidist
 from minidist import bench
-from minidist.bench.alpha_beta import (AlphaBetaFit, fit_alpha_beta_samples, format_fit,
-                                       load_fits, model_coefficients, model_time, save_fits)
+from minidist.bench.alpha_beta import (AlphaBetaFit, compare_fits, fit_alpha_beta_samples,
+                                       format_comparison, format_fit, load_fits,
+                                       model_coefficients, model_time, save_fits)
 from minidist.bench.alpha_beta_bench import repetitions
 
 SIZES = [1 << k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
@@ -181,6 +182,19 @@ def test_json_round_trip(tmp_path):
         load_fits(path)
 
 
+def test_two_runs_agree_when_the_machine_did_not_change_and_not_when_it_did():
+    run1 = [fit_alpha_beta_samples(synthetic(reps=60, seed=1), n_bootstrap=300)]
+    same = [fit_alpha_beta_samples(synthetic(reps=60, seed=2), n_bootstrap=300)]
+    slower = [fit_alpha_beta_samples(synthetic(reps=60, seed=2, alpha=2 * ALPHA), n_bootstrap=300)]
+    (r,) = compare_fits(run1, same)
+    assert r["alpha_agree"] and r["beta_agree"] and r["algorithm"] == "ring"
+    (r,) = compare_fits(run1, slower)
+    assert not r["alpha_agree"] and r["beta_agree"]
+    assert "alpha" in format_comparison([r]) and "DISAGREE" in format_comparison([r])
+    other = [fit_alpha_beta_samples(synthetic(w=4), world_size=4, n_bootstrap=0)]
+    assert compare_fits(run1, other) == []  # nothing in common: nothing compared
+
+
 def test_old_line_fit_still_answers_for_the_table():
     rows = [dict(bytes=b, time_s=5e-6 + b / 2e9) for b in (1024, 65536, 1 << 20)]
     alpha, beta = bench.fit_alpha_beta(rows)
@@ -200,6 +214,12 @@ def test_cli_runs_quickly_with_tiny_settings_and_writes_json(tmp_path):
     assert res.stdout.count("alpha = ") == 2 and "bootstrap" in res.stdout
     fits = load_fits(out)
     assert [f.algorithm for f in fits] == ["ring", "torch"] and fits[0].world_size == 2
+    res = subprocess.run([sys.executable, "-m", "minidist.cli", "bench", "alpha-beta",
+                          "--algorithm", "torch", "--min-bytes", "1K", "--max-bytes", "4K",
+                          "--budget-s", "0.1", "--min-reps", "3", "--max-reps", "5", "--bootstrap",
+                          "10", "--compare", str(out)], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"against {out}:" in res.stdout and "all_reduce/torch W=2: alpha" in res.stdout
     for f in fits:
         assert [p["bytes"] for p in f.points] == [1024, 4096]
         reps = [p["reps"] for p in f.points]

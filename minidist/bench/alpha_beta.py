@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 __all__ = ["MODELS", "model_coefficients", "model_time", "AlphaBetaFit", "fit_alpha_beta_samples",
-           "format_fit", "save_fits", "load_fits", "machine_note", "FORMAT"]
+           "format_fit", "compare_fits", "format_comparison", "save_fits", "load_fits",
+           "machine_note", "FORMAT"]
 
 FORMAT = "minidist-alpha-beta/1"  # the "format" field of the JSON file
 
@@ -238,6 +239,34 @@ def format_fit(fit: AlphaBetaFit) -> str:
                      f"{fit.unconstrained[i]:.3g} (negative: noise larger than the {name} term; "
                      f"more repetitions or a wider size range)")
     return "\n".join(lines)
+
+
+def compare_fits(before: list[AlphaBetaFit], after: list[AlphaBetaFit]) -> list[dict]:
+    """Do two runs agree? For each (op, algorithm, world size) fitted in both: whether the alpha
+    spreads overlap and whether the beta spreads overlap (``alpha_agree``, ``beta_agree``), with
+    both fits' values. Disagreement means the machine changed between the runs by more than the
+    noise within either run (the bootstrap cannot see that): trust neither spread alone."""
+    old = {(f.op, f.algorithm, f.world_size): f for f in before}
+    out = []
+    for f in after:
+        g = old.get((f.op, f.algorithm, f.world_size))
+        if g is None:
+            continue
+        overlap = lambda a, b: a[0] <= b[1] and b[0] <= a[1]  # noqa: E731
+        out.append(dict(op=f.op, algorithm=f.algorithm, world_size=f.world_size,
+                        alpha=(g.alpha, f.alpha), beta=(g.beta, f.beta),
+                        alpha_agree=overlap(g.alpha_spread, f.alpha_spread),
+                        beta_agree=overlap(g.beta_spread, f.beta_spread)))
+    return out
+
+
+def format_comparison(rows: list[dict]) -> str:
+    """One line per fit compared by :func:`compare_fits`."""
+    word = {True: "agree (spreads overlap)", False: "DISAGREE (spreads disjoint)"}
+    return "\n".join(f"{r['op']}/{r['algorithm']} W={r['world_size']}: alpha {r['alpha'][0] * 1e6:.1f} "
+                     f"-> {r['alpha'][1] * 1e6:.1f} us {word[r['alpha_agree']]}; 1/beta "
+                     f"{_bw(r['beta'][0])} -> {_bw(r['beta'][1])} GB/s {word[r['beta_agree']]}"
+                     for r in rows)
 
 
 def save_fits(path, fits: list[AlphaBetaFit], extra: dict | None = None) -> None:

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ..launch import run
-from .alpha_beta import MODELS, fit_alpha_beta_samples, format_fit, machine_note, save_fits
+from .alpha_beta import (MODELS, compare_fits, fit_alpha_beta_samples, format_comparison, format_fit,
+                         load_fits, machine_note, save_fits)
 from .collectives import _one_op, parse_size
 
 __all__ = ["repetitions", "measure_samples", "bench_alpha_beta", "main", "DEFAULT_SIZES"]
@@ -142,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--bootstrap", type=int, default=1000, help="resamples for the spread")
     p.add_argument("--note", default="", help="free text stored with the result (e.g. 'loaded')")
     p.add_argument("--json", metavar="FILE", help="write the fits (format minidist-alpha-beta/1)")
+    p.add_argument("--compare", metavar="FILE", help="an earlier run's --json: do the spreads overlap?")
     args = p.parse_args(argv)
     if args.world_size < 2:
         p.error("--world-size must be >= 2 (one rank sends nothing)")
@@ -162,6 +164,8 @@ def main(argv=None) -> int:
     print(f"measured in {time.perf_counter() - start:.0f} s on {m['cpus']} CPUs, load average "
           f"{m['loadavg_1_5_15']} (a shared machine's load moves these numbers between runs; the "
           f"spread covers the noise within this run only)")
+    if args.compare:
+        print(f"against {args.compare}:\n" + format_comparison(compare_fits(load_fits(args.compare), fits)))
     if args.json:
         save_fits(args.json, fits)
         print(f"wrote {args.json}")
