@@ -13,6 +13,9 @@
 5. clip by the global norm (:mod:`.clip`) when ``max_norm`` is given;
 6. the optimizer step (ZeRO-1: each replica steps its slice, then all-gathers).
 
+With ``record=True`` steps 3-6 are Events on the engine's timeline too ("sp grads", "tied grads",
+"clip", "optimizer"), for :mod:`minidist.hybrid.timeline`.
+
 Steps 2's DP average, 3 and 4 are linear and act on different groups, so their order does not
 change the result (beyond fp32 rounding). Returns a :class:`StepOutput` whose ``loss`` is the
 global batch's loss on every rank.
@@ -20,6 +23,8 @@ global batch's loss on every rank.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +32,7 @@ import torch
 from .. import collectives as C
 from ..pipeline_parallel.engine import StepResult, pipeline_step
 from ..pipeline_parallel.schedules import make_schedule
+from ..trace import Event
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from .clip import clip_grad_norm_
 from .dp import DP_MODES, PipelineBucketedDDP
@@ -107,12 +113,28 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
                            group=grid.pp_group, dp_group=grid.dp_group, record=record,
                            loss_reduction=loss_reduction, sync_dp=not bucketed,
                            backward_context=ctx, device=_device(model))
-    model.finish_sequence_parallel_grads()
-    model.allreduce_tied_grads()
-    norm = clip_grad_norm_(model, max_norm) if max_norm is not None else None
-    if step:
-        optimizer.step()
+    with _timed(result, record, "sp grads", grid.pp_rank, model.sequence_parallel):
+        model.finish_sequence_parallel_grads()
+    with _timed(result, record, "tied grads", grid.pp_rank, grid.embedding_group is not None
+                and model.tied):
+        model.allreduce_tied_grads()
+    with _timed(result, record, "clip", grid.pp_rank, max_norm is not None):
+        norm = clip_grad_norm_(model, max_norm) if max_norm is not None else None
+    with _timed(result, record, "optimizer", grid.pp_rank, step):
+        if step:
+            optimizer.step()
     return StepOutput(_global_loss(model, result, loss_reduction), norm, result)
+
+
+@contextlib.contextmanager
+def _timed(result: StepResult, record: bool, name: str, rank: int, applies: bool = True):
+    """With ``record``: the block becomes an Event ``name`` on the step's timeline (times from
+    ``result.t0``, as the engine's; ``rank`` its pipeline rank), when it ``applies``."""
+    start = time.perf_counter()
+    yield
+    if record and applies:
+        result.events.append(Event(name, start - result.t0, time.perf_counter() - result.t0,
+                                   rank=rank))
 
 
 def _device(model):

@@ -4,7 +4,9 @@ Every region operator (:mod:`minidist.tensor_parallel.regions`) reports its coll
 :func:`comm_log` is open. The *scope* is the layer that ran it (``"block0.attn"``): set with
 :func:`scope` in the forward pass and remembered by the autograd node, so the backward's collective
 is filed under the same layer. Bytes are the payload (the tensor handed to the collective) and the
-bytes this rank actually sent, counted by :mod:`minidist.comm.p2p`.
+bytes this rank actually sent, counted by :mod:`minidist.comm.p2p`. ``start``/``end`` are the
+collective's ``time.perf_counter()`` instants (two clock reads per collective, always taken: a
+timeline of the TP communication, :mod:`minidist.hybrid.timeline`, is built from them).
 
 The formula the lesson checks (Megatron-LM, Shoeybi et al. 2019, §3; Korthikanti et al. 2022, §4):
 per transformer block and per pass, plain TP runs 2 all-reduces of the activation ``b·s·h``; a ring
@@ -18,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["CommEvent", "comm_log", "scope", "current_scope", "record", "summarize",
            "block_formula"]
@@ -33,6 +35,8 @@ class CommEvent:
     phase: str        # forward | backward
     payload_bytes: int  # the full tensor the collective is about (all-gather: the gathered output)
     bytes_sent: int   # what this rank sent for it (p2p counters)
+    start: float = field(default=0.0, compare=False, repr=False)  # perf_counter() s, when it began
+    end: float = field(default=0.0, compare=False, repr=False)    # ... and when it returned
 
 
 class _Local(threading.local):
@@ -69,9 +73,10 @@ def current_scope() -> str:
     return ".".join(_local.scopes) or "-"
 
 
-def record(scope_name: str, op: str, phase: str, payload_bytes: int, bytes_sent: int) -> None:
+def record(scope_name: str, op: str, phase: str, payload_bytes: int, bytes_sent: int,
+           start: float = 0.0, end: float = 0.0) -> None:
     if _logs:
-        event = CommEvent(scope_name, op, phase, int(payload_bytes), int(bytes_sent))
+        event = CommEvent(scope_name, op, phase, int(payload_bytes), int(bytes_sent), start, end)
         for log in _logs:
             log.append(event)
 

@@ -34,6 +34,8 @@ the *local* upstream gradient only, silently wrong; these functions are what TP 
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -120,10 +122,12 @@ def _move(name: str, x: torch.Tensor, dim: int, group, phase: str, where: str) -
         return x  # a TP size of 1: every move is the identity
     if payload == 0:
         return fn(x, dim, group)
+    start = time.perf_counter()
     with p2p.count_traffic() as sent:
         out = fn(x, dim, group)
+    end = time.perf_counter()
     nbytes = x.numel() * x.element_size() * (world if payload is None else payload)
-    accounting.record(where, name, phase, nbytes, sent.bytes_sent)
+    accounting.record(where, name, phase, nbytes, sent.bytes_sent, start, end)
     return out
 
 
