@@ -130,6 +130,8 @@ def predict(model: ModelSpec, cfg: Config, global_batch: int, flop_rate: float, 
     first = lp * model.layer_params / t + emb + s * h
     last = lp * model.layer_params / t + 2 * h + (emb if p > 1 or not model.tied else 0)
     n_par = first + last - lp * model.layer_params / t if p == 1 else max(first, last)
+    if precision not in PRECISIONS:
+        raise ValueError(f"plan: precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     wb, gb, ob = PRECISIONS[precision]
     z = cfg.zero
     mem = dict(weights=n_par * wb / (d if z >= 3 else 1) + (model.layer_params / t * wb if z >= 3 else 0),

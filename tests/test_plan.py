@@ -150,6 +150,7 @@ def test_configurations_that_do_not_fit_are_marked_or_filtered():
     (dict(n_devices=0), "n_devices must be an int >= 1"),
     (dict(global_batch=2, n_devices=8), "no \\(dp, tp, pp\\).*global batch 2.*tp in \\[1\\].*heads=3"),
     (dict(recompute=("sometimes",)), "recompute must be among"),
+    (dict(precision="fp8"), "precision must be one of"),
 ])
 def test_impossible_inputs_say_what_to_change(kw, match):
     m = P.ModelSpec(layers=2, hidden=24, heads=3, vocab=100, seq_len=16)   # tp can only be 1
