@@ -5,8 +5,10 @@
   Adam as Megatron keeps it (20 bytes/parameter, no optimizer sharding: ZeRO-0), full activation
   recomputation, 1F1B — and must rank the paper's (t, p) among its top 2 distinct (t, p), within
   6 % of its best predicted step, with t = 8 (a whole node) chosen from 76B up. Why top-2 and not
-  top-1: the planner takes the smallest pipeline that fits in 80 GB (less bubble), while the paper
-  keeps memory headroom (its choice needs 51-67 GB here); the two differ by < 6 % predicted.
+  top-1: where they differ, the planner either packs a shorter pipeline or smaller t closer to
+  80 GB (3.6B, 7.5B, 310B, 530B: 76-79 GB, less bubble or TP traffic) where the paper keeps headroom
+  (its choices need 49-58 GB here), or trades t = 8 for t = 4 and a deeper pipeline (18B, 39B);
+  the paper's choice is then 0.3-6 % slower as predicted. Top-1 for 1.7B, 76B, 146B and 1T.
 * BLOOM-176B (BigScience 2022): the published memory per GPU, 60 GB, for TP=4, PP=12, DP=8,
   micro-batch 2, ZeRO-1 (BF16_Optimizer), full recomputation: the planner's total for that exact
   configuration must be within 20 %.
