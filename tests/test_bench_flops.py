@@ -32,6 +32,11 @@ def test_rates_are_2n3_over_the_median_and_threads_are_restored():
         assert lo <= p["gflops"] <= hi
     assert res.flops_per_s == pytest.approx(max(p["gflops"] for p in res.points) * 1e9)
     assert "torch threads = 1" in format_flops(res)
+    rate = {p["n"]: p["gflops"] * 1e9 for p in res.points}
+    assert res.rate_at(8) == rate[8] and res.rate_at(1) == rate[8] and res.rate_at(1000) == rate[32]
+    assert res.rate_at(16) == rate[32]  # halfway in log scale: the larger size
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        res.rate_at(0)
 
 
 def test_bad_sizes_are_a_clear_error():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -50,6 +51,14 @@ class FlopsResult:
     device: str = "cpu"
     points: list[dict] = field(default_factory=list)
     machine: dict = field(default_factory=dict)
+
+    def rate_at(self, n: int) -> float:
+        """FLOP/s measured at the size nearest to ``n`` (in log scale): small matrices that fit in
+        cache run faster than large ones, so a model of n-sized matmuls wants this, not the best."""
+        if n < 1:
+            raise ValueError(f"rate_at: n must be >= 1, got {n}")
+        p = min(self.points, key=lambda p: (abs(math.log(p["n"] / n)), -p["n"]))
+        return p["gflops"] * 1e9
 
     def to_dict(self) -> dict:
         return asdict(self)
