@@ -67,7 +67,10 @@ class ProcessGrid:
             raise RuntimeError("ProcessGrid: the process group is not initialised; run inside "
                                "minidist.run(...) or after minidist.init()")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        layout = grid_layout(self.world_size, dp, pp, tp)
+        try:
+            layout = grid_layout(self.world_size, dp, pp, tp)
+        except ValueError as e:  # every rank raises the same, before any communication
+            raise ValueError(f"{e} (rank {self.rank})") from None
         self.dp_size, self.pp_size, self.tp_size = dp, pp, tp
         self.grid = torch.arange(self.world_size).view(dp, pp, tp)
         d, p, t = (int(i) for i in (self.grid == self.rank).nonzero()[0])
