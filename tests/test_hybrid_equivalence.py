@@ -142,3 +142,26 @@ def test_bucketed_ddp_really_syncs_once_per_chunk():
             assert n_buckets > 1, "the bucket cap should give several buckets"
             assert launched == n_buckets, f"stage {s}: {launched} launches for {n_buckets} buckets"
             assert synced == 2, f"stage {s}: {synced} synchronised backwards in 2 steps"
+
+
+@pytest.mark.timeout(120)
+def test_timeline_is_recorded_and_changes_nothing():
+    """record=True (the per-rank Gantt chart's input) on a 3-D grid: every F and B op of the rank's
+    stages appears once, the DP sync too, and the gradients are bitwise those of an unrecorded step."""
+    def fn(rank, world):
+        grid = ProcessGrid(1, 2, 2)
+        model = HybridGPT(cfg_of(False), grid, chunks=2, seed=0)
+        modules = wrap_stages(model, "flat")
+        ids, targets = batch(False)
+        out = train_step(model, None, modules, ids, targets, 2, step=False, record=True)
+        recorded = model.gather(grads=True)
+        train_step(model, None, modules, ids, targets, 2, step=False)
+        plain = model.gather(grads=True)
+        ops = sorted((e.kind, e.mb, e.stage) for e in out.result.events if e.kind in "FB")
+        kinds = {e.kind for e in out.result.events}
+        return sorted(model.stages), ops, kinds, all(torch.equal(recorded[k], plain[k])
+                                                     for k in plain)
+    for stages, ops, kinds, same in minidist.run(fn, 4, timeout=90):
+        assert ops == sorted((k, m, s) for k in "FB" for m in range(2) for s in stages)
+        assert {"send", "recv", "dp_sync"} <= kinds
+        assert same
