@@ -14,7 +14,7 @@ __all__ = ["main"]
 _DEMO_SIZES = (0, 3, 10, 100_003)  # elements: empty, fewer than ranks, uneven, large-ish
 # section of `minidist demo` -> the module of minidist.lessons that gives its rows
 _SECTIONS = {"data_parallel": "ddp_demo", "tensor_parallel": "tp_demo", "pipeline_parallel": "pp_demo",
-             "sharding": "sharding_demo"}
+             "sharding": "sharding_demo", "hybrid": "hybrid_demo"}
 
 
 def _demo_ops(C) -> dict:
@@ -149,7 +149,7 @@ def demo(argv=None) -> int:
 
 
 # `minidist bench X` subcommands with their own parser: X -> module of minidist.bench with main(argv)
-_BENCH_MAINS = {"alpha-beta": "alpha_beta_bench", "flops": "flops"}
+_BENCH_MAINS = {"alpha-beta": "alpha_beta_bench", "flops": "flops", "3d": "hybrid"}
 
 
 def bench(argv=None) -> int:
@@ -160,7 +160,8 @@ def bench(argv=None) -> int:
     p = argparse.ArgumentParser(prog="minidist bench", description="nccl-tests-style benchmark "
                                 "(each row beside torch and the point-to-point ceiling); "
                                 "'ddp', 'pp' and 'zero' benchmark the strategies; 'alpha-beta' "
-                                "fits link latency and bandwidth with spreads; 'flops' the matmul rate.")
+                                "fits link latency and bandwidth with spreads; 'flops' the matmul rate; "
+                                "'3d' measured vs predicted step time of dp x tp x pp configurations.")
     p.add_argument("what", nargs="?", default="collectives",
                    choices=["collectives", "ddp", "pp", "zero", *_BENCH_MAINS])
     p.add_argument("--ops", nargs="*", default=list(B.OPS), choices=B.OPS)
@@ -289,7 +290,8 @@ def main(argv=None) -> int:
         print("usage: minidist {demo,bench,doctor,plan} [options]\n"
               "  demo    run every hand-built collective (and DDP/TP/PP) against torch; exit 1 if wrong\n"
               "  bench   nccl-tests-style table (algbw, busbw, ratio to torch); bench ddp | pp | zero |\n"
-              "          alpha-beta (link latency/bandwidth with spreads) | flops (matmul GFLOP/s)\n"
+              "          alpha-beta (link latency/bandwidth with spreads) | flops (matmul GFLOP/s) |\n"
+              "          3d (dp x tp x pp step time, tokens/s, MFU: measured vs the planner)\n"
               "  doctor  what this machine offers: torch, backends, devices, network, launch variables\n"
               "  plan    every valid dp x tp x pp (+ ZeRO, recompute) configuration: memory, step time",
               file=sys.stdout if asked else sys.stderr)

@@ -1,0 +1,300 @@
+"""``minidist bench 3d``: measured step time of 3-D configurations against the planner's prediction.
+
+For each (dp, tp, pp) of a world size: ``steps`` timed training steps of the tiny GPT
+(:func:`minidist.hybrid.train_step`: 1F1B, the engine's flat DP average, AdamW) after ``warmup``
+ones, each timed from a barrier on every rank; a step's time is its slowest rank's, and the
+configuration's the median over steps. From it: tokens/s and MFU (:mod:`.mfu`: 6·N + attention
+FLOPs over the measured one-thread matmul rate × min(ranks, cores)).
+
+The prediction is :func:`minidist.plan.this_machine` (ranks share the cores, one loopback link,
+no overlap) fed with this machine's numbers: the one-thread FLOP rate (``minidist bench flops``)
+and the ring all-reduce's alpha and beta at W = 2 (``minidist bench alpha-beta``; the hybrid's
+collectives are minidist's ring), measured in the same run unless given. Two predictions:
+
+* ``predicted``: FLOPs and alpha-beta only;
+* ``calibrated`` (unless ``calibrate=False``): plus a per-layer dispatch overhead fitted to one
+  measured **single-rank** step (:func:`minidist.plan.calibrate_overhead`) — a configuration
+  that is not in the table, so the table's configurations stay predictions, not fits.
+
+Reported per world size: measured/predicted per configuration, the fraction within 30%,
+Spearman's rank correlation of predicted and measured step times (:func:`minidist.plan.spearman`)
+and whether the fastest and the slowest configuration agree. Timing on a shared machine is
+noisy: the load average is recorded with the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..launch import run
+from .alpha_beta import machine_note
+from .mfu import cpu_peak_flops, model_flops_per_step
+
+__all__ = ["CONFIGS", "MODEL", "FORMAT", "microbatches_for", "measure_config", "predict_configs",
+           "bench_3d", "summarize", "format_table", "main"]
+
+FORMAT = "minidist-bench-3d/1"
+# (dp, tp, pp) per world size: the capstone's configurations
+CONFIGS = {4: ((4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 4, 1), (1, 1, 4)),
+           8: ((8, 1, 1), (2, 2, 2), (1, 2, 4), (4, 1, 2), (2, 4, 1), (1, 1, 8))}
+MODEL = dict(vocab_size=93, block_size=16, n_layer=8, n_head=4, n_embd=32)
+WITHIN = 0.30
+
+
+def microbatches_for(batch: int, dp: int, want: int) -> int:
+    """The largest divisor of the per-replica batch ``batch // dp`` that is <= ``want``
+    (ValueError when ``dp`` does not divide ``batch``)."""
+    if batch % dp:
+        raise ValueError(f"bench 3d: the global batch {batch} does not split over dp={dp}")
+    per = batch // dp
+    return max(m for m in range(1, min(want, per) + 1) if per % m == 0)
+
+
+def _gpt(model: dict):
+    from ..models.gpt import GPTConfig
+    return GPTConfig(**model)
+
+
+def _rank(rank, world, dp, tp, pp, model, batch, M, steps, warmup, dp_mode):
+    from ..grid import ProcessGrid
+    from ..hybrid import HybridGPT, make_optimizer, train_step, wrap_stages
+
+    cfg = _gpt(model)
+    grid = ProcessGrid(dp, pp, tp)
+    net = HybridGPT(cfg, grid, seed=0)
+    modules = wrap_stages(net, dp_mode)
+    opt = make_optimizer(net, dp_mode, torch.optim.AdamW, lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(net, opt, modules, ids, targets, M, dp_mode=dp_mode)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure_config(dp: int, tp: int, pp: int, model: dict = MODEL, batch: int = 16,
+                   microbatches: int = 4, steps: int = 3, warmup: int = 1, dp_mode: str = "flat",
+                   timeout: float = 600.0) -> dict:
+    """Run ``warmup + steps`` steps on ``dp·tp·pp`` ranks. Returns ``{"times": [slowest rank's
+    seconds per step], "median_s", "min_s", "max_s", "microbatches"}``."""
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"bench 3d: steps must be >= 1 and warmup >= 0, got {steps}, {warmup}")
+    M = microbatches_for(batch, dp, microbatches)
+    per_rank = run(_rank, dp * tp * pp, dp, tp, pp, model, batch, M, steps, warmup, dp_mode,
+                   timeout=timeout)
+    times = [max(r[i] for r in per_rank) for i in range(steps)]
+    return dict(times=times, median_s=statistics.median(times), min_s=min(times), max_s=max(times),
+                microbatches=M)
+
+
+def predict_configs(model: dict, batch: int, world_size: int, flop_rate: float, link,
+                    cores: int | None = None, layer_overhead: float = 0.0,
+                    dp_mode: str = "flat") -> dict:
+    """{(dp, tp, pp, M): Prediction} of :func:`minidist.plan.this_machine` (ZeRO-0, or ZeRO-1 as
+    the hybrid runs it for ``dp_mode="zero1"``; no recomputation, v = 1)."""
+    from ..plan import ModelSpec, this_machine
+    zero = 1 if dp_mode == "zero1" else 0
+    preds = this_machine(ModelSpec.from_gpt_config(_gpt(model)), batch, world_size, flop_rate,
+                         link, cores, layer_overhead=layer_overhead, zero_stages=(zero,),
+                         recompute=("none",), zero1_all_reduce=zero == 1)
+    return {(q.config.dp, q.config.tp, q.config.pp, q.config.microbatches): q for q in preds
+            if q.config.v == 1 and q.config.zero == (zero if q.config.dp > 1 else 0)}
+
+
+def _machine_numbers(flop_rate, link, budget_s: float):
+    """The one-thread FLOP rate (FLOP/s) and the ring all-reduce Link: given, read or measured."""
+    from ..plan import load_link
+    from .flops import bench_flops, load_flops
+    if flop_rate is None:
+        flop_rate = bench_flops(threads=1, budget_s=budget_s).flops_per_s
+    elif isinstance(flop_rate, (str, os.PathLike)):
+        flop_rate = min(load_flops(flop_rate), key=lambda r: r.threads).flops_per_s
+    if link is None:
+        from .alpha_beta_bench import bench_alpha_beta
+        fit = bench_alpha_beta(world_size=2, algorithms=("ring",), budget_s=budget_s,
+                               n_bootstrap=200)[0]
+        link = (fit.alpha, fit.beta)
+    return float(flop_rate), load_link(link, 2)
+
+
+def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODEL, batch: int = 16,
+             microbatches: int = 4, steps: int = 3, warmup: int = 1, dp_mode: str = "flat",
+             flop_rate=None, link=None, cores: int | None = None, calibrate: bool = True,
+             budget_s: float = 10.0, progress: bool = True, timeout: float = 600.0) -> dict:
+    """Measure and predict every configuration (module docstring); returns the JSON-able result
+    ``{"format", "model", "batch", "steps", "warmup", "dp_mode", "flop_rate", "link", "cores",
+    "layer_overhead", "machine", "rows": [...], "summary": {W: ...}}``.
+
+    ``flop_rate``: FLOP/s, the ``bench flops`` JSON, or None (measure, ``budget_s``); ``link``:
+    (alpha, beta), a preset or the ``bench alpha-beta`` JSON (see :func:`minidist.plan.load_link`),
+    or None (measure the ring at W = 2). ``configs``: {W: [(dp, tp, pp), ...]} (default
+    :data:`CONFIGS`). ValueError for a configuration whose product is not its world size.
+    """
+    from tqdm.auto import tqdm
+
+    configs = configs or {w: CONFIGS[w] for w in world_sizes}
+    for w, cs in configs.items():
+        for c in cs:
+            if c[0] * c[1] * c[2] != w:
+                raise ValueError(f"bench 3d: (dp, tp, pp) = {c} has {c[0] * c[1] * c[2]} ranks, "
+                                 f"not the world size {w}")
+    cores = cores or len(os.sched_getaffinity(0))
+    flops, lnk = _machine_numbers(flop_rate, link, budget_s)
+    cfg = _gpt(model)
+    overhead = 0.0
+    if calibrate:
+        from ..plan import ModelSpec, calibrate_overhead
+        single = measure_config(1, 1, 1, model, batch, microbatches, steps, warmup, dp_mode, timeout)
+        overhead = calibrate_overhead(ModelSpec.from_gpt_config(cfg), batch, single["median_s"],
+                                      flops, single["microbatches"])
+    jobs = [(w, c) for w, cs in configs.items() for c in cs]
+    step_flops = model_flops_per_step(cfg, batch)
+    rows = []
+    for w, (dp, tp, pp) in tqdm(jobs, desc="bench 3d", disable=not progress, leave=False):
+        m = measure_config(dp, tp, pp, model, batch, microbatches, steps, warmup, dp_mode, timeout)
+        key = (dp, tp, pp, m["microbatches"])
+        row = dict(world_size=w, dp=dp, tp=tp, pp=pp, microbatches=m["microbatches"],
+                   measured_s=m["median_s"], min_s=m["min_s"], max_s=m["max_s"], times=m["times"],
+                   tokens_per_s=batch * cfg.block_size / m["median_s"],
+                   mfu=step_flops / m["median_s"] / cpu_peak_flops(flops, w, cores))
+        for name, ovh in (("predicted", 0.0), ("calibrated", overhead))[:1 + calibrate]:
+            q = predict_configs(model, batch, w, flops, lnk, cores, ovh, dp_mode)[key]
+            ratio = m["median_s"] / q.step_s
+            row[name] = dict(step_s=q.step_s, ratio=ratio, within=abs(ratio - 1) <= WITHIN,
+                             parts={k: q.time[k] for k in ("compute", "bubble", "tp", "pp", "dp")})
+        rows.append(row)
+    return dict(format=FORMAT, model=dict(model), batch=batch, steps=steps, warmup=warmup,
+                dp_mode=dp_mode, flop_rate=flops, link=dict(alpha=lnk.alpha, beta=lnk.beta),
+                cores=cores, layer_overhead=overhead, step_flops=step_flops,
+                machine=machine_note("minidist bench 3d"), rows=rows, summary=summarize(rows))
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per world size and prediction: fraction within 30%, Spearman, best/worst agreement."""
+    from ..plan import spearman
+    out = {}
+    for w in sorted({r["world_size"] for r in rows}):
+        mine = [r for r in rows if r["world_size"] == w]
+        measured = [r["measured_s"] for r in mine]
+        name_of = [(r["dp"], r["tp"], r["pp"]) for r in mine]
+        out[w] = {}
+        for name in ("predicted", "calibrated"):
+            if name not in mine[0]:
+                continue
+            pred = [r[name]["step_s"] for r in mine]
+            rho = spearman(pred, measured) if len(mine) >= 2 else float("nan")
+            best = (name_of[measured.index(min(measured))], name_of[pred.index(min(pred))])
+            worst = (name_of[measured.index(max(measured))], name_of[pred.index(max(pred))])
+            out[w][name] = dict(within=sum(r[name]["within"] for r in mine) / len(mine),
+                                spearman=rho, best_measured=best[0], best_predicted=best[1],
+                                best_agree=best[0] == best[1], worst_measured=worst[0],
+                                worst_predicted=worst[1], worst_agree=worst[0] == worst[1])
+    return out
+
+
+def format_table(result: dict) -> str:
+    """The predicted-vs-measured table and the per-world-size summary lines."""
+    preds = [p for p in ("predicted", "calibrated") if result["rows"] and p in result["rows"][0]]
+    head = (f"{'W':>3}{'dp':>4}{'tp':>4}{'pp':>4}{'M':>3}{'measured ms':>13}{'[min, max]':>16}"
+            f"{'tok/s':>9}{'MFU':>7}" + "".join(f"{p[:5] + ' ms':>11}{'ratio':>7}{'≤30%':>6}"
+                                                   for p in preds))
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        spread = f"[{r['min_s'] * 1e3:.0f}, {r['max_s'] * 1e3:.0f}]"
+        line = (f"{r['world_size']:>3}{r['dp']:>4}{r['tp']:>4}{r['pp']:>4}{r['microbatches']:>3}"
+                f"{r['measured_s'] * 1e3:>13.1f}{spread:>16}"
+                f"{r['tokens_per_s']:>9.0f}{r['mfu']:>7.1%}")
+        for p in preds:
+            line += (f"{r[p]['step_s'] * 1e3:>11.1f}{r[p]['ratio']:>7.2f}"
+                     f"{'yes' if r[p]['within'] else 'no':>6}")
+        lines.append(line)
+    lines.append("ratio = measured / predicted; MFU peak = one-thread matmul rate x min(ranks, cores)")
+    for w, by in result["summary"].items():
+        for p, s in by.items():
+            lines.append(f"W={w} {p:<10}: {s['within']:.0%} within 30%, Spearman {s['spearman']:+.2f}; "
+                         f"fastest measured {s['best_measured']} predicted {s['best_predicted']} "
+                         f"({'agree' if s['best_agree'] else 'differ'}); slowest measured "
+                         f"{s['worst_measured']} predicted {s['worst_predicted']} "
+                         f"({'agree' if s['worst_agree'] else 'differ'})")
+    m, lk = result["machine"], result["link"]
+    bw = 1 / lk["beta"] / 1e9 if lk["beta"] else float("inf")
+    lines.append(f"flop rate {result['flop_rate'] / 1e9:.2f} GFLOP/s (1 thread), ring link alpha "
+                 f"{lk['alpha'] * 1e6:.1f} us, 1/beta {bw:.2f} GB/s, "
+                 f"layer overhead {result['layer_overhead'] * 1e6:.0f} us, {result['cores']} cores, "
+                 f"load average {m.get('loadavg_1_5_15')}")
+    return "\n".join(lines)
+
+
+def _number_or_file(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _link_arg(text: str):
+    parts = text.split(",")
+    return (float(parts[0]), float(parts[1])) if len(parts) == 2 else text
+
+
+def main(argv=None) -> int:
+    """``minidist bench 3d [--world-sizes 4 8] [--configs 2,2,1 ...] [--steps N] [--json FILE]``"""
+    p = argparse.ArgumentParser(prog="minidist bench 3d", description="Measured step time, tokens/s "
+                                "and MFU of (dp, tp, pp) configurations of the tiny GPT against "
+                                "minidist plan's prediction with this machine's FLOP rate and link.")
+    p.add_argument("--world-sizes", nargs="+", type=int, default=[4, 8], choices=sorted(CONFIGS))
+    p.add_argument("--configs", nargs="+", metavar="DP,TP,PP",
+                   help="instead of the capstone's configurations (grouped by their product)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration (median)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    p.add_argument("--microbatches", type=int, default=4,
+                   help="at most this many (a divisor of the per-replica batch)")
+    p.add_argument("--dp-mode", default="flat", choices=["flat", "bucketed", "zero1"])
+    for k, v in MODEL.items():
+        p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
+    p.add_argument("--flop-rate", type=_number_or_file,
+                   help="FLOP/s of one thread, or the JSON of `minidist bench flops` (default: measure)")
+    p.add_argument("--link", type=_link_arg, help="alpha,beta (s, s/byte), a preset, or the JSON "
+                   "of `minidist bench alpha-beta` (default: measure the ring at W=2)")
+    p.add_argument("--budget-s", type=float, default=10.0, help="seconds to measure each of them")
+    p.add_argument("--cores", type=int, default=None)
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="skip the single-rank step that calibrates the per-layer overhead")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    configs = None
+    if args.configs:
+        configs = {}
+        for text in args.configs:
+            try:
+                c = tuple(int(x) for x in text.split(","))
+            except ValueError:
+                c = ()
+            if len(c) != 3 or min(c) < 1:
+                p.error(f"--configs: expected DP,TP,PP (positive integers), got {text!r}")
+            configs.setdefault(c[0] * c[1] * c[2], []).append(c)
+    model = {k: getattr(args, k) for k in MODEL}
+    result = bench_3d(args.world_sizes, configs, model, args.batch, args.microbatches, args.steps,
+                      args.warmup, args.dp_mode, args.flop_rate, args.link, args.cores,
+                      not args.no_calibrate, args.budget_s, not args.no_progress, args.timeout)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=list)
+        print(f"wrote {args.json}")
+    return 0
