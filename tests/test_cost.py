@@ -205,3 +205,60 @@ def test_prices_are_marked_illustrative_and_cover_calc_gpus():
         assert p["spot"] < p["reserved"] < p["on_demand"] == cost.price(gpu)
     mine = {"gpu_hour": {"H100-80GB": {"on_demand": 9.0}}}
     assert cost.price("H100-80GB", prices=mine) == 9.0
+
+
+# --------------------------------------------------------------------------- exercise 13's grader
+# One plausible wrong solution per rule the exercise teaches: the grader must reject it and say why.
+from minidist import grading  # noqa: E402
+
+
+def _spot(lost_fraction=0.5, checkpoints=True, restarts=True, per_second=False):
+    def fn(work, per_hour, tau, c, r):
+        rate = per_hour if per_second else per_hour / 3600
+        if rate * tau * lost_fraction >= 1:
+            raise ValueError("never finishes")
+        run = work * (1 + (c / tau if checkpoints else 0)) / (1 - rate * tau * lost_fraction)
+        return run * (1 + (rate * r if restarts else 0))
+    return fn
+
+
+def test_ex13_grader_accepts_the_library_and_rejects_each_slip():
+    g = grading.cost
+    assert g.grade_gpus_for_deadline(cost.gpus_for_deadline).passed
+    assert g.grade_spot_wall_time(cost.spot_wall_time).passed
+    assert g.grade_young_interval(cost.young_interval).passed
+    assert g.grade_spot_wall_time(_spot()).passed                       # the model, written out
+
+    def no_nodes(flops, deadline, peak, mfu, per_node):
+        cost._mfu(mfu)
+        if deadline <= 0:
+            raise ValueError
+        return math.ceil(flops / (deadline * peak * mfu))
+    rep = g.grade_gpus_for_deadline(no_nodes)
+    assert not rep.passed and "round up to whole nodes of 8 GPUs" in str(rep), str(rep)
+    rounds_down = lambda *a: int(cost.gpus_for_deadline(*a) * 0.9) if a[1] > 0 and 0 < a[3] <= 1 \
+        else cost.gpus_for_deadline(*a)  # noqa: E731
+    rep = g.grade_gpus_for_deadline(rounds_down)
+    assert not rep.passed and "miss the deadline" in str(rep), str(rep)
+    no_checks = lambda f, d, p, m, n: max(n, math.ceil(f / (d * p * m) / n) * n)  # noqa: E731
+    rep = g.grade_gpus_for_deadline(no_checks)
+    assert not rep.passed and "expected ValueError" in str(rep), str(rep)
+    assert [r.passed for r in rep.results][:5] == [True] * 5
+
+    for slip, needle in [(_spot(lost_fraction=1.0), "not a whole one"),
+                         (_spot(checkpoints=False), "checkpoint writes are missing"),
+                         (_spot(restarts=False), "restarts are missing"),
+                         (_spot(per_second=True), "divide by 3600")]:
+        rep = g.grade_spot_wall_time(slip)
+        assert not rep.passed and needle in str(rep), (needle, str(rep))
+
+    rep = g.grade_young_interval(lambda c, m: math.sqrt(c * m))
+    assert not rep.passed and "the 2 is missing" in str(rep), str(rep)
+
+
+def test_ex13_unwritten_exercise_fails_without_running_every_case():
+    def todo(*args):
+        raise NotImplementedError()
+    rep = grading.cost.grade_spot_wall_time(todo)
+    assert not rep.passed and rep.score == 0
+    assert "not written yet" in str(rep) and "not run" in str(rep)
