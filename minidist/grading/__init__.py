@@ -27,11 +27,13 @@ bucket layout and DDP wrapper against torch's DDP), ``walls.py`` (exercise 00, a
 ``minidist.calc``), ``composition.py`` (exercise 02: collectives from broadcast/reduce, busbw
 factors), ``sampling.py`` (exercise 05: sampler and exact evaluation), ``launch_env.py``
 (exercise 08: launch variables and broken launch logs, against ``minidist.env``), ``cost.py``
-(exercise 13: GPUs for a deadline, spot wall time, Young's interval, against ``minidist.cost``).
+(exercise 13: GPUs for a deadline, spot wall time, Young's interval, against ``minidist.cost``),
+``hybrid.py`` (exercise 12: the global gradient norm of a dp x tp x pp model, against
+``torch.nn.utils.clip_grad_norm_`` on one process; names the counting rule a wrong norm breaks).
 """
 
 from .collectives import REFERENCES, grade_collective  # noqa: F401
-from . import composition, cost, launch_env, sampling, walls  # noqa: F401  (exercises 02, 13, 08, 05, 00)
+from . import composition, cost, hybrid, launch_env, sampling, walls  # noqa: F401  (exercises 02, 13, 12, 08, 05, 00)
 from .ddp import grade_bucket_layout, grade_ddp  # noqa: F401
 from .core import (Report, Result, check, check_on_ranks, compare,  # noqa: F401
                    describe_exception)

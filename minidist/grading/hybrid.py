@@ -1,0 +1,137 @@
+"""Exercise 12: the learner's global gradient norm of a 3-D (dp x tp x pp) model, counting each
+parameter once, against ``torch.nn.utils.clip_grad_norm_`` on the one-process GPT.
+
+The learner writes ``global_grad_norm(model) -> float`` for a :class:`minidist.hybrid.HybridGPT`
+whose gradients are final (DP-averaged, tied copies summed). The grader runs one step of the tiny
+GPT (tied embedding, vocabulary padded when tp > 1) on several grids, calls the learner's function
+on every rank, and compares every rank's answer with torch's norm of the one-process model's
+gradients (relative tolerance 1e-5: the learner may sum in fp32).
+
+When the answer is wrong the grader says which rule was broken, by recomputing the norms that
+the usual mistakes give from per-rank sums of squares it collects itself:
+
+* TP-replicated parameters (LayerNorm, biases of row-parallel layers, position embedding) counted
+  on every TP rank: ``sqrt(a + tp·b)`` instead of ``sqrt(a + b)``;
+* the last stage's copy of the tied embedding counted too: ``sqrt(a + b + c)``;
+* summed over the DP replicas, which hold the same gradient: ``sqrt(dp·(a + b))``;
+* not summed over the TP group or the pipeline group: the ranks of a stage, or the stages, give
+  different answers.
+
+Here ``a`` is the sum of squares of the tensor-parallel shards (over the TP group and the stages),
+``b`` that of the replicated parameters (once), ``c`` that of the tied copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .core import Report
+
+__all__ = ["GRIDS", "grade_global_grad_norm"]
+
+# (dp, tp, pp): one process; TP only; PP only (tied copy on the last stage); DP x PP; TP x PP; all
+GRIDS = [(1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
+RTOL = 1e-5
+N = 4                       # samples in the global batch (2 micro-batches per replica at dp = 2)
+
+
+def _cfg():
+    from ..models.gpt import GPTConfig
+    # vocabulary 37: padded to 38 at tp = 2; 4 layers fill 2 stages; 2 heads split over tp = 2
+    return GPTConfig(vocab_size=37, block_size=8, n_layer=4, n_head=2, n_embd=16,
+                     tie_embeddings=True)
+
+
+def _rank(rank, world, dims, fn):
+    import torch.distributed as dist
+
+    from ..grid import ProcessGrid
+    from ..hybrid import HybridGPT, train_step, wrap_stages
+    from ..lessons.hybrid_demo import batch
+    dp, tp, pp = dims
+    cfg = _cfg()
+    grid = ProcessGrid(dp, pp, tp)
+    model = HybridGPT(cfg, grid, seed=0)
+    ids, targets = batch(N, cfg)
+    train_step(model, None, wrap_stages(model, "flat"), ids, targets, 2,
+               loss_reduction="per_token", step=False)
+    # sums of squares the grader uses to name a mistake: shards, replicated (every TP rank), tied copy
+    parts = torch.zeros(3, dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None:
+            k = 2 if model.is_tied_copy(p) else 0 if getattr(p, "tensor_model_parallel", False) else 1
+            parts[k] += p.grad.detach().double().pow(2).sum()
+    before = {id(p): p.grad.clone() for p in model.parameters() if p.grad is not None}
+    value = fn(model)
+    changed = any(not torch.equal(before[id(p)], p.grad) for p in model.parameters()
+                  if p.grad is not None)
+    dist.all_reduce(parts)          # over the world: a·dp, b·dp·tp, c·dp (c is TP-sharded)
+    return (grid.dp_rank, grid.pp_rank, grid.tp_rank), value, parts.tolist(), changed
+
+
+def _run(dims, fn, timeout):
+    from ..launch import run
+    return run(_rank, dims[0] * dims[1] * dims[2], dims, fn, timeout=timeout)
+
+
+def _reference_norm() -> float:
+    from ..lessons.hybrid_demo import reference
+    return reference(max_norm=float("inf"), cfg=_cfg(), n=N)["grad_norm"]
+
+
+def _explain(dims, results, want) -> str | None:
+    dp, tp, pp = dims
+    values = {}
+    for coords, value, _, _ in results:
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                return f"global_grad_norm returned a tensor of shape {tuple(value.shape)}, expected a number"
+            value = value.item()
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return f"global_grad_norm returned {type(value).__name__}, expected a float"
+        values[coords] = float(value)
+    if any(r[3] for r in results):
+        return "global_grad_norm changed the gradients: it should only measure them"
+    bad = {c: v for c, v in values.items() if not math.isclose(v, want, rel_tol=RTOL)}
+    if not bad:
+        return None
+    stages = {}
+    for (d, p, t), v in values.items():
+        stages.setdefault((d, p), set()).add(v)
+    if any(len(vs) > 1 for vs in stages.values()):
+        return ("the TP ranks of one stage disagree (" + ", ".join(
+            f"dp {d} pp {p} tp {t}: {v:.6g}" for (d, p, t), v in sorted(values.items())[:tp]) +
+            "): sum the squares over the TP group (every rank holds only its shards)")
+    if len({v for (d, p, t), v in values.items() if d == 0}) > 1:
+        return ("the pipeline stages disagree: sum the squares over the pipeline group too "
+                "(each stage holds different layers)")
+    a, b, c = (x / dp for x in results[0][2])
+    b /= tp
+    got = next(iter(bad.values()))
+    mistakes = {
+        "TP-replicated parameters (LayerNorm, row-parallel biases, position embedding) are "
+        "counted on every TP rank; count them on TP rank 0 only": math.sqrt(a + tp * b),
+        "the last stage's copy of the tied embedding is counted as well; skip "
+        "model.is_tied_copy(p), it is the first stage's embedding again": math.sqrt(a + b + c),
+        "both: TP-replicated parameters on every TP rank and the tied copy":
+            math.sqrt(a + tp * b + c),
+        "summed over the DP replicas, which hold the same averaged gradient; do not reduce over "
+        "the DP group": math.sqrt(dp * (a + b)),
+        "the squared norm: take the square root": a + b,
+    }
+    for why, value in mistakes.items():
+        if value != want and math.isclose(got, value, rel_tol=RTOL):
+            return f"expected {want:.6g} (torch.nn.utils.clip_grad_norm_), got {got:.6g}: {why}"
+    return f"expected {want:.6g} (torch.nn.utils.clip_grad_norm_ on one process), got {got:.6g}"
+
+
+def grade_global_grad_norm(fn, total: float = 5, grids=GRIDS, timeout: float = 120.0) -> Report:
+    """Grade ``fn(model) -> float`` on each (dp, tp, pp) of ``grids``; prints a ✓/✗ line per grid."""
+    report = Report("global gradient norm on a 3-D grid", total=total)
+    want = _reference_norm()
+    for dims in grids:
+        name = "(dp,tp,pp)=({},{},{}) equals clip_grad_norm_ on one process".format(*dims)
+        report.check(name, lambda d=dims: _explain(d, _run(d, fn, timeout), want))
+    return report
