@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import minidist
 from minidist.grid import ProcessGrid
-from minidist.hybrid import HybridGPT, train_step, wrap_stages
+from minidist.hybrid import HybridGPT, make_optimizer, train_step, wrap_stages
 from minidist.models.gpt import GPT, GPTConfig
 
 BASE = dict(vocab_size=93, block_size=16, n_layer=8, n_head=4, n_embd=32)
@@ -40,7 +40,8 @@ CONFIGS = [
     (1, 2, 2, 2, False, "zero1", 4, "mean", True),          # interleaved, ZeRO-1, tied
     (2, 1, 2, 2, False, "bucketed", 2, "sum", False),       # interleaved, bucketed
     (2, 2, 1, 2, False, "flat", 2, "mean", True),           # two chunks on one rank, tied
-]
+    (2, 2, 2, 1, True, "zero1", 2, "mean", True),           # ZeRO-1 slices mix TP-sharded,
+]                                                           # TP-replicated and tied params
 
 
 def cfg_of(tie):
@@ -60,9 +61,13 @@ def _rank(rank, world, dp, tp, pp, v, sp, mode, M, reduction, tie):
     grid = ProcessGrid(dp, pp, tp)
     model = HybridGPT(cfg_of(tie), grid, chunks=v, sequence_parallel=sp, seed=0)
     modules = wrap_stages(model, mode)
+    # ZeRO-1 averages the gradients itself (reduce-scatter) and clips its slices
+    opt = make_optimizer(model, mode, torch.optim.SGD, lr=0.0) if mode == "zero1" else None
     ids, targets = batch(reduction == "per_token")
-    out = train_step(model, None, modules, ids, targets, M, dp_mode=mode,
+    out = train_step(model, opt, modules, ids, targets, M, dp_mode=mode,
                      loss_reduction=reduction, max_norm=MAX_NORM, step=False)
+    if opt is not None:
+        opt.full_gradients_()    # all-gather the averaged, clipped slices into p.grad
     grads = model.gather(grads=True)
     return (grid.dp_rank, grid.pp_rank, grid.tp_rank), out.loss, out.grad_norm, grads
 

@@ -12,6 +12,7 @@ module                  what it holds
                         from the full GPT), tied-embedding and sequence-parallel gradient duties;
                         check_grid (a grid that does not divide the model is a ValueError)
 ``dp``                  the three DP modes: flat, bucketed (PipelineBucketedDDP), zero1
+                        (ZeRO1Optimizer: reduce-scatter, clip on slices, step, all-gather)
 ``clip``                global gradient norm and clipping across TP shards and stages
 ``step``                train_step: one step (pipeline, gradient duties, clip, optimizer)
 ======================  =====================================================================
@@ -27,10 +28,10 @@ Usage (on every rank, inside ``minidist.run`` or after ``minidist.init()``)::
 
 from . import clip, dp, stages, step  # noqa: F401
 from .clip import clip_grad_norm_, global_grad_norm  # noqa: F401
-from .dp import DP_MODES, PipelineBucketedDDP, make_optimizer  # noqa: F401
+from .dp import DP_MODES, PipelineBucketedDDP, ZeRO1Optimizer, make_optimizer  # noqa: F401
 from .stages import GPTStage, HybridGPT, check_grid, stage_bounds  # noqa: F401
 from .step import StepOutput, make_loss_fn, train_step, wrap_stages  # noqa: F401
 
-__all__ = ["HybridGPT", "GPTStage", "check_grid", "stage_bounds", "PipelineBucketedDDP",
+__all__ = ["HybridGPT", "GPTStage", "check_grid", "stage_bounds", "PipelineBucketedDDP", "ZeRO1Optimizer",
            "make_optimizer", "DP_MODES", "global_grad_norm", "clip_grad_norm_", "train_step",
            "wrap_stages", "make_loss_fn", "StepOutput"]

@@ -14,9 +14,12 @@ then overlap with the last one: Narayanan et al. 2021, §3.3; Megatron-LM's ``no
 ``enable_grad_sync`` in its pipeline schedules). One wrapper per chunk, as Megatron-LM's one DDP
 per model chunk: a chunk's last backward is not the rank's last.
 
-``"zero1"``: the flat average, then :class:`minidist.sharding.zero.ShardedOptimizer` (stage 1,
-``grads="averaged"``, on the DP group): each replica keeps and steps 1/dp of the optimizer state,
-then all-gathers the parameters (Rajbhandari et al. 2020, P_os).
+``"zero1"``: no all-reduce; :class:`ZeRO1Optimizer`, a
+:class:`minidist.sharding.zero.ShardedOptimizer` (stage 1, ``grads="local"``, on the DP group),
+reduce-scatters the local gradients so each replica holds the average of its 1/dp slice, clips
+them by the global norm computed from the slices, steps its slice of the optimizer state and
+all-gathers the parameters (Rajbhandari et al. 2020, §5.1 P_os; reduce-scatter + all-gather move
+what one all-reduce moves, §7.2.1; Megatron-LM's distributed optimizer does the same).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ import contextlib
 
 import torch
 
+from .. import collectives as C
 from ..data_parallel.bucketed import BucketedDDP
 from ..sharding.zero import ShardedOptimizer
 
-__all__ = ["DP_MODES", "PipelineBucketedDDP", "make_optimizer"]
+__all__ = ["DP_MODES", "PipelineBucketedDDP", "ZeRO1Optimizer", "make_optimizer"]
 
 DP_MODES = ("flat", "bucketed", "zero1")
 
@@ -48,13 +52,92 @@ class PipelineBucketedDDP(BucketedDDP):
             self._sync_enabled, self._sync_this_backward = previous
 
 
+class ZeRO1Optimizer(ShardedOptimizer):
+    """ZeRO-1 on the DP group of ``model`` (a :class:`~.stages.HybridGPT`) with the gradient
+    reduction and clipping on the slices. ``p.grad`` is this replica's (un-averaged) gradient.
+
+    :meth:`reduce_gradients` (reduce-scatter: each rank gets its slice of the DP average),
+    :meth:`clip_grad_norm_` (the global norm from the slices: each element counted once, TP-
+    replicated parameters on TP rank 0 only, the tied copy not at all; summed over DP, TP and PP),
+    :meth:`step` (reduces first if not done yet; steps the slices; all-gathers the parameters).
+    """
+
+    def __init__(self, model, optimizer_class=torch.optim.AdamW, **defaults):
+        super().__init__(model.parameters(), optimizer_class, group=model.grid.dp_group, stage=1,
+                         grads="local", **defaults)
+        self.model, self._reduced = model, False
+        tp_rank = model.grid.tp_rank
+        self._counted = []   # per buffer, this rank's slice of a 1/0 mask: counts for the norm
+        for b in self.buckets:
+            flags = [float(not model.is_tied_copy(p) and
+                           (getattr(p, "tensor_model_parallel", False) or tp_rank == 0))
+                     for p in b.params]
+            mask = b.layout.pack([torch.full(p.shape, f, device=p.device)
+                                  for p, f in zip(b.params, flags)])
+            self._counted.append(b.layout.shard(mask).double())
+
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter every buffer's gradients: this rank's slice of the DP average."""
+        self._stage1_grads()
+        self._reduced = True
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """The global gradient norm from the averaged slices (every rank); scale the slices by
+        ``min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_``."""
+        if not self._reduced:
+            self.reduce_gradients()
+        grid = self.model.grid
+        total = torch.zeros(1, dtype=torch.float64, device=self._counted[0].device)
+        for b, mask in zip(self.buckets, self._counted):
+            if b.shard.grad is not None:
+                total += (b.shard.grad.double().pow(2) * mask).sum()
+        for size, group in ((grid.dp_size, grid.dp_group), (grid.tp_size, grid.tp_group),
+                            (grid.pp_size, grid.pp_group)):
+            if size > 1:
+                C.all_reduce(total, "sum", group=group)
+        norm = float(total.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for b in self.buckets:
+                if b.shard.grad is not None:
+                    b.shard.grad.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def full_gradients_(self) -> None:
+        """Write the averaged (and clipped) gradients into every ``p.grad``: an all-gather per
+        buffer. For checks and inspection only (ZeRO-1 never needs the full gradient)."""
+        if not self._reduced:
+            self.reduce_gradients()
+        for b in self.buckets:
+            flat = b.layout.empty()
+            self.comm.all_gather(flat, b.shard.grad.contiguous())
+            for p, v in zip(b.params, b.layout.views(flat)):
+                p.grad = v.clone()
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ZeRO1Optimizer.step: closures are not supported")
+        if not self._reduced:
+            self.reduce_gradients()
+        self._reduced = False
+        self.optim.step()
+        with torch.no_grad():
+            for b in self.buckets:
+                self.comm.all_gather(b.flat, b.shard)
+                b.shard.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._reduced = False
+
+
 def make_optimizer(model, dp_mode: str, optimizer_class=torch.optim.AdamW, **defaults):
     """The optimizer for ``model`` (a :class:`~.stages.HybridGPT`): ``optimizer_class`` over its
-    parameters, or a ZeRO-1 :class:`ShardedOptimizer` on the grid's DP group for ``"zero1"``."""
+    parameters, or a :class:`ZeRO1Optimizer` on the grid's DP group for ``"zero1"``."""
     if dp_mode not in DP_MODES:
         raise ValueError(f"make_optimizer (rank {model.grid.rank}): dp_mode must be one of "
                          f"{DP_MODES}, got {dp_mode!r}")
     if dp_mode == "zero1":
-        return ShardedOptimizer(model.parameters(), optimizer_class, group=model.grid.dp_group,
-                                stage=1, grads="averaged", **defaults)
+        return ZeRO1Optimizer(model, optimizer_class, **defaults)
     return optimizer_class(model.parameters(), **defaults)

@@ -6,11 +6,13 @@
 2. take this replica's shard of the global batch (``tensor_split`` over ``dp``) and run the
    pipeline schedule (:func:`minidist.pipeline_parallel.engine.pipeline_step`: 1F1B, interleaved
    1F1B, GPipe) over the PP group; the loss is the vocabulary-parallel cross-entropy on the TP
-   group, reduced as ``loss_reduction`` says; DP averaging by the engine (``"flat"``, ``"zero1"``)
-   or by the bucketed wrappers during each stage's last backward (``"bucketed"``, see :mod:`.dp`);
+   group, reduced as ``loss_reduction`` says; DP averaging by the engine (``"flat"``), by the
+   bucketed wrappers during each stage's last backward (``"bucketed"``), or by ZeRO-1's
+   reduce-scatter after step 4 (``"zero1"``: recorded as ``"dp_sync"``; see :mod:`.dp`);
 3. sum the sequence-parallel parameters' partial gradients over the TP group;
 4. sum the tied embedding's two copies' gradients over the embedding group;
-5. clip by the global norm (:mod:`.clip`) when ``max_norm`` is given;
+5. clip by the global norm (:mod:`.clip`; ZeRO-1: from its averaged slices) when ``max_norm`` is
+   given;
 6. the optimizer step (ZeRO-1: each replica steps its slice, then all-gathers).
 
 With ``record=True`` steps 3-6 are Events on the engine's timeline too ("sp grads", "tied grads",
@@ -89,7 +91,10 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     """One step on the global batch ``ids``/``targets`` ``[B, s]`` (the same on every rank).
 
     ``model``: a :class:`~.stages.HybridGPT`; ``modules``: from :func:`wrap_stages` with the same
-    ``dp_mode``; ``optimizer``: from :func:`~.dp.make_optimizer` (or None with ``step=False``);
+    ``dp_mode``; ``optimizer``: from :func:`~.dp.make_optimizer` (or None with ``step=False``: the
+    gradients are then averaged by the engine's all-reduce, also for ``"zero1"``, whose optimizer
+    otherwise reduce-scatters them: ``p.grad`` then stays this replica's, and
+    ``optimizer.full_gradients_()`` writes the averaged, clipped ones back);
     ``schedule``: ``"1f1b"`` (``"interleaved"`` when ``model.chunks > 1``) or ``"gpipe"``.
     ``step=False`` stops after clipping (gradients left in ``.grad``, for checks).
 
@@ -97,6 +102,9 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     a replica gets fewer than ``microbatches`` samples, or the grid does not fit the model.
     """
     grid, cfg = model.grid, model.cfg
+    if dp_mode == "zero1" and optimizer is not None and not hasattr(optimizer, "reduce_gradients"):
+        raise ValueError(f"train_step (rank {grid.rank}): dp_mode='zero1' needs the ZeRO1Optimizer "
+                         "of make_optimizer(model, 'zero1', ...) (it averages the gradients)")
     check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, model.chunks,
                model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches)
     if model.chunks > 1 and schedule != "interleaved":
@@ -107,19 +115,25 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
         optimizer.zero_grad(set_to_none=True)
     x = ids.tensor_split(grid.dp_size)[grid.dp_rank]
     y = targets.tensor_split(grid.dp_size)[grid.dp_rank]
-    bucketed = dp_mode == "bucketed"
+    bucketed, zero1 = dp_mode == "bucketed", dp_mode == "zero1" and optimizer is not None
     ctx = (lambda s, m, last: modules[s].backward_sync(last)) if bucketed else None
     result = pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),
                            group=grid.pp_group, dp_group=grid.dp_group, record=record,
-                           loss_reduction=loss_reduction, sync_dp=not bucketed,
+                           loss_reduction=loss_reduction, sync_dp=not (bucketed or zero1),
                            backward_context=ctx, device=_device(model))
     with _timed(result, record, "sp grads", grid.pp_rank, model.sequence_parallel):
         model.finish_sequence_parallel_grads()
     with _timed(result, record, "tied grads", grid.pp_rank, grid.embedding_group is not None
                 and model.tied):
         model.allreduce_tied_grads()
+    if zero1:   # the DP average: ZeRO-1's reduce-scatter (each rank its slice), then clip those
+        with _timed(result, record, "dp_sync", grid.pp_rank):
+            optimizer.reduce_gradients()
     with _timed(result, record, "clip", grid.pp_rank, max_norm is not None):
-        norm = clip_grad_norm_(model, max_norm) if max_norm is not None else None
+        norm = None
+        if max_norm is not None:
+            norm = (optimizer.clip_grad_norm_(max_norm) if zero1
+                    else clip_grad_norm_(model, max_norm))
     with _timed(result, record, "optimizer", grid.pp_rank, step):
         if step:
             optimizer.step()
