@@ -1,0 +1,57 @@
+"""The README's Python snippets run as printed, and give what their comments promise.
+
+Each ```python block of README.md is executed, in order, in one namespace; every function it defines whose first two
+parameters are ``(rank, world_size)`` is run under ``minidist.run`` at the world size its snippet
+needs. A snippet that drifts from the library (a renamed class, a changed signature) fails here.
+"""
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import minidist
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+# world size per snippet function; the 3-D one needs dp * pp * tp = 8 ranks
+WORLD = {"f": 4, "ddp": 2, "tp": 2, "pp": 2, "three_d": 8}
+
+
+def _snippets() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def _rank_functions() -> dict:
+    found, namespace = {}, {}     # one namespace: later snippets use earlier imports, as in a session
+    for code in _snippets():
+        code = code.replace("minidist.run(f, world_size=4)", "None")   # the call the test makes
+        exec(compile(code, str(README), "exec"), namespace)
+        for name, obj in namespace.items():
+            if inspect.isfunction(obj) and list(inspect.signature(obj).parameters)[:2] == [
+                    "rank", "world_size"]:
+                found[name] = obj
+    return found
+
+
+def test_every_snippet_function_has_a_world_size():
+    assert set(_rank_functions()) == set(WORLD), "a README snippet was added or renamed: add it to WORLD"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", sorted(WORLD))
+def test_snippet_runs_and_ranks_agree(name):
+    fn = _rank_functions()[name]
+    results = minidist.run(fn, WORLD[name], timeout=180)
+    if name == "f":
+        assert results == [10.0] * 4                 # 1 + 2 + 3 + 4, as the comment says
+    elif name == "tp":
+        for r in results[1:]:
+            assert torch.equal(r, results[0])        # "the same on every rank"
+        assert results[0].shape == (4, 8)
+    elif name == "pp":
+        losses = [r for r in results if r is not None]
+        assert len(losses) == 1 and results[-1] is not None   # only the last stage has the loss
+    else:                                            # ddp, three_d: identical on every rank
+        assert all(r == results[0] for r in results), results
