@@ -67,7 +67,8 @@ FIELDS = {"world_size", "dp", "tp", "pp", "microbatches", "measured_s", "min_s",
 def test_bench_end_to_end_tiny(tmp_path, capsys):
     out = tmp_path / "b3d.json"
     args = ["--configs", "2,1,1", "1,1,2", "--steps", "1", "--warmup", "0", "--batch", "4",
-            "--microbatches", "2", "--flop-rate", "1e9", "--link", "1e-5,1e-9", "--no-progress",
+            "--microbatches", "2", "--rounds", "2", "--flop-rate", "1e9", "--link", "1e-5,1e-9",
+            "--no-progress",
             "--json", str(out)] + [x for k, v in TINY.items() for x in (f"--{k.replace('_', '-')}",
                                                                          str(v))]
     from minidist import cli
@@ -76,11 +77,11 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     assert "measured ms" in text and "Spearman" in text and "within 30%" in text
     res = json.loads(out.read_text())
     assert res["format"] == H.FORMAT and res["model"] == TINY and res["flop_rate"] == 1e9
-    assert res["link"] == {"alpha": 1e-5, "beta": 1e-9} and res["layer_overhead"] >= 0
+    assert res["link"] == {"2": {"alpha": 1e-5, "beta": 1e-9}} and res["layer_overhead"] >= 0
     assert [(r["dp"], r["tp"], r["pp"], r["microbatches"]) for r in res["rows"]] == \
         [(2, 1, 1, 2), (1, 1, 2, 2)]
     for r in res["rows"]:
-        assert set(r) == FIELDS and r["measured_s"] > 0 and len(r["times"]) == 1
+        assert set(r) == FIELDS and r["measured_s"] > 0 and len(r["times"]) == 2   # 2 rounds
         assert r["tokens_per_s"] == pytest.approx(4 * 4 / r["measured_s"])
         peak = U.cpu_peak_flops(1e9, 2, res["cores"])
         assert r["mfu"] == pytest.approx(U.model_flops_per_step(GPTConfig(**TINY), 4)

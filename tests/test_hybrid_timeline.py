@@ -97,3 +97,13 @@ def test_align_kinds_and_plot():
     # the background thread's all-reduce is a thin bar; main-thread ones fill the row
     heights = sorted({round(p.get_paths()[0].get_extents().height, 2) for p in ax.collections})
     assert heights == [0.16, 0.84]
+
+
+def test_lesson_step_timeline_aligned_over_ranks():
+    from minidist.lessons.hybrid_timeline import step_timeline
+    events = step_timeline(1, 2, 2, model=CFG, batch=B, microbatches=M, dp_mode="bucketed")
+    assert min(e.start for e in events) == 0.0
+    assert {e.rank for e in events} == {0, 1, 2, 3}
+    by = T.time_by_kind(events)
+    assert all(by[r]["compute"] > 0 and by[r]["tp"] > 0 and by[r]["pp"] > 0 and by[r]["dp"] == 0
+               for r in range(4))

@@ -3,13 +3,15 @@
 For each (dp, tp, pp) of a world size: ``steps`` timed training steps of the tiny GPT
 (:func:`minidist.hybrid.train_step`: 1F1B, the engine's flat DP average, AdamW) after ``warmup``
 ones, each timed from a barrier on every rank; a step's time is its slowest rank's, and the
-configuration's the median over steps. From it: tokens/s and MFU (:mod:`.mfu`: 6·N + attention
-FLOPs over the measured one-thread matmul rate × min(ranks, cores)).
+configuration's the median over steps (and over ``rounds`` round-robin passes). From it:
+tokens/s and MFU (:mod:`.mfu`: 6·N + attention FLOPs over the measured one-thread matmul rate ×
+min(ranks, cores)).
 
 The prediction is :func:`minidist.plan.this_machine` (ranks share the cores, one loopback link,
 no overlap) fed with this machine's numbers: the one-thread FLOP rate (``minidist bench flops``)
-and the ring all-reduce's alpha and beta at W = 2 (``minidist bench alpha-beta``; the hybrid's
-collectives are minidist's ring), measured in the same run unless given. Two predictions:
+and the ring all-reduce's alpha and beta over all W ranks (``minidist bench alpha-beta``; the
+hybrid's collectives are minidist's ring; W processes share the cores as in the 3-D run),
+measured in the same run unless given. Two predictions:
 
 * ``predicted``: FLOPs and alpha-beta only;
 * ``calibrated`` (unless ``calibrate=False``): plus a per-layer dispatch overhead fitted to one
@@ -35,9 +37,11 @@ import torch.distributed as dist
 
 from ..launch import run
 from .alpha_beta import machine_note
+from .hybrid_report import format_table, summarize
 from .mfu import cpu_peak_flops, model_flops_per_step
 
-__all__ = ["CONFIGS", "MODEL", "FORMAT", "microbatches_for", "measure_config", "predict_configs",
+__all__ = ["CONFIGS", "MODEL", "FORMAT", "microbatches_for", "build", "measure_config",
+           "predict_configs",
            "bench_3d", "summarize", "format_table", "main"]
 
 FORMAT = "minidist-bench-3d/1"
@@ -62,18 +66,27 @@ def _gpt(model: dict):
     return GPTConfig(**model)
 
 
-def _rank(rank, world, dp, tp, pp, model, batch, M, steps, warmup, dp_mode):
+def build(dp: int, tp: int, pp: int, model: dict = MODEL, batch: int = 16, dp_mode: str = "flat",
+          seed: int = 0):
+    """On every rank: ``(HybridGPT, AdamW optimizer, modules, ids, targets)`` of the bench's GPT on
+    a ``ProcessGrid(dp, pp, tp)``, with a seeded global batch ``[batch, block_size]``."""
     from ..grid import ProcessGrid
-    from ..hybrid import HybridGPT, make_optimizer, train_step, wrap_stages
+    from ..hybrid import HybridGPT, make_optimizer, wrap_stages
 
     cfg = _gpt(model)
-    grid = ProcessGrid(dp, pp, tp)
-    net = HybridGPT(cfg, grid, seed=0)
+    net = HybridGPT(cfg, ProcessGrid(dp, pp, tp), seed=seed)
     modules = wrap_stages(net, dp_mode)
     opt = make_optimizer(net, dp_mode, torch.optim.AdamW, lr=1e-3)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    return net, opt, modules, ids, targets
+
+
+def _rank(rank, world, dp, tp, pp, model, batch, M, steps, warmup, dp_mode):
+    from ..hybrid import train_step
+
+    net, opt, modules, ids, targets = build(dp, tp, pp, model, batch, dp_mode)
     times = []
     for i in range(warmup + steps):
         dist.barrier()
@@ -113,34 +126,44 @@ def predict_configs(model: dict, batch: int, world_size: int, flop_rate: float, 
             if q.config.v == 1 and q.config.zero == (zero if q.config.dp > 1 else 0)}
 
 
-def _machine_numbers(flop_rate, link, budget_s: float):
-    """The one-thread FLOP rate (FLOP/s) and the ring all-reduce Link: given, read or measured."""
+def _machine_numbers(flop_rate, link, budget_s: float, world_sizes) -> tuple[float, dict]:
+    """The one-thread FLOP rate (FLOP/s) and {W: ring all-reduce Link}: given, read or measured.
+    Measured: the ring all-reduce over all W ranks, so the link is what W processes sharing these
+    cores see; a JSON with several world sizes gives each W its nearest fit (load_link)."""
     from ..plan import load_link
     from .flops import bench_flops, load_flops
     if flop_rate is None:
         flop_rate = bench_flops(threads=1, budget_s=budget_s).flops_per_s
     elif isinstance(flop_rate, (str, os.PathLike)):
         flop_rate = min(load_flops(flop_rate), key=lambda r: r.threads).flops_per_s
-    if link is None:
-        from .alpha_beta_bench import bench_alpha_beta
-        fit = bench_alpha_beta(world_size=2, algorithms=("ring",), budget_s=budget_s,
-                               n_bootstrap=200)[0]
-        link = (fit.alpha, fit.beta)
-    return float(flop_rate), load_link(link, 2)
+    links = {}
+    for w in world_sizes:
+        if link is None:
+            from .alpha_beta_bench import bench_alpha_beta
+            fit = bench_alpha_beta(world_size=w, algorithms=("ring",), budget_s=budget_s,
+                                   n_bootstrap=200)[0]
+            links[w] = load_link((fit.alpha, fit.beta))
+        else:
+            links[w] = load_link(link, w)
+    return float(flop_rate), links
 
 
 def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODEL, batch: int = 16,
              microbatches: int = 4, steps: int = 3, warmup: int = 1, dp_mode: str = "flat",
              flop_rate=None, link=None, cores: int | None = None, calibrate: bool = True,
-             budget_s: float = 10.0, progress: bool = True, timeout: float = 600.0) -> dict:
+             budget_s: float = 10.0, progress: bool = True, timeout: float = 600.0,
+             rounds: int = 1) -> dict:
     """Measure and predict every configuration (module docstring); returns the JSON-able result
     ``{"format", "model", "batch", "steps", "warmup", "dp_mode", "flop_rate", "link", "cores",
     "layer_overhead", "machine", "rows": [...], "summary": {W: ...}}``.
 
     ``flop_rate``: FLOP/s, the ``bench flops`` JSON, or None (measure, ``budget_s``); ``link``:
-    (alpha, beta), a preset or the ``bench alpha-beta`` JSON (see :func:`minidist.plan.load_link`),
-    or None (measure the ring at W = 2). ``configs``: {W: [(dp, tp, pp), ...]} (default
-    :data:`CONFIGS`). ValueError for a configuration whose product is not its world size.
+    (alpha, beta), a preset or the ``bench alpha-beta`` JSON (the fit nearest each W, see
+    :func:`minidist.plan.load_link`), or None (measure the ring all-reduce at each W).
+    ``configs``: {W: [(dp, tp, pp), ...]} (default
+    :data:`CONFIGS`). ``rounds``: passes over all configurations (and the single-rank step), each
+    adding ``steps`` times: load spikes spread over all of them. ValueError for a configuration
+    whose product is not its world size.
     """
     from tqdm.auto import tqdm
 
@@ -151,97 +174,47 @@ def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODE
                 raise ValueError(f"bench 3d: (dp, tp, pp) = {c} has {c[0] * c[1] * c[2]} ranks, "
                                  f"not the world size {w}")
     cores = cores or len(os.sched_getaffinity(0))
-    flops, lnk = _machine_numbers(flop_rate, link, budget_s)
+    flops, links = _machine_numbers(flop_rate, link, budget_s, sorted(configs))
     cfg = _gpt(model)
+    jobs = ([(1, (1, 1, 1))] if calibrate else []) + [(w, c) for w, cs in configs.items() for c in cs]
+    measured = {}
+    bar = tqdm(total=rounds * len(jobs), desc="bench 3d", disable=not progress, leave=False)
+    for _ in range(rounds):   # round-robin: a load spike on a shared machine hits every config
+        for w, c in jobs:
+            m = measure_config(*c, model, batch, microbatches, steps, warmup, dp_mode, timeout)
+            measured.setdefault(c, dict(m, times=[]))["times"] += m["times"]
+            bar.update()
+    bar.close()
     overhead = 0.0
     if calibrate:
         from ..plan import ModelSpec, calibrate_overhead
-        single = measure_config(1, 1, 1, model, batch, microbatches, steps, warmup, dp_mode, timeout)
-        overhead = calibrate_overhead(ModelSpec.from_gpt_config(cfg), batch, single["median_s"],
-                                      flops, single["microbatches"])
-    jobs = [(w, c) for w, cs in configs.items() for c in cs]
+        single = measured.pop((1, 1, 1))
+        overhead = calibrate_overhead(ModelSpec.from_gpt_config(cfg), batch,
+                                      statistics.median(single["times"]), flops, single["microbatches"])
     step_flops = model_flops_per_step(cfg, batch)
     rows = []
-    for w, (dp, tp, pp) in tqdm(jobs, desc="bench 3d", disable=not progress, leave=False):
-        m = measure_config(dp, tp, pp, model, batch, microbatches, steps, warmup, dp_mode, timeout)
-        key = (dp, tp, pp, m["microbatches"])
+    for w, (dp, tp, pp) in jobs[int(calibrate):]:
+        m, times = measured[(dp, tp, pp)], measured[(dp, tp, pp)]["times"]
+        step_s, key = statistics.median(times), (dp, tp, pp, m["microbatches"])
         row = dict(world_size=w, dp=dp, tp=tp, pp=pp, microbatches=m["microbatches"],
-                   measured_s=m["median_s"], min_s=m["min_s"], max_s=m["max_s"], times=m["times"],
-                   tokens_per_s=batch * cfg.block_size / m["median_s"],
-                   mfu=step_flops / m["median_s"] / cpu_peak_flops(flops, w, cores))
+                   measured_s=step_s, min_s=min(times), max_s=max(times), times=times,
+                   tokens_per_s=batch * cfg.block_size / step_s,
+                   mfu=step_flops / step_s / cpu_peak_flops(flops, w, cores))
         for name, ovh in (("predicted", 0.0), ("calibrated", overhead))[:1 + calibrate]:
-            q = predict_configs(model, batch, w, flops, lnk, cores, ovh, dp_mode)[key]
-            ratio = m["median_s"] / q.step_s
+            q = predict_configs(model, batch, w, flops, links[w], cores, ovh, dp_mode)[key]
+            ratio = step_s / q.step_s
             row[name] = dict(step_s=q.step_s, ratio=ratio, within=abs(ratio - 1) <= WITHIN,
                              parts={k: q.time[k] for k in ("compute", "bubble", "tp", "pp", "dp")})
         rows.append(row)
     return dict(format=FORMAT, model=dict(model), batch=batch, steps=steps, warmup=warmup,
-                dp_mode=dp_mode, flop_rate=flops, link=dict(alpha=lnk.alpha, beta=lnk.beta),
+                rounds=rounds, dp_mode=dp_mode, flop_rate=flops,
+                link={w: dict(alpha=k.alpha, beta=k.beta) for w, k in links.items()},
                 cores=cores, layer_overhead=overhead, step_flops=step_flops,
                 machine=machine_note("minidist bench 3d"), rows=rows, summary=summarize(rows))
 
 
-def summarize(rows: list[dict]) -> dict:
-    """Per world size and prediction: fraction within 30%, Spearman, best/worst agreement."""
-    from ..plan import spearman
-    out = {}
-    for w in sorted({r["world_size"] for r in rows}):
-        mine = [r for r in rows if r["world_size"] == w]
-        measured = [r["measured_s"] for r in mine]
-        name_of = [(r["dp"], r["tp"], r["pp"]) for r in mine]
-        out[w] = {}
-        for name in ("predicted", "calibrated"):
-            if name not in mine[0]:
-                continue
-            pred = [r[name]["step_s"] for r in mine]
-            rho = spearman(pred, measured) if len(mine) >= 2 else float("nan")
-            best = (name_of[measured.index(min(measured))], name_of[pred.index(min(pred))])
-            worst = (name_of[measured.index(max(measured))], name_of[pred.index(max(pred))])
-            out[w][name] = dict(within=sum(r[name]["within"] for r in mine) / len(mine),
-                                spearman=rho, best_measured=best[0], best_predicted=best[1],
-                                best_agree=best[0] == best[1], worst_measured=worst[0],
-                                worst_predicted=worst[1], worst_agree=worst[0] == worst[1])
-    return out
-
-
-def format_table(result: dict) -> str:
-    """The predicted-vs-measured table and the per-world-size summary lines."""
-    preds = [p for p in ("predicted", "calibrated") if result["rows"] and p in result["rows"][0]]
-    head = (f"{'W':>3}{'dp':>4}{'tp':>4}{'pp':>4}{'M':>3}{'measured ms':>13}{'[min, max]':>16}"
-            f"{'tok/s':>9}{'MFU':>7}" + "".join(f"{p[:5] + ' ms':>11}{'ratio':>7}{'≤30%':>6}"
-                                                   for p in preds))
-    lines = [head, "-" * len(head)]
-    for r in result["rows"]:
-        spread = f"[{r['min_s'] * 1e3:.0f}, {r['max_s'] * 1e3:.0f}]"
-        line = (f"{r['world_size']:>3}{r['dp']:>4}{r['tp']:>4}{r['pp']:>4}{r['microbatches']:>3}"
-                f"{r['measured_s'] * 1e3:>13.1f}{spread:>16}"
-                f"{r['tokens_per_s']:>9.0f}{r['mfu']:>7.1%}")
-        for p in preds:
-            line += (f"{r[p]['step_s'] * 1e3:>11.1f}{r[p]['ratio']:>7.2f}"
-                     f"{'yes' if r[p]['within'] else 'no':>6}")
-        lines.append(line)
-    lines.append("ratio = measured / predicted; MFU peak = one-thread matmul rate x min(ranks, cores)")
-    for w, by in result["summary"].items():
-        for p, s in by.items():
-            lines.append(f"W={w} {p:<10}: {s['within']:.0%} within 30%, Spearman {s['spearman']:+.2f}; "
-                         f"fastest measured {s['best_measured']} predicted {s['best_predicted']} "
-                         f"({'agree' if s['best_agree'] else 'differ'}); slowest measured "
-                         f"{s['worst_measured']} predicted {s['worst_predicted']} "
-                         f"({'agree' if s['worst_agree'] else 'differ'})")
-    m, lk = result["machine"], result["link"]
-    bw = 1 / lk["beta"] / 1e9 if lk["beta"] else float("inf")
-    lines.append(f"flop rate {result['flop_rate'] / 1e9:.2f} GFLOP/s (1 thread), ring link alpha "
-                 f"{lk['alpha'] * 1e6:.1f} us, 1/beta {bw:.2f} GB/s, "
-                 f"layer overhead {result['layer_overhead'] * 1e6:.0f} us, {result['cores']} cores, "
-                 f"load average {m.get('loadavg_1_5_15')}")
-    return "\n".join(lines)
-
-
 def _number_or_file(text: str):
-    try:
-        return float(text)
-    except ValueError:
-        return text
+    return float(text) if text.replace(".", "", 1).replace("e", "", 1).isdigit() else text
 
 
 def _link_arg(text: str):
@@ -259,6 +232,7 @@ def main(argv=None) -> int:
                    help="instead of the capstone's configurations (grouped by their product)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration (median)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1, help="passes over the configurations")
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--microbatches", type=int, default=4,
                    help="at most this many (a divisor of the per-replica batch)")
@@ -268,7 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--flop-rate", type=_number_or_file,
                    help="FLOP/s of one thread, or the JSON of `minidist bench flops` (default: measure)")
     p.add_argument("--link", type=_link_arg, help="alpha,beta (s, s/byte), a preset, or the JSON "
-                   "of `minidist bench alpha-beta` (default: measure the ring at W=2)")
+                   "of `minidist bench alpha-beta` (nearest W; default: measure the ring at each W)")
     p.add_argument("--budget-s", type=float, default=10.0, help="seconds to measure each of them")
     p.add_argument("--cores", type=int, default=None)
     p.add_argument("--no-calibrate", action="store_true",
@@ -277,21 +251,17 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
-    configs = None
-    if args.configs:
-        configs = {}
-        for text in args.configs:
-            try:
-                c = tuple(int(x) for x in text.split(","))
-            except ValueError:
-                c = ()
-            if len(c) != 3 or min(c) < 1:
-                p.error(f"--configs: expected DP,TP,PP (positive integers), got {text!r}")
-            configs.setdefault(c[0] * c[1] * c[2], []).append(c)
+    configs = {}
+    for text in args.configs or []:
+        c = tuple(int(x) for x in text.split(",") if x.isdigit())
+        if len(c) != 3 or min(c) < 1 or len(text.split(",")) != 3:
+            p.error(f"--configs: expected DP,TP,PP (positive integers), got {text!r}")
+        configs.setdefault(c[0] * c[1] * c[2], []).append(c)
     model = {k: getattr(args, k) for k in MODEL}
-    result = bench_3d(args.world_sizes, configs, model, args.batch, args.microbatches, args.steps,
-                      args.warmup, args.dp_mode, args.flop_rate, args.link, args.cores,
-                      not args.no_calibrate, args.budget_s, not args.no_progress, args.timeout)
+    result = bench_3d(args.world_sizes, configs or None, model, args.batch, args.microbatches,
+                      args.steps, args.warmup, args.dp_mode, args.flop_rate, args.link, args.cores,
+                      not args.no_calibrate, args.budget_s, not args.no_progress, args.timeout,
+                      args.rounds)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

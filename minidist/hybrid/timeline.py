@@ -17,7 +17,7 @@ pp         ``"send"`` (posting an isend), ``"recv"`` (the main thread waiting fo
            the tied embedding's gradient sum between the first and last stage
 dp         ``"dp_sync"`` (flat and ZeRO-1 average after the last backward), ``"all-reduce bN"``
            (bucketed DDP, on its communication thread: lane ``"comm"``) and ``"ddp wait"``,
-           ``"zero1 all-gather"`` (the parameters after ZeRO-1's sharded step)
+           ``"zero1 all-gather"`` (the parameters after ZeRO-1's sharded step); none when dp = 1
 other      ``"clip"`` (global-norm all-reduces), ``"optimizer"`` (contains the ZeRO-1 all-gather)
 =========  =====================================================================================
 
@@ -110,11 +110,10 @@ def record_step(model, optimizer, modules: dict, ids, targets, microbatches: int
                       for e in modules[s].timeline.events if not e.name.startswith("ready ")]
             modules[s].timeline = old
     t0 = out.result.t0
-    events = [e._replace(start=e.start + t0, end=e.end + t0) for e in out.result.events
-              if not (e.name == "dp_sync" and grid.dp_size == 1)]   # nothing to sync with dp = 1
+    events = [e._replace(start=e.start + t0, end=e.end + t0) for e in out.result.events]
     events += [Event(f"tp {c.op}", c.start, c.end) for c in log if c.end > c.start]
-    events += extra
-    events = [e._replace(rank=grid.rank) for e in events]
+    events = [e._replace(rank=grid.rank) for e in events + extra
+              if grid.dp_size > 1 or kind_of(e) != "dp"]   # dp = 1: no DP communication
     return out, sorted(events, key=lambda e: e.start)
 
 
