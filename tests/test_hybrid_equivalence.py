@@ -48,22 +48,22 @@ def cfg_of(tie):
     return GPTConfig(**BASE, tie_embeddings=tie)
 
 
-def batch(ignore):
+def batch(ignore, n=B):
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, BASE["vocab_size"], (B, BASE["block_size"]), generator=g)
-    targets = torch.randint(0, BASE["vocab_size"], (B, BASE["block_size"]), generator=g)
+    ids = torch.randint(0, BASE["vocab_size"], (n, BASE["block_size"]), generator=g)
+    targets = torch.randint(0, BASE["vocab_size"], (n, BASE["block_size"]), generator=g)
     if ignore:  # about 30% of the positions ignored, unevenly over micro-batches
         targets[torch.rand(targets.shape, generator=g) < 0.3] = -100
     return ids, targets
 
 
-def _rank(rank, world, dp, tp, pp, v, sp, mode, M, reduction, tie):
+def _rank(rank, world, dp, tp, pp, v, sp, mode, M, reduction, tie, n=B):
     grid = ProcessGrid(dp, pp, tp)
     model = HybridGPT(cfg_of(tie), grid, chunks=v, sequence_parallel=sp, seed=0)
     modules = wrap_stages(model, mode)
     # ZeRO-1 averages the gradients itself (reduce-scatter) and clips its slices
     opt = make_optimizer(model, mode, torch.optim.SGD, lr=0.0) if mode == "zero1" else None
-    ids, targets = batch(reduction == "per_token")
+    ids, targets = batch(reduction == "per_token", n)
     out = train_step(model, opt, modules, ids, targets, M, dp_mode=mode,
                      loss_reduction=reduction, max_norm=MAX_NORM, step=False)
     if opt is not None:
@@ -72,10 +72,10 @@ def _rank(rank, world, dp, tp, pp, v, sp, mode, M, reduction, tie):
     return (grid.dp_rank, grid.pp_rank, grid.tp_rank), out.loss, out.grad_norm, grads
 
 
-def reference(reduction, tie):
+def reference(reduction, tie, n=B):
     torch.manual_seed(0)
     model = GPT(cfg_of(tie))
-    ids, targets = batch(reduction == "per_token")
+    ids, targets = batch(reduction == "per_token", n)
     logits, _ = model(ids)
     loss = F.cross_entropy(logits.reshape(-1, BASE["vocab_size"]), targets.reshape(-1),
                            reduction="sum" if reduction == "sum" else "mean")
@@ -84,8 +84,8 @@ def reference(reduction, tie):
     return loss.item(), norm, {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-def compare(results, reduction, tie):
-    ref_loss, ref_norm, ref = reference(reduction, tie)
+def compare(results, reduction, tie, n=B):
+    ref_loss, ref_norm, ref = reference(reduction, tie, n)
     assert ref_norm > MAX_NORM, "clipping must be active for this check to mean something"
     by_stage = {}
     for (d, p, t), loss, norm, grads in results:
@@ -121,6 +121,29 @@ def test_one_step_equals_one_process(dp, tp, pp, v, sp, mode, M, reduction, tie)
     model_err, tensor_err = compare(results, reduction, tie)
     print(f"dp{dp} tp{tp} pp{pp} v{v} sp{sp} {mode} {reduction} tie{tie}: "
           f"model {model_err:.1e}, worst tensor {tensor_err:.1e}")
+
+
+def every_grid(max_world=8):
+    """Every (dp, tp, pp) with dp·tp·pp <= max_world that divides the model (tp | 4 heads, pp <= 8
+    layers), with a DP mode, loss reduction, SP and tying that rotate over the list."""
+    grids = [(dp, tp, pp) for w in range(1, max_world + 1) for tp in (1, 2, 4) for pp in range(1, 9)
+             for dp in range(1, 9) if dp * tp * pp == w]
+    modes, reductions = ("flat", "bucketed", "zero1"), ("mean", "sum", "per_token")
+    return [(dp, tp, pp, tp > 1 and i % 2 == 0, modes[i % 3], reductions[(i // 3) % 3],
+             pp > 1 and i % 2 == 1) for i, (dp, tp, pp) in enumerate(grids)]
+
+
+@pytest.mark.slow   # 31 grids, 1 to 8 ranks each: ~5 min on 2 busy cores
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("dp,tp,pp,sp,mode,reduction,tie", every_grid(),
+                         ids=[f"dp{g[0]}-tp{g[1]}-pp{g[2]}" for g in every_grid()])
+def test_every_grid_up_to_8_ranks(dp, tp, pp, sp, mode, reduction, tie):
+    """Every combination up to 8 ranks (world sizes 3, 5, 6, 7 included) runs and equals one
+    process; the global batch is 2·max(pp, 1) samples per replica, pp micro-batches."""
+    n = dp * max(2, pp)
+    results = minidist.run(_rank, dp * tp * pp, dp, tp, pp, 1, sp, mode, pp, reduction, tie, n,
+                           timeout=180)
+    compare(results, reduction, tie, n)
 
 
 @pytest.mark.timeout(120)

@@ -63,7 +63,15 @@ class ZeRO1Optimizer(ShardedOptimizer):
     """
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, **defaults):
-        super().__init__(model.parameters(), optimizer_class, group=model.grid.dp_group, stage=1,
+        # each copy of a tied embedding in a param group (a flat buffer) of its own: the first
+        # and the last stage then reduce-scatter it at the same offsets, in the same order, so the
+        # two copies get bitwise the same averaged gradient and stay identical
+        tied = [] if not model.tied else [p for p in (
+            model.first.tok_emb.weight if model.first is not None else None,
+            model.last.head.weight if model.last is not None else None) if p is not None]
+        rest = [p for p in model.parameters() if all(p is not t for t in tied)]
+        groups = [{"params": [t]} for t in tied] + ([{"params": rest}] if rest else [])
+        super().__init__(groups, optimizer_class, group=model.grid.dp_group, stage=1,
                          grads="local", **defaults)
         self.model, self._reduced = model, False
         tp_rank = model.grid.tp_rank
