@@ -67,3 +67,16 @@ def test_grid_of_the_wrong_size_names_the_rank():
         ProcessGrid(2, 2, 2)
     with pytest.raises(minidist.RankError, match=r"world size is 2 \(rank [01]\)"):
         minidist.run(fn, 2, timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_modules_that_do_not_match_the_dp_mode():
+    """Bucketed wrappers driven as "flat" would average every micro-batch's accumulated sum again."""
+    def fn(rank, world):
+        model = HybridGPT(GPTConfig(**BASE), ProcessGrid(1, 1, 1))
+        ids = torch.zeros(2, 16, dtype=torch.long)
+        train_step(model, None, wrap_stages(model, "bucketed"), ids, ids, 1, dp_mode="flat",
+                   step=False)
+    with pytest.raises(minidist.RankError, match=r"modules do not match dp_mode='flat'; build "
+                                                 r"them with wrap_stages\(model, 'flat'\)"):
+        minidist.run(fn, 1, timeout=30)

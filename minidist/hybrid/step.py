@@ -105,6 +105,10 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     if dp_mode == "zero1" and optimizer is not None and not hasattr(optimizer, "reduce_gradients"):
         raise ValueError(f"train_step (rank {grid.rank}): dp_mode='zero1' needs the ZeRO1Optimizer "
                          "of make_optimizer(model, 'zero1', ...) (it averages the gradients)")
+    wrapped = [isinstance(m, PipelineBucketedDDP) for m in modules.values()]
+    if any(wrapped) != (dp_mode == "bucketed") or len(set(wrapped)) > 1:
+        raise ValueError(f"train_step (rank {grid.rank}): modules do not match dp_mode="
+                         f"{dp_mode!r}; build them with wrap_stages(model, {dp_mode!r})")
     check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, model.chunks,
                model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches)
     if model.chunks > 1 and schedule != "interleaved":
