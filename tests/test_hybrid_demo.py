@@ -95,3 +95,24 @@ def test_grader_accepts_the_library_norm_and_rejects_missing_reductions():
         return float(t.sqrt())
     rep = grade_global_grad_norm(no_tp_sum, grids=[(1, 2, 2)])
     assert not rep.passed and "TP ranks of one stage disagree" in str(rep), str(rep)
+
+
+@pytest.mark.timeout(300)
+def test_exercise_grading_cell_rejects_a_norm_that_counts_replicated_parameters_everywhere():
+    """The notebook's own grading cell (solutions/12_global_grad_norm.ipynb) with a plausible wrong
+    solution injected: the report names the rule and the cell fails."""
+    import _solutions
+    ns = _solutions.load("12_global_grad_norm.ipynb", {"global_grad_norm": '''
+def global_grad_norm(model):
+    total = torch.zeros(1, dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None and not model.is_tied_copy(p):
+            total += p.grad.double().pow(2).sum()     # replicated ones on every TP rank
+    dist.all_reduce(total, group=model.grid.tp_group)
+    dist.all_reduce(total, group=model.grid.pp_group)
+    return float(total.sqrt())
+'''})
+    text, error = _solutions.grade("12_global_grad_norm.ipynb", "global_grad_norm_grade", ns)
+    assert error is not None, text
+    assert "counted on every TP rank" in text and "✓ (dp,tp,pp)=(1,1,2)" in text, text
+    assert "score: 2.5/5" in text, text
