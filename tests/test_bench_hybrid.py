@@ -61,20 +61,21 @@ def test_microbatches_and_config_errors():
 
 
 FIELDS = {"world_size", "dp", "tp", "pp", "microbatches", "measured_s", "min_s", "max_s", "times",
-          "tokens_per_s", "mfu", "predicted", "calibrated"}
+          "tokens_per_s", "mfu", "predicted", "calibrated", "measured_parts"}
 
 
 def test_bench_end_to_end_tiny(tmp_path, capsys):
     out = tmp_path / "b3d.json"
     args = ["--configs", "2,1,1", "1,1,2", "--steps", "1", "--warmup", "0", "--batch", "4",
             "--microbatches", "2", "--rounds", "2", "--flop-rate", "1e9", "--link", "1e-5,1e-9",
-            "--no-progress",
+            "--breakdown", "--no-progress",
             "--json", str(out)] + [x for k, v in TINY.items() for x in (f"--{k.replace('_', '-')}",
                                                                          str(v))]
     from minidist import cli
     assert cli.main(["bench", "3d", *args]) == 0
     text = capsys.readouterr().out
     assert "measured ms" in text and "Spearman" in text and "within 30%" in text
+    assert "where the time goes" in text
     res = json.loads(out.read_text())
     assert res["format"] == H.FORMAT and res["model"] == TINY and res["flop_rate"] == 1e9
     assert res["link"] == {"2": {"alpha": 1e-5, "beta": 1e-9}} and res["layer_overhead"] >= 0
@@ -83,6 +84,9 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     for r in res["rows"]:
         assert set(r) == FIELDS and r["measured_s"] > 0 and len(r["times"]) == 2   # 2 rounds
         assert r["tokens_per_s"] == pytest.approx(4 * 4 / r["measured_s"])
+        parts = r["measured_parts"]      # tp = 1: no TP; one replica (dp = 1): no DP; pp = 1: no PP
+        assert set(parts) == {"compute", "tp", "pp", "dp", "other"} and parts["compute"] > 0
+        assert parts["tp"] == 0 and (parts["dp"] > 0) == (r["dp"] > 1) and (parts["pp"] > 0) == (r["pp"] > 1)
         peak = U.cpu_peak_flops(1e9, 2, res["cores"])
         assert r["mfu"] == pytest.approx(U.model_flops_per_step(GPTConfig(**TINY), 4)
                                          / r["measured_s"] / peak)

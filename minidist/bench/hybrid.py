@@ -83,8 +83,9 @@ def build(dp: int, tp: int, pp: int, model: dict = MODEL, batch: int = 16, dp_mo
     return net, opt, modules, ids, targets
 
 
-def _rank(rank, world, dp, tp, pp, model, batch, M, steps, warmup, dp_mode):
+def _rank(rank, world, dp, tp, pp, model, batch, M, steps, warmup, dp_mode, breakdown):
     from ..hybrid import train_step
+    from ..hybrid.timeline import kind_of, record_step
 
     net, opt, modules, ids, targets = build(dp, tp, pp, model, batch, dp_mode)
     times = []
@@ -94,22 +95,33 @@ def _rank(rank, world, dp, tp, pp, model, batch, M, steps, warmup, dp_mode):
         train_step(net, opt, modules, ids, targets, M, dp_mode=dp_mode)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return times
+    parts = {}
+    if breakdown:   # one more step, recorded: this rank's seconds per kind
+        parts = dict.fromkeys(("compute", "tp", "pp", "dp", "other", "tp_in"), 0.0)
+        for e in record_step(net, opt, modules, ids, targets, M, dp_mode=dp_mode)[1]:
+            parts["tp_in" if e.name.startswith("tp ") else kind_of(e)] += e.duration
+        parts["compute"] -= parts["tp_in"]     # the TP collectives run inside F/B
+        parts["tp"] += parts.pop("tp_in")
+    return times, parts
 
 
 def measure_config(dp: int, tp: int, pp: int, model: dict = MODEL, batch: int = 16,
                    microbatches: int = 4, steps: int = 3, warmup: int = 1, dp_mode: str = "flat",
-                   timeout: float = 600.0) -> dict:
+                   timeout: float = 600.0, breakdown: bool = False) -> dict:
     """Run ``warmup + steps`` steps on ``dp·tp·pp`` ranks. Returns ``{"times": [slowest rank's
-    seconds per step], "median_s", "min_s", "max_s", "microbatches"}``."""
+    seconds per step], "median_s", "min_s", "max_s", "microbatches", "parts"}``; ``parts``
+    (``breakdown``: one more step, recorded by :func:`minidist.hybrid.timeline.record_step`): per
+    kind, the largest over ranks of a rank's seconds — compute (F/B without the TP collectives
+    inside them), tp, pp (transport, including waiting for a stage: the bubble), dp, other."""
     if steps < 1 or warmup < 0:
         raise ValueError(f"bench 3d: steps must be >= 1 and warmup >= 0, got {steps}, {warmup}")
     M = microbatches_for(batch, dp, microbatches)
     per_rank = run(_rank, dp * tp * pp, dp, tp, pp, model, batch, M, steps, warmup, dp_mode,
-                   timeout=timeout)
-    times = [max(r[i] for r in per_rank) for i in range(steps)]
+                   breakdown, timeout=timeout)
+    times = [max(r[0][i] for r in per_rank) for i in range(steps)]
+    parts = {k: max(r[1].get(k, 0.0) for r in per_rank) for k in per_rank[0][1]}
     return dict(times=times, median_s=statistics.median(times), min_s=min(times), max_s=max(times),
-                microbatches=M)
+                microbatches=M, parts=parts)
 
 
 def predict_configs(model: dict, batch: int, world_size: int, flop_rate: float, link,
@@ -152,7 +164,7 @@ def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODE
              microbatches: int = 4, steps: int = 3, warmup: int = 1, dp_mode: str = "flat",
              flop_rate=None, link=None, cores: int | None = None, calibrate: bool = True,
              budget_s: float = 10.0, progress: bool = True, timeout: float = 600.0,
-             rounds: int = 1) -> dict:
+             rounds: int = 1, breakdown: bool = False) -> dict:
     """Measure and predict every configuration (module docstring); returns the JSON-able result
     ``{"format", "model", "batch", "steps", "warmup", "dp_mode", "flop_rate", "link", "cores",
     "layer_overhead", "machine", "rows": [...], "summary": {W: ...}}``.
@@ -163,7 +175,8 @@ def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODE
     ``configs``: {W: [(dp, tp, pp), ...]} (default
     :data:`CONFIGS`). ``rounds``: passes over all configurations (and the single-rank step), each
     adding ``steps`` times: load spikes spread over all of them. ValueError for a configuration
-    whose product is not its world size.
+    whose product is not its world size. ``breakdown``: per configuration and round one more,
+    recorded step, whose time per kind (:func:`measure_config`) goes to ``row["measured_parts"]``.
     """
     from tqdm.auto import tqdm
 
@@ -181,8 +194,10 @@ def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODE
     bar = tqdm(total=rounds * len(jobs), desc="bench 3d", disable=not progress, leave=False)
     for _ in range(rounds):   # round-robin: a load spike on a shared machine hits every config
         for w, c in jobs:
-            m = measure_config(*c, model, batch, microbatches, steps, warmup, dp_mode, timeout)
-            measured.setdefault(c, dict(m, times=[]))["times"] += m["times"]
+            m = measure_config(*c, model, batch, microbatches, steps, warmup, dp_mode, timeout,
+                               breakdown and c != (1, 1, 1))
+            measured.setdefault(c, dict(m, times=[], parts=[]))["times"] += m["times"]
+            measured[c]["parts"].append(m["parts"])
             bar.update()
     bar.close()
     overhead = 0.0
@@ -200,6 +215,9 @@ def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODE
                    measured_s=step_s, min_s=min(times), max_s=max(times), times=times,
                    tokens_per_s=batch * cfg.block_size / step_s,
                    mfu=step_flops / step_s / cpu_peak_flops(flops, w, cores))
+        if breakdown:   # the median over rounds, per kind
+            row["measured_parts"] = {k: statistics.median(p.get(k, 0.0) for p in m["parts"])
+                                     for k in m["parts"][0]}
         for name, ovh in (("predicted", 0.0), ("calibrated", overhead))[:1 + calibrate]:
             q = predict_configs(model, batch, w, flops, links[w], cores, ovh, dp_mode)[key]
             ratio = step_s / q.step_s
@@ -233,6 +251,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration (median)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="passes over the configurations")
+    p.add_argument("--breakdown", action="store_true", help="also record one step per "
+                   "configuration: measured compute / TP / PP / DP time beside the prediction's")
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--microbatches", type=int, default=4,
                    help="at most this many (a divisor of the per-replica batch)")
@@ -261,7 +281,7 @@ def main(argv=None) -> int:
     result = bench_3d(args.world_sizes, configs or None, model, args.batch, args.microbatches,
                       args.steps, args.warmup, args.dp_mode, args.flop_rate, args.link, args.cores,
                       not args.no_calibrate, args.budget_s, not args.no_progress, args.timeout,
-                      args.rounds)
+                      args.rounds, args.breakdown)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -57,6 +57,7 @@ def format_table(result: dict) -> str:
                          f"({'agree' if s['best_agree'] else 'differ'}); slowest measured "
                          f"{s['worst_measured']} predicted {s['worst_predicted']} "
                          f"({'agree' if s['worst_agree'] else 'differ'})")
+    lines += _breakdown(result["rows"])
     m = result["machine"]
     links = ", ".join(f"W={w}: {k['alpha'] * 1e6:.0f} us, {1e-9 / max(k['beta'], 1e-30):.2f} GB/s"
                       for w, k in result["link"].items())
@@ -64,3 +65,23 @@ def format_table(result: dict) -> str:
                  f"{links}; layer overhead {result['layer_overhead'] * 1e6:.0f} us; "
                  f"{result['cores']} cores, load average {m.get('loadavg_1_5_15')}")
     return "\n".join(lines)
+
+
+def _breakdown(rows: list[dict]) -> list[str]:
+    """Measured seconds per kind (the slowest rank's) beside the planner's terms, when recorded."""
+    rows = [r for r in rows if "measured_parts" in r]
+    if not rows:
+        return []
+    pred = "calibrated" if "calibrated" in rows[0] else "predicted"
+    lines = [f"where the time goes, ms: measured (the slowest rank per kind, one recorded step) "
+             f"[{pred}]; PP includes waiting for other stages, so it is set against PP + bubble",
+             f"{'W':>3}{'dp':>4}{'tp':>4}{'pp':>4}" + "".join(f"{k:>16}" for k in
+                                                           ("compute", "TP", "PP + bubble", "DP", "other"))]
+    for r in rows:
+        got, want = r["measured_parts"], r[pred]["parts"]
+        pairs = [(got["compute"], want["compute"]), (got["tp"], want["tp"]),
+                 (got["pp"], want["pp"] + want["bubble"]), (got["dp"], want["dp"]), (got["other"], None)]
+        cells = [f"{a * 1e3:.0f} [{'-' if b is None else f'{b * 1e3:.0f}'}]" for a, b in pairs]
+        lines.append(f"{r['world_size']:>3}{r['dp']:>4}{r['tp']:>4}{r['pp']:>4}"
+                     + "".join(f"{c:>16}" for c in cells))
+    return lines
