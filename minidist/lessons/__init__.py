@@ -17,6 +17,9 @@ module                  what it holds
 ``sharding_demo``       the sharding rows of ``minidist demo`` (ZeRO-1/2/3, memory, traffic)
 ``sharding_reference``  the ZeRO tests' toy model (tied weights, a frozen parameter, a buffer,
                         sizes not divisible by W), its batches, one process on the global batch
+``hybrid_demo``         the 3-D rows of ``minidist demo`` ((dp, tp, pp) = (2, 2, 2) vs one process)
+``hybrid_timeline``     one 3-D step's per-rank timeline for ch12's Gantt chart
+``gpu_check``           the checks of ``tools/gpu-check.sh`` (CUDA/NCCL paths against references)
 ======================  ====================================================================
 
 Nothing is imported here eagerly: ``import minidist.lessons.ddp_demo`` loads only what it needs.
