@@ -225,29 +225,39 @@ def plan(argv=None) -> int:
     p = argparse.ArgumentParser(prog="minidist plan", description="List every valid (dp, tp, pp, "
                                 "micro-batches, ZeRO, recomputation) configuration of a GPT with its "
                                 "memory per device and predicted step time, best first.")
-    for name, default in (("layers", 24), ("hidden", 2304), ("heads", 24), ("vocab", 51200),
-                          ("seq-len", 2048), ("global-batch", 512), ("devices", 32)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    for name, default, what in (
+            ("layers", 24, "transformer blocks"), ("hidden", 2304, "hidden size (d_model)"),
+            ("heads", 24, "attention heads (tp must divide them)"),
+            ("vocab", 51200, "vocabulary size"), ("seq-len", 2048, "tokens per sequence"),
+            ("global-batch", 512, "sequences per optimizer step, all replicas together"),
+            ("devices", 32, "GPUs (or, with --this-machine, ranks)")):
+        p.add_argument(f"--{name}", type=int, default=default, help=f"{what} (default {default})")
     p.add_argument("--gpu", default="A100-80GB", choices=sorted(calc.GPUS),
                    help="memory and peak FLOP/s (calc.GPUS) unless --memory / --flop-rate")
     p.add_argument("--memory", type=float, help="bytes per device (e.g. 80e9)")
     p.add_argument("--flop-rate", help="FLOP/s per device, or a JSON file with a 'flop_rate' key")
     p.add_argument("--efficiency", type=float, default=0.5, help="fraction of the GPU's peak reached")
-    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--devices-per-node", type=int, default=8,
+                   help="GPUs per node: tp stays inside a node (default 8)")
     p.add_argument("--intra", default=None, help="link inside a node: preset, alpha,beta or "
                    "the JSON of `minidist bench alpha-beta` (default nvlink3)")
     p.add_argument("--inter", default="ib-hdr", help="link between nodes (same forms)")
     p.add_argument("--this-machine", action="store_true", help="ranks are processes sharing this "
                    "machine's cores: rate x min(1, cores/ranks), one loopback link (--intra), fp32")
-    p.add_argument("--zero", type=int, nargs="*", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
-    p.add_argument("--recompute", nargs="*", default=["none", "full"], choices=list(P.RECOMPUTE))
-    p.add_argument("--interleave", type=int, nargs="*", default=[1])
-    p.add_argument("--precision", default=None, choices=sorted(P.PRECISIONS))
-    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--zero", type=int, nargs="*", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
+                   help="ZeRO stages to consider (default all)")
+    p.add_argument("--recompute", nargs="*", default=["none", "full"], choices=list(P.RECOMPUTE),
+                   help="activation recomputation modes to consider")
+    p.add_argument("--interleave", type=int, nargs="*", default=[1],
+                   help="model chunks per pipeline rank to consider (interleaved 1F1B)")
+    p.add_argument("--precision", default=None, choices=sorted(P.PRECISIONS),
+                   help="bytes per parameter of weights, gradients and optimizer states")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="shard LayerNorm/dropout activations over tp (Korthikanti et al. 2022)")
     p.add_argument("--layer-overhead", type=float, default=0.0, help="fixed seconds per layer "
                    "per forward (single rank; plan.calibrate_overhead fits it to one measured step)")
     p.add_argument("--fits-only", action="store_true", help="drop configurations that do not fit")
-    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--top", type=int, default=20, help="rows to print (default 20)")
     a = p.parse_args(argv)
 
     def link(text):
