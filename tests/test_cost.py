@@ -256,6 +256,38 @@ def test_ex13_grader_accepts_the_library_and_rejects_each_slip():
     assert not rep.passed and "the 2 is missing" in str(rep), str(rep)
 
 
+def test_ex13_forgotten_restart_is_named_as_such_on_every_case():
+    # a learner trial: with C/τ = λR (60 s every 3600 s, 0.1/h, 600 s restarts) forgetting the
+    # restart gave the same number as forgetting the checkpoint writes, and the grader blamed the
+    # checkpoints. The graded cases now tell the two apart; a tie names both.
+    rep = grading.cost.grade_spot_wall_time(_spot(restarts=False))
+    failed = [r for r in rep.results if not r.passed]
+    assert len(failed) == 3 and not rep.passed, str(rep)       # the cases with interruptions
+    for r in failed:
+        assert "restarts are missing" in r.message and "checkpoint writes" not in r.message, str(rep)
+    rep = grading.cost.grade_spot_wall_time(_spot(checkpoints=False))
+    for r in rep.results:
+        assert r.passed or ("checkpoint writes are missing" in r.message
+                            and "restarts" not in r.message), str(rep)
+    tie = (360000.0, 0.1, 3600.0, 60.0, 600.0)                  # C/τ = λR = 1/60
+    text = grading.cost._spot_check(_spot(restarts=False), tie)
+    assert "cannot tell which" in text and "restarts are missing" in text
+    assert "checkpoint writes are missing" in text, text
+
+
+def test_ex13_cases_that_must_raise_say_so_when_they_pass():
+    for rep in (grading.cost.grade_gpus_for_deadline(cost.gpus_for_deadline),
+                grading.cost.grade_spot_wall_time(cost.spot_wall_time)):
+        raising = [line for line in str(rep).splitlines() if "raises ValueError" in line]
+        assert raising and all(line.strip().startswith("✓") for line in raising), str(rep)
+    lines = str(grading.cost.grade_gpus_for_deadline(cost.gpus_for_deadline)).splitlines()
+    assert sum("raises ValueError" in line for line in lines) == 3   # deadline 0, MFU 0, MFU 50
+    lines = str(grading.cost.grade_spot_wall_time(cost.spot_wall_time)).splitlines()
+    assert [line for line in lines if "raises ValueError" in line] == [
+        "  ✓ 100 h of work, 2 interruptions/h, a 60 s checkpoint every 3600 s, 600 s restarts "
+        "(λτ/2 = 1): raises ValueError"]
+
+
 def test_ex13_unwritten_exercise_fails_without_running_every_case():
     def todo(*args):
         raise NotImplementedError()

@@ -13,7 +13,8 @@ The learner writes (see ``exercises/13_cost.ipynb``; units: FLOPs, FLOP/s, secon
 
 A wrong spot time is compared with the usual slips (a whole interval lost instead of half, the
 checkpoint writes or the restarts forgotten, the rate taken per second) and the grader says which
-one it matches.
+one it matches (all of them when this case gives two slips the same number). A case that must
+raise ``ValueError`` says so in its name, so its ✓ line reads "...: raises ValueError".
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ DEADLINE_CASES = [  # (flops, deadline, peak_flops, mfu, gpus_per_node)
 ]
 SPOT_CASES = [  # (work_time, interruptions_per_hour, checkpoint_interval, checkpoint_time, restart_time)
     (360000.0, 0.0, 3600.0, 60.0, 600.0),           # no interruptions: only the checkpoint writes
-    (360000.0, 0.1, 3600.0, 60.0, 600.0),
+    (360000.0, 0.1, 3600.0, 60.0, 900.0),           # C/τ = 1/60 and λR = 1/40: slips tell apart
     (360000.0, 1.0, 1200.0, 30.0, 300.0),
     (956650.0, 0.32, 1162.0, 60.0, 600.0),          # chapter 13's 7B run on 32 spot nodes
     (360000.0, 2.0, 3600.0, 60.0, 600.0),           # 2/h x 1800 s lost: never finishes
@@ -126,10 +127,11 @@ def _spot_check(fn, case):
     if abs(got - want) <= 1e-6 * want:
         return None
     text = _ratio_text(got, want)
-    for name, value in _spot_variants(*case).items():
-        if value > 0 and abs(got - value) <= 1e-6 * value and abs(value - want) > 1e-6 * want:
-            return f"{text}: {_SLIPS[name]}"
-    return text
+    slips = [_SLIPS[name] for name, value in _spot_variants(*case).items()
+             if value > 0 and abs(got - value) <= 1e-6 * value and abs(value - want) > 1e-6 * want]
+    if len(slips) > 1:  # two slips give the same number here: name both, the learner knows which
+        return f"{text}: this case cannot tell which of these it is:\n- " + "\n- ".join(slips)
+    return f"{text}: {slips[0]}" if slips else text
 
 
 def _young_check(fn, case):
@@ -145,16 +147,28 @@ def _young_check(fn, case):
     return text
 
 
+def _raises(reference_fn, case) -> bool:
+    try:
+        reference_fn(*case)
+    except ValueError:
+        return True
+    return False
+
+
 def _deadline_name(case) -> str:
     flops, deadline, peak, mfu, per_node = case
-    return (f"{flops:.4g} FLOPs in {deadline / _DAY:g} days at {peak:.3g} FLOP/s, MFU {mfu:g}, "
+    name = (f"{flops:.4g} FLOPs in {deadline / _DAY:g} days at {peak:.3g} FLOP/s, MFU {mfu:g}, "
             f"{per_node} GPUs per node")
+    return name + (": raises ValueError" if _raises(reference.gpus_for_deadline, case) else "")
 
 
 def _spot_name(case) -> str:
     work, per_hour, tau, c, r = case
-    return (f"{work / 3600:.4g} h of work, {per_hour:g} interruptions/h, a {c:g} s checkpoint "
+    name = (f"{work / 3600:.4g} h of work, {per_hour:g} interruptions/h, a {c:g} s checkpoint "
             f"every {tau:g} s, {r:g} s restarts")
+    if _raises(reference.spot_wall_time, case):
+        name += f" (λτ/2 = {per_hour / 3600 * tau / 2:g}): raises ValueError"
+    return name
 
 
 def grade_gpus_for_deadline(fn, total: float = 2) -> Report:
