@@ -9,7 +9,8 @@ function, or relative — and compared with the floor of the module it imports f
 * floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``, ``sharding``,
   ``hybrid``
 * floor 3, what reads or drives them: ``lessons``, ``bench``, ``grading``, ``exercises``, ``cli``,
-  ``doctor``, ``calc``, ``cost``, ``diagrams``, ``plan`` (and ``plan_reference``, ``plan_machine``)
+  ``doctor``, ``calc``, ``cost``, ``diagrams``, ``plan`` (and ``plan_reference``, ``plan_machine``),
+  ``__main__`` (``python -m minidist``)
 
 Importing sideways (same floor) or down is allowed; a module the table does not know fails the
 test, so a new module has to be given a floor.
@@ -29,7 +30,7 @@ FLOORS = {
     1: ("collectives", "launch", "launch_errors", "rank_process"),
     2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding", "hybrid"),
     3: ("lessons", "bench", "grading", "exercises", "cli", "doctor", "calc", "cost", "diagrams",
-        "plan", "plan_reference", "plan_machine"),
+        "plan", "plan_reference", "plan_machine", "__main__"),
 }
 FLOOR_OF = {name: floor for floor, names in FLOORS.items() for name in names}
 
