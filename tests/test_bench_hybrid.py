@@ -61,7 +61,7 @@ def test_microbatches_and_config_errors():
 
 
 FIELDS = {"world_size", "dp", "tp", "pp", "microbatches", "measured_s", "min_s", "max_s", "times",
-          "tokens_per_s", "mfu", "predicted", "calibrated", "measured_parts"}
+          "tokens_per_s", "mfu", "predicted", "calibrated", "contended", "measured_parts"}
 
 
 def test_bench_end_to_end_tiny(tmp_path, capsys):
@@ -85,15 +85,19 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
         assert set(r) == FIELDS and r["measured_s"] > 0 and len(r["times"]) == 2   # 2 rounds
         assert r["tokens_per_s"] == pytest.approx(4 * 4 / r["measured_s"])
         parts = r["measured_parts"]      # tp = 1: no TP; one replica (dp = 1): no DP; pp = 1: no PP
-        assert set(parts) == {"compute", "tp", "pp", "dp", "other"} and parts["compute"] > 0
+        assert set(parts) == {"compute", "tp", "pp", "dp", "other", "optimizer"} and parts["compute"] > 0
+        assert 0 < parts["optimizer"] <= parts["other"]
         assert parts["tp"] == 0 and (parts["dp"] > 0) == (r["dp"] > 1) and (parts["pp"] > 0) == (r["pp"] > 1)
         peak = U.cpu_peak_flops(1e9, 2, res["cores"])
         assert r["mfu"] == pytest.approx(U.model_flops_per_step(GPTConfig(**TINY), 4)
                                          / r["measured_s"] / peak)
-        for p in ("predicted", "calibrated"):
+        for p in ("predicted", "calibrated", "contended"):
             assert r[p]["ratio"] == pytest.approx(r["measured_s"] / r[p]["step_s"])
             assert r[p]["within"] == (abs(r[p]["ratio"] - 1) <= 0.3)
-            assert set(r[p]["parts"]) == {"compute", "bubble", "tp", "pp", "dp"}
+            assert set(r[p]["parts"]) == {"compute", "bubble", "tp", "pp", "dp", "optimizer"}
+        assert r["contended"]["parts"]["optimizer"] > 0 == r["calibrated"]["parts"]["optimizer"]
+    assert res["group_links"] == {"2": {"2": {"alpha": 1e-5, "beta": 1e-9}}}  # n = W: the link
+    assert 0 < res["optimizer_s"] and res["contended_layer_overhead"] >= 0
     s = res["summary"]["2"]["predicted"]
     assert set(s) == {"within", "spearman", "best_measured", "best_predicted", "best_agree",
                       "worst_measured", "worst_predicted", "worst_agree"}
@@ -111,3 +115,11 @@ def test_summary_on_known_rows():
     assert s["spearman"] == pytest.approx(0.5)                 # ranks (1,3,2) vs (1,2,3)
     assert s["best_measured"] == s["best_predicted"] == (4, 1, 1) and s["best_agree"]
     assert (s["worst_measured"], s["worst_predicted"], s["worst_agree"]) == ((2, 2, 1), (1, 1, 4), False)
+
+
+def test_group_links_measure_every_group_size_at_once():
+    links = H.measure_group_links(4, sizes=(1024, 4096), reps=2, timeout=120)
+    assert sorted(links) == [2, 4]       # two groups of 2 at once, then one group of 4
+    assert all(a >= 0 and b >= 0 and a + b > 0 for a, b in links.values())
+    with pytest.raises(ValueError, match="group size 3"):
+        H.measure_group_links(4, group_sizes=[3])

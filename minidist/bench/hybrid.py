@@ -16,7 +16,11 @@ measured in the same run unless given. Two predictions:
 * ``predicted``: FLOPs and alpha-beta only;
 * ``calibrated`` (unless ``calibrate=False``): plus a per-layer dispatch overhead fitted to one
   measured **single-rank** step (:func:`minidist.plan.calibrate_overhead`) — a configuration
-  that is not in the table, so the table's configurations stay predictions, not fits.
+  that is not in the table, so the table's configurations stay predictions, not fits;
+* ``contended`` (unless ``contention=False``): the calibrated planner plus its contention terms
+  (:mod:`minidist.plan_machine`: each group's link measured with all groups of its size running at
+  once, pipeline ranks in the bubble freeing their core, the optimizer step measured on the
+  single-rank step), fed with two more measured inputs, never with the table's step times.
 
 Reported per world size: measured/predicted per configuration, the fraction within 30%,
 Spearman's rank correlation of predicted and measured step times (:func:`minidist.plan.spearman`)
@@ -37,10 +41,12 @@ import torch.distributed as dist
 
 from ..launch import run
 from .alpha_beta import machine_note
+from .group_links import measure_group_links
 from .hybrid_report import format_table, summarize
 from .mfu import cpu_peak_flops, model_flops_per_step
 
 __all__ = ["CONFIGS", "MODEL", "FORMAT", "microbatches_for", "build", "measure_config",
+           "measure_group_links",
            "predict_configs",
            "bench_3d", "summarize", "format_table", "main"]
 
@@ -98,8 +104,11 @@ def _rank(rank, world, dp, tp, pp, model, batch, M, steps, warmup, dp_mode, brea
     parts = {}
     if breakdown:   # one more step, recorded: this rank's seconds per kind
         parts = dict.fromkeys(("compute", "tp", "pp", "dp", "other", "tp_in"), 0.0)
+        parts["optimizer"] = 0.0    # also inside "other"
         for e in record_step(net, opt, modules, ids, targets, M, dp_mode=dp_mode)[1]:
             parts["tp_in" if e.name.startswith("tp ") else kind_of(e)] += e.duration
+            if e.name == "optimizer":
+                parts["optimizer"] += e.duration
         parts["compute"] -= parts["tp_in"]     # the TP collectives run inside F/B
         parts["tp"] += parts.pop("tp_in")
     return times, parts
@@ -126,14 +135,15 @@ def measure_config(dp: int, tp: int, pp: int, model: dict = MODEL, batch: int = 
 
 def predict_configs(model: dict, batch: int, world_size: int, flop_rate: float, link,
                     cores: int | None = None, layer_overhead: float = 0.0,
-                    dp_mode: str = "flat") -> dict:
+                    dp_mode: str = "flat", **contention) -> dict:
     """{(dp, tp, pp, M): Prediction} of :func:`minidist.plan.this_machine` (ZeRO-0, or ZeRO-1 as
-    the hybrid runs it for ``dp_mode="zero1"``; no recomputation, v = 1)."""
+    the hybrid runs it for ``dp_mode="zero1"``; no recomputation, v = 1). ``contention``:
+    this_machine's group_links, bubble_frees_cores, optimizer_s."""
     from ..plan import ModelSpec, this_machine
     zero = 1 if dp_mode == "zero1" else 0
     preds = this_machine(ModelSpec.from_gpt_config(_gpt(model)), batch, world_size, flop_rate,
                          link, cores, layer_overhead=layer_overhead, zero_stages=(zero,),
-                         recompute=("none",), zero1_all_reduce=zero == 1)
+                         recompute=("none",), zero1_all_reduce=zero == 1, **contention)
     return {(q.config.dp, q.config.tp, q.config.pp, q.config.microbatches): q for q in preds
             if q.config.v == 1 and q.config.zero == (zero if q.config.dp > 1 else 0)}
 
@@ -164,7 +174,7 @@ def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODE
              microbatches: int = 4, steps: int = 3, warmup: int = 1, dp_mode: str = "flat",
              flop_rate=None, link=None, cores: int | None = None, calibrate: bool = True,
              budget_s: float = 10.0, progress: bool = True, timeout: float = 600.0,
-             rounds: int = 1, breakdown: bool = False) -> dict:
+             rounds: int = 1, breakdown: bool = False, contention: bool = True) -> dict:
     """Measure and predict every configuration (module docstring); returns the JSON-able result
     ``{"format", "model", "batch", "steps", "warmup", "dp_mode", "flop_rate", "link", "cores",
     "layer_overhead", "machine", "rows": [...], "summary": {W: ...}}``.
@@ -177,6 +187,10 @@ def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODE
     adding ``steps`` times: load spikes spread over all of them. ValueError for a configuration
     whose product is not its world size. ``breakdown``: per configuration and round one more,
     recorded step, whose time per kind (:func:`measure_config`) goes to ``row["measured_parts"]``.
+    ``contention`` (with ``calibrate``): a third prediction, ``contended`` — the planner's contention
+    terms (:mod:`minidist.plan_machine`) fed with two more measured inputs: the ring all-reduce
+    with all W/n groups of n ranks at once (:func:`measure_group_links`, result ``group_links``)
+    (n < W; for n = W, one group, the link above) and the single-rank step's optimizer seconds (one recorded step per round, ``optimizer_s``).
     """
     from tqdm.auto import tqdm
 
@@ -188,6 +202,12 @@ def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODE
                                  f"not the world size {w}")
     cores = cores or len(os.sched_getaffinity(0))
     flops, links = _machine_numbers(flop_rate, link, budget_s, sorted(configs))
+    contention = contention and calibrate
+    group_links = {}   # n = W is one group: the single collective's fit (links[W]) is that link
+    for w in sorted(configs) if contention else ():
+        smaller = [n for n in range(2, w) if w % n == 0]
+        group_links[w] = (measure_group_links(w, smaller, timeout=timeout) if smaller else {}) \
+            | {w: (links[w].alpha, links[w].beta)}
     cfg = _gpt(model)
     jobs = ([(1, (1, 1, 1))] if calibrate else []) + [(w, c) for w, cs in configs.items() for c in cs]
     measured = {}
@@ -195,17 +215,23 @@ def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODE
     for _ in range(rounds):   # round-robin: a load spike on a shared machine hits every config
         for w, c in jobs:
             m = measure_config(*c, model, batch, microbatches, steps, warmup, dp_mode, timeout,
-                               breakdown and c != (1, 1, 1))
+                               (breakdown or contention) if c == (1, 1, 1) and contention
+                               else breakdown and c != (1, 1, 1))
             measured.setdefault(c, dict(m, times=[], parts=[]))["times"] += m["times"]
             measured[c]["parts"].append(m["parts"])
             bar.update()
     bar.close()
-    overhead = 0.0
+    overhead = opt_s = overhead_c = 0.0
     if calibrate:
         from ..plan import ModelSpec, calibrate_overhead
         single = measured.pop((1, 1, 1))
         overhead = calibrate_overhead(ModelSpec.from_gpt_config(cfg), batch,
                                       statistics.median(single["times"]), flops, single["microbatches"])
+        if contention:
+            opt_s = statistics.median(p["optimizer"] for p in single["parts"])
+            overhead_c = calibrate_overhead(ModelSpec.from_gpt_config(cfg), batch,
+                                            statistics.median(single["times"]), flops,
+                                            single["microbatches"], optimizer_s=opt_s)
     step_flops = model_flops_per_step(cfg, batch)
     rows = []
     for w, (dp, tp, pp) in jobs[int(calibrate):]:
@@ -218,16 +244,24 @@ def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODE
         if breakdown:   # the median over rounds, per kind
             row["measured_parts"] = {k: statistics.median(p.get(k, 0.0) for p in m["parts"])
                                      for k in m["parts"][0]}
-        for name, ovh in (("predicted", 0.0), ("calibrated", overhead))[:1 + calibrate]:
-            q = predict_configs(model, batch, w, flops, links[w], cores, ovh, dp_mode)[key]
+        kinds = [("predicted", 0.0, {}), ("calibrated", overhead, {})][:1 + calibrate]
+        if contention:
+            kinds.append(("contended", overhead_c, dict(group_links=group_links[w],
+                                                        bubble_frees_cores=True, optimizer_s=opt_s)))
+        for name, ovh, extra in kinds:
+            q = predict_configs(model, batch, w, flops, links[w], cores, ovh, dp_mode, **extra)[key]
             ratio = step_s / q.step_s
             row[name] = dict(step_s=q.step_s, ratio=ratio, within=abs(ratio - 1) <= WITHIN,
-                             parts={k: q.time[k] for k in ("compute", "bubble", "tp", "pp", "dp")})
+                             parts={k: q.time.get(k, 0.0) for k in
+                                    ("compute", "bubble", "tp", "pp", "dp", "optimizer")})
         rows.append(row)
     return dict(format=FORMAT, model=dict(model), batch=batch, steps=steps, warmup=warmup,
                 rounds=rounds, dp_mode=dp_mode, flop_rate=flops,
                 link={w: dict(alpha=k.alpha, beta=k.beta) for w, k in links.items()},
                 cores=cores, layer_overhead=overhead, step_flops=step_flops,
+                group_links={w: {n: dict(alpha=a, beta=b) for n, (a, b) in g.items()}
+                             for w, g in group_links.items()},
+                optimizer_s=opt_s, contended_layer_overhead=overhead_c,
                 machine=machine_note("minidist bench 3d"), rows=rows, summary=summarize(rows))
 
 
@@ -267,6 +301,8 @@ def main(argv=None) -> int:
     p.add_argument("--cores", type=int, default=None)
     p.add_argument("--no-calibrate", action="store_true",
                    help="skip the single-rank step that calibrates the per-layer overhead")
+    p.add_argument("--no-contention", action="store_true", help="skip the contended prediction "
+                   "(concurrent-group links, bubble frees cores, optimizer step)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", metavar="FILE")
@@ -281,7 +317,7 @@ def main(argv=None) -> int:
     result = bench_3d(args.world_sizes, configs or None, model, args.batch, args.microbatches,
                       args.steps, args.warmup, args.dp_mode, args.flop_rate, args.link, args.cores,
                       not args.no_calibrate, args.budget_s, not args.no_progress, args.timeout,
-                      args.rounds, args.breakdown)
+                      args.rounds, args.breakdown, not args.no_contention)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -7,7 +7,9 @@ configuration agree — and the table that prints it.
 
 from __future__ import annotations
 
-__all__ = ["summarize", "format_table"]
+__all__ = ["summarize", "format_table", "KINDS"]
+
+KINDS = ("predicted", "calibrated", "contended")   # the predictions a row may hold
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -19,7 +21,7 @@ def summarize(rows: list[dict]) -> dict:
         measured = [r["measured_s"] for r in mine]
         name_of = [(r["dp"], r["tp"], r["pp"]) for r in mine]
         out[w] = {}
-        for name in ("predicted", "calibrated"):
+        for name in KINDS:
             if name not in mine[0]:
                 continue
             pred = [r[name]["step_s"] for r in mine]
@@ -35,7 +37,7 @@ def summarize(rows: list[dict]) -> dict:
 
 def format_table(result: dict) -> str:
     """The predicted-vs-measured table and the per-world-size summary lines."""
-    preds = [p for p in ("predicted", "calibrated") if result["rows"] and p in result["rows"][0]]
+    preds = [p for p in KINDS if result["rows"] and p in result["rows"][0]]
     head = (f"{'W':>3}{'dp':>4}{'tp':>4}{'pp':>4}{'M':>3}{'measured ms':>13}{'[min, max]':>16}"
             f"{'tok/s':>9}{'MFU':>7}" + "".join(f"{p[:5] + ' ms':>11}{'ratio':>7}{'≤30%':>6}"
                                                    for p in preds))
@@ -61,6 +63,15 @@ def format_table(result: dict) -> str:
     m = result["machine"]
     links = ", ".join(f"W={w}: {k['alpha'] * 1e6:.0f} us, {1e-9 / max(k['beta'], 1e-30):.2f} GB/s"
                       for w, k in result["link"].items())
+    groups = "; ".join(f"W={w}: " + ", ".join(f"n={n} {k['alpha'] * 1e6:.0f} us "
+                                               + (f"{1e-9 / k['beta']:.2f} GB/s" if k["beta"] > 0
+                                                  else "beta 0")
+                                               for n, k in g.items())
+                       for w, g in result.get("group_links", {}).items())
+    if groups:
+        lines.append(f"contended: all W/n groups of n at once, ring alpha, 1/beta {groups}; optimizer "
+                     f"{result['optimizer_s'] * 1e3:.1f} ms (1 rank); layer overhead "
+                     f"{result['contended_layer_overhead'] * 1e6:.0f} us")
     lines.append(f"flop rate {result['flop_rate'] / 1e9:.2f} GFLOP/s (1 thread); ring alpha, 1/beta "
                  f"{links}; layer overhead {result['layer_overhead'] * 1e6:.0f} us; "
                  f"{result['cores']} cores, load average {m.get('loadavg_1_5_15')}")
@@ -72,7 +83,7 @@ def _breakdown(rows: list[dict]) -> list[str]:
     rows = [r for r in rows if "measured_parts" in r]
     if not rows:
         return []
-    pred = "calibrated" if "calibrated" in rows[0] else "predicted"
+    pred = next(k for k in KINDS[::-1] if k in rows[0])
     lines = [f"where the time goes, ms: measured (the slowest rank per kind, one recorded step) "
              f"[{pred}]; PP includes waiting for other stages, so it is set against PP + bubble",
              f"{'W':>3}{'dp':>4}{'tp':>4}{'pp':>4}" + "".join(f"{k:>16}" for k in
