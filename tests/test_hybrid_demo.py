@@ -116,3 +116,40 @@ def global_grad_norm(model):
     assert error is not None, text
     assert "counted on every TP rank" in text and "✓ (dp,tp,pp)=(1,1,2)" in text, text
     assert "score: 2.5/5" in text, text
+
+
+@pytest.mark.timeout(300)
+def test_grader_names_every_rule_a_whole_world_sum_breaks():
+    """Every local gradient summed over the whole world: replicated parameters on every TP rank,
+    the tied copy, and the DP replicas at once — sqrt(dp·(a + tp·b + c)), √2 above the tied/TP slip
+    alone on dp = 2. The grader must name all three rules, not only print the two numbers."""
+    def world_sum(model):
+        total = torch.zeros(1, dtype=torch.float64)
+        for p in model.parameters():
+            if p.grad is not None:
+                total += p.grad.double().pow(2).sum()
+        dist.all_reduce(total)
+        return float(total.sqrt())
+    text = str(grade_global_grad_norm(world_sum, grids=[(2, 2, 2)]))
+    assert "3 rules broken" in text, text
+    for needle in ("counted on every TP rank", "copy of the tied embedding is counted",
+                   "summed over the DP replicas"):
+        assert needle in text, text
+
+
+@pytest.mark.timeout(200)
+def test_grader_reports_a_collective_called_on_one_stage_only_as_such_within_its_timeout():
+    import time
+
+    def first_stage_only(model):
+        t = torch.ones(1, dtype=torch.float64)
+        if model.grid.pp_rank == 0:                    # the other stage never joins
+            dist.all_reduce(t, group=model.grid.pp_group)
+        return float(t)
+    t0 = time.monotonic()
+    rep = grade_global_grad_norm(first_stage_only, grids=[(1, 1, 2), (1, 2, 2)], timeout=20)
+    text = str(rep)
+    assert time.monotonic() - t0 < 20 + 60, "one timeout, then the later grid is not run"
+    assert "a collective that only some ranks of a group called" in text, text
+    assert "if pp_rank == 0" in text and "not run:" in text, text
+    assert not rep.passed

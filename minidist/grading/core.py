@@ -40,8 +40,9 @@ def describe_exception(e: BaseException, max_lines: int = 6) -> str:
             user = [f for f in frames if "/minidist/" not in f and "/torch/" not in f]
             where = (user or frames or [""])[0]
             lines.append(f"rank {rank}: {state}" + (f" — at {where}" if where else ""))
-        lines.append("(a deadlock? every send needs a matching receive posted at the same time)")
-        return "\n".join(lines[:max_lines])
+        hint = ("(a deadlock? every send needs a matching receive posted at the same time, or a "
+                "collective that only some ranks of a group called)")
+        return "\n".join(lines[:max_lines - 1] + [hint])   # the hint survives many ranks
     if isinstance(e, RankError):
         rank, summary, _ = e.failures[0]
         if summary.startswith("NotImplementedError"):

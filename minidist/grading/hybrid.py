@@ -17,6 +17,12 @@ the usual mistakes give from per-rank sums of squares it collects itself:
 * not summed over the TP group or the pipeline group: the ranks of a stage, or the stages, give
   different answers.
 
+Mistakes combine (summing every local gradient over the whole world is all three of the first:
+``sqrt(dp·(a + tp·b + c))``); the grader tries every combination, fewest first, and names each rule
+the matching one breaks. A run that does not finish within ``timeout`` (60 s: one step of this
+model takes seconds) is reported as what it almost always is here, a collective that only some
+ranks of a group called.
+
 Here ``a`` is the sum of squares of the tensor-parallel shards (over the TP group and the stages),
 ``b`` that of the replicated parameters (once), ``c`` that of the tied copy.
 """
@@ -110,28 +116,62 @@ def _explain(dims, results, want) -> str | None:
     a, b, c = (x / dp for x in results[0][2])
     b /= tp
     got = next(iter(bad.values()))
-    mistakes = {
-        "TP-replicated parameters (LayerNorm, row-parallel biases, position embedding) are "
-        "counted on every TP rank; count them on TP rank 0 only": math.sqrt(a + tp * b),
-        "the last stage's copy of the tied embedding is counted as well; skip "
-        "model.is_tied_copy(p), it is the first stage's embedding again": math.sqrt(a + b + c),
-        "both: TP-replicated parameters on every TP rank and the tied copy":
-            math.sqrt(a + tp * b + c),
-        "summed over the DP replicas, which hold the same averaged gradient; do not reduce over "
-        "the DP group": math.sqrt(dp * (a + b)),
-        "the squared norm: take the square root": a + b,
-    }
-    for why, value in mistakes.items():
-        if value != want and math.isclose(got, value, rel_tol=RTOL):
-            return f"expected {want:.6g} (torch.nn.utils.clip_grad_norm_), got {got:.6g}: {why}"
+    why = _match(dims, (a, b, c), got, want)
+    if why:
+        return f"expected {want:.6g} (torch.nn.utils.clip_grad_norm_), got {got:.6g}: {why}"
     return f"expected {want:.6g} (torch.nn.utils.clip_grad_norm_ on one process), got {got:.6g}"
 
 
-def grade_global_grad_norm(fn, total: float = 5, grids=GRIDS, timeout: float = 120.0) -> Report:
-    """Grade ``fn(model) -> float`` on each (dp, tp, pp) of ``grids``; prints a ✓/✗ line per grid."""
+_RULES = {   # each mistake: its rule, and what it does to (shards a, replicated b, tied copy c)
+    "replicated": "TP-replicated parameters (LayerNorm, row-parallel biases, position embedding) "
+                  "are counted on every TP rank; count them on TP rank 0 only",
+    "tied": "the last stage's copy of the tied embedding is counted as well; skip "
+            "model.is_tied_copy(p), it is the first stage's embedding again",
+    "dp": "summed over the DP replicas, which hold the same averaged gradient; do not reduce over "
+          "the DP group",
+    "square": "the squared norm: take the square root",
+}
+
+
+def _match(dims, parts, got, want) -> str | None:
+    """The rules broken by the fewest-mistakes combination whose norm equals ``got``, or None.
+
+    A mistake that changes nothing on this grid (``tp = 1``, ``dp = 1``, no tied copy) is not tried:
+    the grid cannot tell it apart, and a rule the answer did not break must not be named."""
+    from itertools import combinations
+    dp, tp, _ = dims
+    a, b, c = parts
+    possible = [k for k, live in (("replicated", tp > 1), ("tied", c > 0), ("dp", dp > 1),
+                                  ("square", True)) if live]
+    for n in range(1, len(possible) + 1):
+        for combo in combinations(possible, n):
+            sq = (a + (tp * b if "replicated" in combo else b) + (c if "tied" in combo else 0.0))
+            sq *= dp if "dp" in combo else 1
+            value = sq if "square" in combo else math.sqrt(sq)
+            if value != want and math.isclose(got, value, rel_tol=RTOL):
+                rules = [_RULES[k] for k in combo]
+                if len(rules) == 1:
+                    return rules[0]
+                return f"{len(rules)} rules broken: " + "; ".join(
+                    f"({i}) {r}" for i, r in enumerate(rules, 1))
+    return None
+
+
+DEADLOCK = ("no answer within {timeout:g} s (one step of this model takes seconds): likely a "
+            "collective that only some ranks of a group called (e.g. inside `if pp_rank == 0`) "
+            "— every rank of the group must call it, the same calls in the same order")
+
+
+def grade_global_grad_norm(fn, total: float = 5, grids=GRIDS, timeout: float = 60.0) -> Report:
+    """Grade ``fn(model) -> float`` on each (dp, tp, pp) of ``grids``; prints a ✓/✗ line per grid.
+
+    ``timeout``: seconds per grid before the run counts as a deadlock (a margin of about ten over
+    one step on a loaded 2-core machine); the later grids are then not run."""
     report = Report("global gradient norm on a 3-D grid", total=total)
     want = _reference_norm()
     for dims in grids:
         name = "(dp,tp,pp)=({},{},{}) equals clip_grad_norm_ on one process".format(*dims)
-        report.check(name, lambda d=dims: _explain(d, _run(d, fn, timeout), want))
+        result = report.check(name, lambda d=dims: _explain(d, _run(d, fn, timeout), want))
+        if result.stop == "timeout":   # say the likely cause in the exercise's terms first
+            result.message = DEADLOCK.format(timeout=timeout) + "\n" + result.message
     return report
