@@ -285,7 +285,10 @@ def plan(argv=None) -> int:
     except (ValueError, OSError, KeyError) as e:
         print(f"minidist plan: {str(e).removeprefix('plan: ')}", file=sys.stderr)
         return 2
-    print(f"{model.params / 1e9:.3g}B parameters, global batch {a.global_batch} x {a.seq_len} "
+    n = model.params   # 146B, 6.67B, 54.4K: readable for the large models and the tiny ones
+    count = next((f"{n / d:.3g}{u}" for d, u in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"))
+                  if n >= d), f"{n:.0f}")
+    print(f"{count} parameters, global batch {a.global_batch} x {a.seq_len} "
           f"tokens, {a.devices} devices; {len(preds)} configurations, best first "
           f"(memory in GB per device; times in s per step; 'DP exp' = exposed DP communication)")
     print(P.format_table(preds, a.top))
