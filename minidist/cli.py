@@ -277,11 +277,13 @@ def plan(argv=None) -> int:
         if a.precision:
             kw["precision"] = a.precision
         if a.this_machine:
-            preds = P.this_machine(model, a.global_batch, a.devices, rate, link(a.intra),
+            links = P.Links(link(a.intra), link(a.intra))
+            preds = P.this_machine(model, a.global_batch, a.devices, rate, links.intra,
                                    memory=a.memory, **kw)
         else:
+            links = P.Links(link(a.intra or "nvlink3"), link(a.inter))
             preds = P.plan(model, a.global_batch, a.devices, a.memory or gpu["memory"], rate,
-                           P.Links(link(a.intra or "nvlink3"), link(a.inter)), a.devices_per_node, **kw)
+                           links, a.devices_per_node, **kw)
     except (ValueError, OSError, KeyError) as e:
         print(f"minidist plan: {str(e).removeprefix('plan: ')}", file=sys.stderr)
         return 2
@@ -291,8 +293,29 @@ def plan(argv=None) -> int:
     print(f"{count} parameters, global batch {a.global_batch} x {a.seq_len} "
           f"tokens, {a.devices} devices; {len(preds)} configurations, best first "
           f"(memory in GB per device; times in s per step; 'DP exp' = exposed DP communication)")
+    print(_plan_assumptions(a, rate, links, gpu))
     print(P.format_table(preds, a.top))
     return 0
+
+
+def _plan_assumptions(a, rate, links, gpu) -> str:
+    """The header's second line: the FLOP rate and memory per device and the links assumed."""
+    import os
+
+    from .calc import human_bytes
+
+    def said(name, lk):  # "nvlink3 (alpha 5 µs, 300 GB/s)"
+        return f"{os.path.basename(name)} (alpha {lk.alpha * 1e6:.3g} µs, {1 / lk.beta / 1e9:.3g} GB/s)"
+    if a.this_machine:
+        memory = human_bytes(a.memory) if a.memory else "RAM / ranks"
+        return (f"assumed per rank: {rate:.3g} FLOP/s (--flop-rate) x min(1, cores / ranks), "
+                f"{memory} memory; one link between all ranks: {said(a.intra, links.intra)}")
+    source = ("--flop-rate" if a.flop_rate is not None else
+              f"{a.efficiency:.0%} of the {a.gpu}'s peak {gpu['peak_flops']:.3g}")
+    return (f"assumed per device: {rate:.3g} FLOP/s ({source}), "
+            f"{human_bytes(a.memory or gpu['memory'])} memory; links: "
+            f"{said(a.intra or 'nvlink3', links.intra)} inside a node of {a.devices_per_node} devices, "
+            f"{said(a.inter, links.inter)} between nodes")
 
 
 def main(argv=None) -> int:

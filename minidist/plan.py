@@ -240,10 +240,16 @@ def plan(model: ModelSpec, global_batch: int, n_devices: int, device_memory: flo
     return out
 
 
+LEGEND = ("v = model chunks per pipeline rank (interleaving), m = micro-batches per step, b = "
+          "micro-batch size (sequences), infl = micro-batches in flight on the first stage (1F1B); "
+          "W+G+O = weights + gradients + optimizer state")
+
+
 def format_table(preds: list[Prediction], top: int | None = 20) -> str:
     """A readable table: the configuration (m micro-batches of b sequences), memory per device
     (GB; ``infl``: micro-batches in flight on the first stage) and the step split (s): compute,
-    bubble, exposed TP and PP communication, DP communication exposed and hidden behind backward."""
+    bubble, exposed TP and PP communication, DP communication exposed and hidden behind backward.
+    Its last line is :data:`LEGEND`, which says what the one-letter columns mean."""
     cols = [("dp", 3), ("tp", 3), ("pp", 3), ("v", 2), ("m", 4), ("b", 4), ("zero", 4),
             ("recomp", 9), ("W+G+O GB", 9), ("act GB", 8), ("infl", 5), ("total", 8), ("fits", 4),
             ("compute", 9), ("bubble", 8), ("TP", 8), ("PP", 8), ("DP exp", 8), ("DP hid", 8),
@@ -259,7 +265,7 @@ def format_table(preds: list[Prediction], top: int | None = 20) -> str:
                 tt["overlapped"], q.step_s, q.tokens_per_s]
         rows.append(" ".join(f"{x:>{w}.3g}" if isinstance(x, float) else f"{x:>{w}}"
                              for x, (_, w) in zip(vals, cols)))
-    return "\n".join(rows)
+    return "\n".join(rows + [LEGEND])
 
 
 # the mode for this machine (CPU ranks sharing cores) and the measured-link loader live apart

@@ -224,7 +224,12 @@ def test_cli_prints_a_table_and_reports_bad_input(capsys):
     assert cli.main(["plan", "--layers", "4", "--hidden", "256", "--heads", "8", "--vocab", "1000",
                      "--seq-len", "128", "--global-batch", "16", "--devices", "8", "--top", "5"]) == 0
     out = capsys.readouterr().out
-    assert "dp  tp  pp" in out and "step s" in out and len(out.strip().splitlines()) == 1 + 2 + 5
+    lines = out.strip().splitlines()   # header, assumptions, table head and rule, 5 rows, legend
+    assert "dp  tp  pp" in out and "step s" in out and len(lines) == 2 + 2 + 5 + 1
+    assert lines[1].startswith("assumed per device: 1.56e+14 FLOP/s (50% of the A100-80GB's peak")
+    assert "nvlink3 (alpha 5 µs, 300 GB/s)" in lines[1] and "ib-hdr (alpha 10 µs, 25 GB/s)" in lines[1]
+    assert lines[-1] == P.LEGEND and "v = model chunks per pipeline rank" in P.LEGEND
+    assert all(f"{k} = " in P.LEGEND for k in ("m", "b", "infl"))
     assert cli.main(["plan", "--devices", "0"]) == 2
     assert "n_devices must be an int >= 1" in capsys.readouterr().err
     assert cli.main(["plan", "--this-machine", "--devices", "4"]) == 2
@@ -232,4 +237,6 @@ def test_cli_prints_a_table_and_reports_bad_input(capsys):
     assert cli.main(["plan", "--this-machine", "--devices", "4", "--layers", "2", "--hidden", "32",
                      "--heads", "4", "--vocab", "96", "--seq-len", "32", "--global-batch", "8",
                      "--flop-rate", "2e9", "--intra", "5e-5,1e-9", "--memory", "1e9"]) == 0
-    assert "yes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "yes" in out and "assumed per rank: 2e+09 FLOP/s (--flop-rate)" in out
+    assert "one link between all ranks: 5e-5,1e-9 (alpha 50 µs, 1 GB/s)" in out
