@@ -11,7 +11,7 @@ rows of a plot (e.g. "compute" and "comm"); it defaults to the recording thread'
 from several threads is safe (a DDP communication thread records beside backward).
 
 A pipeline's events (engine or simulator) are the same :class:`Event` with ``name`` the op —
-``"F"``/``"B"`` (compute) or ``"send"``/``"recv"``/``"wait"``/``"dp_sync"`` — and ``rank``,
+``"F"``/``"B"``/``"W"`` (compute) or ``"send"``/``"recv"``/``"wait"``/``"dp_sync"`` — and ``rank``,
 ``mb`` (micro-batch) and ``stage`` set. **Bubble fraction**, the definition this course uses: over
 the span of the step (first event on any rank to the last), the fraction of time a rank does no
 compute, averaged over ranks, ``bubble = 1 - (Σ_r busy_r) / (P · span)``. Communication and
@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 __all__ = ["Event", "Timeline", "COMPUTE", "busy_time", "bubble_fraction", "plot_timeline"]
 
-COMPUTE = ("F", "B")  # a pipeline's compute ops; everything else on its timeline is bubble
+COMPUTE = ("F", "B", "W")  # a pipeline's compute ops (W: weight gradients); everything else is bubble
 
 
 class Event(NamedTuple):
@@ -95,7 +95,7 @@ def _span(events) -> tuple[float, float]:
 
 
 def busy_time(events, rank: int) -> float:
-    """Total compute (F + B) time of ``rank``."""
+    """Total compute (F + B + W) time of ``rank``."""
     return sum(e.duration for e in events if e.rank == rank and e.name in COMPUTE)
 
 
@@ -111,6 +111,7 @@ def bubble_fraction(events, n_ranks: int | None = None) -> float:
 
 # colour and legend label by name prefix (first match)
 _STYLE = {"F": ("#4C72B0", "forward"), "B": ("#55A868", "backward"),
+          "W": ("#CCB974", "weight gradient"),
           "backward": ("#4C72B0", "backward"), "forward": ("#55A868", "forward"),
           "all-reduce": ("#DD8452", "all-reduce"), "wait": ("#C44E52", "wait"),
           "optimizer": ("#8172B2", "optimizer")}

@@ -8,6 +8,9 @@ For each op of ``schedule[rank]`` (see ``schedules.py``):
 * ``B(m, s)``: receive ``∂L/∂y`` from stage ``s+1`` (the last stage starts from its loss),
   backpropagate through stage ``s`` (parameter gradients accumulate across micro-batches), send
   ``∂L/∂x`` to stage ``s-1``.
+* If the rank's list also has ``W(m, s)``, the backward is split (zero-bubble schedules,
+  :mod:`.zero_bubble`): ``B`` computes only ``∂L/∂x`` and sends it at once; ``W`` computes the
+  weight gradients later (:mod:`.split_backward`). The saved activations are freed at ``W``.
 
 Because each micro-batch's mean loss is weighted by its share of the batch, the summed loss and
 the accumulated gradients equal one process on the whole batch (to fp32 rounding), for any batch
@@ -42,6 +45,7 @@ from ..data_parallel.flat import average_flat
 from . import microbatch
 from .memory import ActivationMeter
 from .schedules import Schedule
+from .split_backward import backward_input, backward_weight
 from .transport import Transport
 
 __all__ = ["pipeline_step", "StepResult", "local_stages", "sync_gradients", "recv_plan"]
@@ -121,6 +125,8 @@ class _StepState:
     last_backward: dict = field(default_factory=dict)  # stage -> mb of its last B op here
     count: float = 0.0                # "per_token": counted tokens so far (last stage)
     saved: dict = field(default_factory=dict)   # (mb, stage) -> (x, y) kept for the backward
+    split: set = field(default_factory=set)     # (mb, stage) whose backward is B then W
+    pending_w: dict = field(default_factory=dict)  # (mb, stage) -> WeightGrad, from B to W
     events: list = field(default_factory=list)
     total: torch.Tensor | None = None             # the summed weighted loss (last stage)
 
@@ -169,6 +175,13 @@ def _backward_op(st: _StepState, m: int, s: int) -> None:
     last = st.schedule.n_stages - 1
     grad = None if s == last else st.transport.recv(st.schedule.owner(s + 1), "grad", m, s + 1, s)
     start = st.clock()
+    if (m, s) in st.split:  # B of a split backward: the input gradient only, W comes later
+        gx, st.pending_w[(m, s)] = backward_input(y, grad, x, st.modules[s].parameters())
+        st.events.append(Event("B", start, st.clock(), rank=st.rank, mb=m, stage=s))
+        if s > 0:
+            gx = gx if gx is not None else torch.zeros_like(x)
+            st.transport.send(gx, st.schedule.owner(s - 1), "grad", m, s, s - 1)
+        return
     if y.requires_grad:
         ctx = (st.backward_context(s, m, st.last_backward[s] == m) if st.backward_context
                else contextlib.nullcontext())
@@ -179,6 +192,18 @@ def _backward_op(st: _StepState, m: int, s: int) -> None:
     if s > 0:
         gx = x.grad if x.grad is not None else torch.zeros_like(x)
         st.transport.send(gx, st.schedule.owner(s - 1), "grad", m, s, s - 1)
+
+
+def _weight_op(st: _StepState, m: int, s: int) -> None:
+    """W(m, s): the weight gradients of a split backward (accumulate into ``.grad``); frees the
+    micro-batch's saved activations."""
+    start = st.clock()
+    ctx = (st.backward_context(s, m, st.last_backward[s] == m) if st.backward_context
+           else contextlib.nullcontext())
+    with ctx:
+        backward_weight(st.pending_w.pop((m, s)))
+    st.meter.backward(s, m)
+    st.events.append(Event("W", start, st.clock(), rank=st.rank, mb=m, stage=s))
 
 
 def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
@@ -203,7 +228,8 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         sync_dp: False when something else averages the gradients over ``dp_group`` (a DDP
             wrapper's hooks, ZeRO).
         backward_context: ``f(stage, mb, last) -> context manager`` entered around each backward;
-            ``last`` is True for the stage's last backward of the step (where a bucketed DDP wrapper
+            ``last`` is True for the stage's last backward of the step (its last W when the
+            backward is split: where the weight gradients are final) (where a bucketed DDP wrapper
             must synchronise, Narayanan et al. 2021 §3.3).
         record: keep a timeline of compute and communication events.
         device: where received tensors and micro-batches go (default ``minidist.env.device()``:
@@ -243,13 +269,17 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         return time.perf_counter() - t0
 
     transport = Transport(group, device, clock if record else None)
+    split = schedule.split(rank)
     st = _StepState(schedule, modules, rank, device, transport, ActivationMeter(modules), clock,
                     loss_fn, mb_inputs, mb_targets, weights, loss_reduction, backward_context,
-                    {op.stage: op.mb for op in schedule[rank] if op.kind == "B"})
+                    {op.stage: op.mb for op in schedule[rank]
+                     if op.kind == "W" or (op.kind == "B" and (op.mb, op.stage) not in split)},
+                    split=split)
     if prefetch if prefetch is not None else dist.get_backend(group) == "gloo":
         transport.start_prefetch(recv_plan(schedule, rank))
+    run_op = {"F": _forward_op, "B": _backward_op, "W": _weight_op}
     for op in schedule[rank]:
-        (_forward_op if op.kind == "F" else _backward_op)(st, op.mb, op.stage)
+        run_op[op.kind](st, op.mb, op.stage)
     transport.finish()
     global_loss = tokens = None
     if loss_reduction != "mean":

@@ -36,7 +36,9 @@ class ScheduleError(ValueError):
 
 
 class Op(NamedTuple):
-    """One unit of work on one rank: ``kind`` is ``"F"`` or ``"B"``; ``mb`` and ``stage`` are indices."""
+    """One unit of work on one rank: ``kind`` is ``"F"``, ``"B"`` or ``"W"``; ``mb`` and ``stage``
+    are indices. ``B`` is the whole backward, unless the rank's list also has ``W`` for the same
+    (mb, stage): then ``B`` computes only the input gradient and ``W`` the weight gradients."""
 
     kind: str
     mb: int
@@ -55,6 +57,7 @@ class Schedule:
     M: int
     v: int
     ops: tuple
+    placement: str = "loop"  # "loop": stage s on rank s % P; "v": chunk 1 runs back, P-1 -> 0
 
     @property
     def n_stages(self) -> int:
@@ -62,18 +65,27 @@ class Schedule:
 
     def owner(self, stage: int) -> int:
         """The rank that holds ``stage``."""
+        if self.placement == "v" and stage >= self.P:
+            return 2 * self.P - 1 - stage
         return stage % self.P
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages rank ``rank`` holds, chunk order."""
+        if self.placement == "v":
+            return [rank, 2 * self.P - 1 - rank]
         return [c * self.P + rank for c in range(self.v)]
+
+    def split(self, rank: int) -> set:
+        """(mb, stage) pairs whose backward rank ``rank`` runs as B then W (not fused)."""
+        return {(op.mb, op.stage) for op in self.ops[rank] if op.kind == "W"}
 
     def __getitem__(self, rank: int) -> list[Op]:
         return list(self.ops[rank])
 
     def __repr__(self) -> str:
         rows = "\n".join(f"  rank {r}: {' '.join(map(repr, ops))}" for r, ops in enumerate(self.ops))
-        return f"Schedule({self.name}, P={self.P}, M={self.M}, v={self.v})\n{rows}"
+        where = "" if self.placement == "loop" else f", placement={self.placement}"
+        return f"Schedule({self.name}, P={self.P}, M={self.M}, v={self.v}{where})\n{rows}"
 
 
 def _check_args(name: str, P: int, M: int, v: int = 1) -> None:
@@ -148,30 +160,35 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one
 
 
 def make_schedule(name: str, P: int, M: int, v: int = 2) -> Schedule:
-    """``make_schedule("gpipe" | "1f1b" | "interleaved", P, M, v)``; ``v`` is used by interleaved only."""
+    """``make_schedule("gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-v", P, M, v)``; ``v`` is
+    used by interleaved only (ZB-V always has 2 chunks per rank)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     return interleaved_one_f_one_b(P, M, v) if name == "interleaved" else SCHEDULES[name](P, M)
 
 
 def validate(schedule: Schedule) -> Schedule:
-    """Check that each rank runs F then B exactly once for every (micro-batch, own stage).
+    """Check that each rank runs F then B exactly once for every (micro-batch, own stage), and at
+    most one W after its B (a split backward; without W, B is the fused backward).
 
-    This catches lists that miss, repeat or misplace an op. Whether the ranks' orders fit together
+    This catches lists that miss, repeat or misplace an op (a W before its B). Whether the ranks' orders fit together
     (no circular wait between stages) is a property of all ranks at once: the simulator finds it.
 
     Raises:
         ScheduleError: naming the rank and the op.
     """
     P, M = schedule.P, schedule.M
+    if schedule.placement not in ("loop", "v") or (schedule.placement == "v" and schedule.v != 2):
+        raise ScheduleError(f"{schedule.name}: placement must be 'loop' or 'v' (with v=2), got "
+                            f"{schedule.placement!r} with v={schedule.v}")
     if len(schedule.ops) != P:
         raise ScheduleError(f"{schedule.name}: {len(schedule.ops)} op lists for P={P} ranks")
     for r, row in enumerate(schedule.ops):
         own = set(schedule.stages_of(r))
         seen = set()
         for op in row:
-            if not isinstance(op, Op) or op.kind not in ("F", "B"):
-                raise ScheduleError(f"{schedule.name}, rank {r}: {op!r} is not an Op('F'|'B', mb, stage)")
+            if not isinstance(op, Op) or op.kind not in ("F", "B", "W"):
+                raise ScheduleError(f"{schedule.name}, rank {r}: {op!r} is not an Op('F'|'B'|'W', mb, stage)")
             if op.stage not in own:
                 raise ScheduleError(f"{schedule.name}, rank {r}: {op!r} is for stage {op.stage}, "
                                     f"but rank {r} holds stages {sorted(own)}")
@@ -181,6 +198,10 @@ def validate(schedule: Schedule) -> Schedule:
                 raise ScheduleError(f"{schedule.name}, rank {r}: {op!r} appears twice")
             if op.kind == "B" and Op("F", op.mb, op.stage) not in seen:
                 raise ScheduleError(f"{schedule.name}, rank {r}: {op!r} comes before its forward")
+            if op.kind == "W" and Op("B", op.mb, op.stage) not in seen:
+                raise ScheduleError(f"{schedule.name}, rank {r}: {op!r} (weight gradient) comes "
+                                    f"before its B{op.mb}@s{op.stage} (input gradient): W needs "
+                                    f"the gradient B receives")
             seen.add(op)
         missing = [Op(k, m, s) for s in sorted(own) for m in range(M) for k in "FB"
                    if Op(k, m, s) not in seen]
@@ -188,3 +209,8 @@ def validate(schedule: Schedule) -> Schedule:
             raise ScheduleError(f"{schedule.name}, rank {r}: missing ops {missing[:6]}"
                                 f"{' ...' if len(missing) > 6 else ''}")
     return schedule
+
+
+from .zero_bubble import zb_h1, zb_v  # noqa: E402  (they build on Op/Schedule/validate above)
+
+SCHEDULES.update({"zb-h1": zb_h1, "zb-v": zb_v})

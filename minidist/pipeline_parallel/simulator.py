@@ -4,17 +4,22 @@ No processes, no tensors: each rank runs its op list in order; an op starts when
 and the op it depends on has finished (plus ``t_comm`` when that op ran on another rank):
 
 * ``F(m, s)`` depends on ``F(m, s-1)`` (the activation), none for stage 0;
-* ``B(m, s)`` depends on ``B(m, s+1)`` (the gradient); for the last stage on ``F(m, s)``.
+* ``B(m, s)`` depends on ``B(m, s+1)`` (the gradient); for the last stage on ``F(m, s)``;
+* ``W(m, s)`` depends on ``B(m, s)`` (same rank: it starts from the gradient B received).
 
 This is the same dependency rule the engine enforces with its receives, so a schedule the
 simulator finishes cannot deadlock in the engine, and one it cannot finish is a circular wait:
 :class:`PipelineDeadlock` names each stuck rank, its stage and what it waits for.
 
-Costs: ``t_f`` and ``t_b`` are one micro-batch's forward and backward through a whole rank's share
-of the model; with ``v`` chunks per rank, each op costs ``t_f / v`` (or ``t_b / v``).
+Costs: ``t_f`` and ``t_b`` are one micro-batch's forward and *whole* backward through a whole
+rank's share of the model; ``t_w`` is the weight-gradient part of ``t_b`` (default ``t_b / 2``:
+``dX = dY·W`` and ``dW = dYᵀ·X`` are one matmul each). A fused ``B`` costs ``t_b``; a split one
+``t_b - t_w`` and its ``W`` ``t_w``. With ``v`` chunks per rank, each op costs a ``v``-th of that.
 
 Peak in-flight activations of a stage: the largest number of micro-batches whose forward has run
-on that stage and whose backward has not. It depends on the op order only, not on the costs.
+on that stage and whose activations are not yet freed — at the fused ``B``, or at ``W`` when the
+backward is split (W still needs the layer inputs). It depends on the op order only, not on the
+costs; :func:`peak_bytes` weighs each micro-batch by its bytes.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from dataclasses import dataclass
 from .schedules import Op, Schedule
 from ..trace import Event, bubble_fraction
 
-__all__ = ["simulate", "SimResult", "PipelineDeadlock", "peak_inflight", "bubble_formula",
-           "message_order_mismatches"]
+__all__ = ["simulate", "SimResult", "PipelineDeadlock", "peak_inflight", "peak_bytes",
+           "bubble_formula", "message_order_mismatches", "messages"]
 
 
 class PipelineDeadlock(RuntimeError):
@@ -39,13 +44,15 @@ class PipelineDeadlock(RuntimeError):
 @dataclass
 class SimResult:
     """``events``: the timeline; ``makespan``: its length; ``bubble``: see :func:`minidist.trace.bubble_fraction`;
-    ``peak_inflight``: {stage: peak micro-batches of saved activations}."""
+    ``peak_inflight``: {stage: peak micro-batches of saved activations}; ``messages``: the
+    simulated sends in time order, ``(time, src rank, dst rank, "act"|"grad", mb, from stage)``."""
 
     schedule: Schedule
     events: list
     makespan: float
     bubble: float
     peak_inflight: dict
+    messages: list = ()
 
     def plot(self, ax=None, title: str | None = None, time_unit: str = "units"):
         from ..trace import plot_timeline
@@ -66,6 +73,8 @@ def bubble_formula(P: int, M: int, v: int = 1) -> float:
 def _dependency(op: Op, n_stages: int) -> Op | None:
     if op.kind == "F":
         return Op("F", op.mb, op.stage - 1) if op.stage > 0 else None
+    if op.kind == "W":
+        return Op("B", op.mb, op.stage)
     if op.stage == n_stages - 1:
         return Op("F", op.mb, op.stage)
     return Op("B", op.mb, op.stage + 1)
@@ -73,26 +82,39 @@ def _dependency(op: Op, n_stages: int) -> Op | None:
 
 def peak_inflight(schedule: Schedule) -> dict:
     """{stage: peak number of micro-batches with saved activations} from the op order alone."""
+    return peak_bytes(schedule, lambda mb, stage: 1)
+
+
+def peak_bytes(schedule: Schedule, bytes_of) -> dict:
+    """{stage: peak saved-activation bytes}: ``bytes_of(mb, stage)`` bytes are held from ``F``
+    to the fused ``B``, or to ``W`` for a split backward (the engine's ``ActivationMeter``)."""
     peak = {}
-    for row in schedule.ops:
-        live = {}
+    for r, row in enumerate(schedule.ops):
+        split, live = schedule.split(r), {}
         for op in row:
-            live[op.stage] = live.get(op.stage, 0) + (1 if op.kind == "F" else -1)
+            frees = op.kind == "W" or (op.kind == "B" and (op.mb, op.stage) not in split)
+            step = bytes_of(op.mb, op.stage) if op.kind == "F" else (
+                -bytes_of(op.mb, op.stage) if frees else 0)
+            live[op.stage] = live.get(op.stage, 0) + step
             peak[op.stage] = max(peak.get(op.stage, 0), live[op.stage])
     return dict(sorted(peak.items()))
 
 
-def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0) -> SimResult:
+def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0,
+             t_w: float | None = None) -> SimResult:
     """Run ``schedule`` in simulated time. Costs per micro-batch per rank (see module docstring).
 
     Raises:
         PipelineDeadlock: the ranks' orders wait on each other in a circle.
-        ValueError: negative costs.
+        ValueError: negative costs, or ``t_w > t_b``.
     """
-    if min(t_f, t_b, t_comm) < 0:
-        raise ValueError(f"simulate: costs must be >= 0, got t_f={t_f}, t_b={t_b}, t_comm={t_comm}")
+    t_w = t_b / 2 if t_w is None else t_w
+    if min(t_f, t_b, t_comm, t_w) < 0 or t_w > t_b:
+        raise ValueError(f"simulate: costs must be >= 0 and t_w <= t_b (W is part of the backward), "
+                         f"got t_f={t_f}, t_b={t_b}, t_w={t_w}, t_comm={t_comm}")
     P, v, n_stages = schedule.P, schedule.v, schedule.n_stages
-    cost = {"F": t_f / v, "B": t_b / v}
+    splits = [schedule.split(r) for r in range(P)]
+    cost = {"F": t_f / v, "B": t_b / v, "W": t_w / v, "Bi": (t_b - t_w) / v}
     ptr = [0] * P
     free = [0.0] * P
     done = {}  # op -> end time
@@ -110,7 +132,8 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
                 ready = 0.0 if dep is None else done[dep] + (
                     t_comm if schedule.owner(dep.stage) != r else 0.0)
                 start = max(free[r], ready)
-                end = start + cost[op.kind]
+                kind = "Bi" if op.kind == "B" and (op.mb, op.stage) in splits[r] else op.kind
+                end = start + cost[kind]
                 events.append(Event(op.kind, start, end, rank=r, mb=op.mb, stage=op.stage))
                 done[op] = free[r] = end
                 ptr[r] += 1
@@ -127,7 +150,25 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
                                    waiting)
     events.sort(key=lambda e: (e.rank, e.start))
     makespan = max(e.end for e in events)
-    return SimResult(schedule, events, makespan, bubble_fraction(events, P), peak_inflight(schedule))
+    return SimResult(schedule, events, makespan, bubble_fraction(events, P), peak_inflight(schedule),
+                     messages(schedule, events))
+
+
+def messages(schedule: Schedule, events) -> list[tuple]:
+    """The sends of a timeline in time order: ``(time, src, dst, "act"|"grad", mb, from_stage)``
+    — an activation when ``F`` ends (unless on the last stage), a gradient when ``B`` ends (unless
+    on stage 0); hand-offs inside one rank are left out. W sends nothing."""
+    last, out = schedule.n_stages - 1, []
+    for e in events:
+        if e.kind == "F" and e.stage < last:
+            dst, kind = schedule.owner(e.stage + 1), "act"
+        elif e.kind == "B" and e.stage > 0:
+            dst, kind = schedule.owner(e.stage - 1), "grad"
+        else:
+            continue
+        if dst != e.rank:
+            out.append((e.end, e.rank, dst, kind, e.mb, e.stage))
+    return sorted(out)
 
 
 def message_order_mismatches(schedule: Schedule) -> list[tuple]:
@@ -150,7 +191,7 @@ def message_order_mismatches(schedule: Schedule) -> list[tuple]:
                 if op.stage < last:
                     sent.setdefault((r, schedule.owner(op.stage + 1)), []).append(
                         ("act", op.mb, op.stage))
-            else:
+            elif op.kind == "B":
                 if op.stage < last:
                     recvd.setdefault((schedule.owner(op.stage + 1), r), []).append(
                         ("grad", op.mb, op.stage + 1))

@@ -1,0 +1,162 @@
+"""A stage's backward in two parts: B, the gradient w.r.t. the stage input, now; W, the weight gradients, later.
+
+For a linear layer ``Y = X·Wᵀ`` with upstream gradient ``dY``, the backward is two independent
+products: ``dX = dY·W`` (the next stage up is waiting for it) and ``dW = dYᵀ·X`` (nobody is
+waiting: it is only needed at the optimizer step). Zero-bubble pipelines (Qi et al. 2023, "Zero
+Bubble Pipeline Parallelism", §2) run the first as op ``B``, send ``dX`` upstream at once, and run
+the second as op ``W`` whenever the rank would otherwise idle.
+
+For an arbitrary stage module we split autograd's graph instead of the layers:
+
+* **B** — :func:`backward_input`: ``torch.autograd.grad(y, x, dy, retain_graph=True)``. Autograd
+  runs only the nodes on a path from ``y`` to ``x`` (the *input path*) and, in each, only the
+  outputs that lead to ``x``: no weight gradient is computed. A node on the input path that also
+  has an edge leaving it (towards a parameter) is a *frontier* node; a pre-hook records the
+  gradient it received (its ``grad_outputs``), which is all that W needs from B.
+* **W** — :func:`backward_weight`: (1) each frontier node is run again from its recorded gradient,
+  asking only for its edges off the input path (``autograd.grad`` with ``GradientEdge`` inputs:
+  for a Linear, exactly ``dW``'s side of ``AddmmBackward``); (2) one ``autograd.backward`` from
+  those edges into the parameters (accumulating into ``.grad`` as a fused backward does). A
+  subgraph off the input path never leads back to it, so (2) recomputes nothing of B.
+  Frontier nodes that share an edge target (one tensor used by two ops on the path: a weight
+  used twice) are run together, each pinned to its recorded gradient by a pre-hook, so the
+  shared edge receives each contribution exactly once.
+
+When ``x`` needs no gradient (stage 0) or ``y`` does not depend on it, B computes nothing and W
+is the whole backward. The graph (and the activations it saved) lives until W; dropping the
+returned :class:`WeightGrad` frees it. Compare ``stage_backward_input`` / ``stage_backward_weight``
+in ``torch.distributed.pipelining._backward`` (which group by parameter instead of by edge).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+__all__ = ["backward_input", "backward_weight", "WeightGrad"]
+
+
+@dataclass
+class WeightGrad:
+    """What W needs from B: groups of (frontier node, its recorded grad_outputs, its off-path
+    edges), plus root edges already known (when B computed nothing: ``y`` and ``dy``)."""
+
+    groups: list = field(default_factory=list)   # [[(node, grads, [(next_node, nr), ...]), ...]]
+    roots: list = field(default_factory=list)    # [(GradientEdge, grad)]
+    params: list = field(default_factory=list)
+
+
+def _nodes_reaching(root, target):
+    """Nodes of the graph under ``root`` from which ``target`` can be reached (incl. target)."""
+    memo = {}
+    stack = [(root, False)]
+    while stack:  # iterative post-order: deep graphs do not hit the recursion limit
+        node, expanded = stack.pop()
+        if node in memo and not expanded:
+            continue
+        if expanded:
+            memo[node] = node is target or any(memo.get(n, False) for n, _ in node.next_functions
+                                               if n is not None)
+            continue
+        memo.setdefault(node, False)
+        stack.append((node, True))
+        stack += [(n, False) for n, _ in node.next_functions if n is not None and n not in memo]
+    return {n for n, reach in memo.items() if reach}
+
+
+def backward_input(y: torch.Tensor, dy: torch.Tensor | None, x: torch.Tensor, params) -> tuple:
+    """Op B: return ``(dx, WeightGrad)``; ``dx`` is ``None`` when ``x`` needs no gradient.
+
+    ``y``: the stage output (or the scalar loss, ``dy=None``); ``x``: the stage input (a leaf);
+    ``params``: the stage's parameters. No parameter's ``.grad`` changes.
+    """
+    params = [p for p in params if p.requires_grad]
+    dy = torch.ones_like(y) if dy is None else dy
+    if y.grad_fn is None:  # y does not depend on anything that needs a gradient
+        return (torch.zeros_like(x) if x.requires_grad else None), WeightGrad(params=params)
+    if not x.requires_grad:
+        return None, WeightGrad(roots=[(get_gradient_edge(y), dy)], params=params)
+    x_node = get_gradient_edge(x).node
+    on_path = _nodes_reaching(y.grad_fn, x_node)
+    if y.grad_fn not in on_path:  # x unused
+        return torch.zeros_like(x), WeightGrad(roots=[(get_gradient_edge(y), dy)], params=params)
+    frontier = {}  # node -> off-path edges
+    for node in on_path:
+        off = [(n, nr) for n, nr in node.next_functions if n is not None and n not in on_path]
+        if off and node is not x_node:
+            frontier[node] = off
+    recorded, handles = {}, []
+    for node in frontier:
+        handles.append(node.register_prehook(
+            lambda grad_outputs, node=node: recorded.__setitem__(node, grad_outputs)))
+    try:
+        (dx,) = torch.autograd.grad(y, x, dy, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return dx, WeightGrad(groups=_group(frontier, recorded), params=params)
+
+
+def _group(frontier: dict, recorded: dict) -> list:
+    """Union frontier nodes that send gradient into the same edge target (see module docstring)."""
+    parent = {n: n for n in frontier}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    owner = {}
+    for node, off in frontier.items():
+        for edge in off:
+            key = (edge[0], edge[1])
+            if key in owner:
+                parent[find(node)] = find(owner[key])
+            else:
+                owner[key] = node
+    groups = {}
+    for node, off in frontier.items():
+        if node in recorded:  # a node B never reached carries no gradient
+            groups.setdefault(find(node), []).append((node, recorded[node], off))
+    return list(groups.values())
+
+
+def backward_weight(wg: WeightGrad) -> None:
+    """Op W: accumulate the weight gradients into ``.grad`` (as a fused backward would)."""
+    roots = list(wg.roots)
+    for group in wg.groups:
+        outs, gouts, targets = [], [], []
+        for node, grads, off in group:
+            for i, g in enumerate(grads):
+                if g is not None:
+                    outs.append(GradientEdge(node, i))
+                    gouts.append(g)
+            targets += [GradientEdge(n, nr) for n, nr in off if GradientEdge(n, nr) not in targets]
+        if not outs:
+            continue
+        handles = []
+        if len(group) > 1:  # pin every member to what it received in B (no double counting)
+            handles = [node.register_prehook(lambda _, saved=grads: saved) for node, grads, _ in group]
+        try:
+            got = torch.autograd.grad(outs, targets, gouts, retain_graph=True, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        roots += [(e, g) for e, g in zip(targets, got) if g is not None]
+    if not roots or not wg.params:
+        return
+    leaf = {id(p): p for p in wg.params}
+    through = []
+    for edge, g in roots:  # an edge straight into a parameter's AccumulateGrad: add it directly
+        var = getattr(edge.node, "variable", None)
+        if var is not None:
+            if id(var) in leaf:
+                var.grad = g.detach().clone() if var.grad is None else var.grad + g
+        else:
+            through.append((edge, g))
+    if through:
+        torch.autograd.backward([e for e, _ in through], [g for _, g in through],
+                                inputs=wg.params)

@@ -1,0 +1,107 @@
+"""Zero-bubble schedules: the backward split into B (input gradient) and W (weight gradients).
+
+B is on the critical path — the stage above waits for its result — and W is not: it may run
+whenever the rank would otherwise idle, as long as it follows its own B (Qi et al. 2023, "Zero
+Bubble Pipeline Parallelism", ICLR 2024). Costs below: F, B, W each one unit.
+
+* :func:`zb_h1` — 1F1B's order of F and B, with W ops delayed to fill the bubble (§3.1, "ZB-H1").
+  Rank ``r`` runs its first ``r`` backwards as B alone and then one W per B, lagging ``r``
+  behind; the remaining W close the step. Every rank holds at most ``min(P, M)`` micro-batches,
+  1F1B's peak (the paper's ``p·M_B``): the last ranks hold more than in 1F1B, the first the same.
+  With ``M >= P`` and equal costs the step takes ``3M + P - 1`` units, against 1F1B's
+  ``3(M + P - 1)``: a third of the bubble.
+* :func:`zb_v` — two chunks per rank in a V (stage ``r`` and ``2P-1-r`` on rank ``r``: the last
+  stage, with the loss, is on rank 0 next to the first), §6 "ZB-V". The V makes the way down and
+  back up meet on the same rank, so B of chunk 1 can start as soon as its F ends; W fills the
+  rest. At most ``2P`` chunk-micro-batches (``P`` rank-shares, 1F1B's peak) in flight per rank.
+* :func:`dualpipe_v` — DeepSeek-V3's DualPipe folded into a V (DeepSeek-AI 2024, §3.2.1; the
+  "cut-in-half" DualPipeV of github.com/deepseek-ai/DualPipe): same placement as ZB-V, but in
+  the steady state each rank pairs the forward of one micro-batch on one chunk with the backward
+  of another on the other chunk, so one direction's compute can hide the other's communication;
+  W ops are deferred into the cool-down. See the module's section on it below.
+
+Any ``M >= 1`` works for all three (smaller ``M`` only shortens the phases).
+"""
+
+from __future__ import annotations
+
+from .schedules import Op, Schedule, _check_args, validate
+
+__all__ = ["zb_h1", "zb_v", "dualpipe_v"]
+
+
+def zb_h1(P: int, M: int) -> Schedule:
+    """ZB-H1: 1F1B's order of F and B; on rank ``r``, W of micro-batch ``k`` follows B of ``k+r``.
+
+    Rank ``r``: ``min(P-1-r, M)`` warm-up F; then F, B pairs; after each B from the ``r+1``-th
+    on, W of the oldest micro-batch still waiting; the W still waiting end the list.
+    """
+    _check_args("zb-h1", P, M)
+    ops = []
+    for r in range(P):
+        warmup = min(P - 1 - r, M)
+        row = [Op("F", m, r) for m in range(warmup)]
+        n_b = n_w = 0
+
+        def backward():
+            nonlocal n_b, n_w
+            row.append(Op("B", n_b, r))
+            n_b += 1
+            if n_b > r:  # W lags its B by r backwards: they fill the gaps the B ops leave
+                row.append(Op("W", n_w, r))
+                n_w += 1
+
+        for i in range(M - warmup):
+            row.append(Op("F", warmup + i, r))
+            backward()
+        while n_b < M:
+            backward()
+        row += [Op("W", m, r) for m in range(n_w, M)]
+        ops.append(tuple(row))
+    return validate(Schedule("zb-h1", P, M, 1, tuple(ops)))
+
+
+def zb_v(P: int, M: int) -> Schedule:
+    """ZB-V: rank ``r`` holds stages ``r`` (chunk 0) and ``2P-1-r`` (chunk 1).
+
+    Rank ``r``: ``2(P-r)-1`` forwards of chunk 0; ``r`` pairs (F chunk 1, F chunk 0); ``P-r``
+    triples (F, B, W of chunk 1); then, while forwards remain, (F, B, W of chunk 0) and (F, B, W
+    of chunk 1); the cool-down runs ``r`` pairs (B chunk 0, B chunk 1), ``P-r`` pairs (B, W of
+    chunk 0), then the W still waiting, chunk 1 first. The counts are those of a pipeline of
+    ``max(M, 2P-1)`` micro-batches; with fewer, the ops of the missing ones are left out (the
+    phases shrink, the order stays valid).
+    """
+    _check_args("zb-v", P, M)
+    n = max(M, 2 * P - 1)
+    ops = []
+    for r in range(P):
+        c0, c1 = r, 2 * P - 1 - r
+        nxt = {("F", c0): 0, ("F", c1): 0, ("B", c0): 0, ("B", c1): 0, ("W", c0): 0, ("W", c1): 0}
+        row = []
+
+        def put(kind, stage):
+            row.append(Op(kind, nxt[(kind, stage)], stage))
+            nxt[(kind, stage)] += 1
+
+        for _ in range(2 * (P - r) - 1):
+            put("F", c0)
+        for _ in range(r):
+            put("F", c1)
+            put("F", c0)
+        for _ in range(P - r):
+            put("F", c1), put("B", c1), put("W", c1)
+        while nxt[("F", c1)] < nxt[("F", c0)] or nxt[("F", c0)] < n:
+            if nxt[("F", c0)] < n:
+                put("F", c0)
+            put("B", c0), put("W", c0)
+            put("F", c1), put("B", c1), put("W", c1)
+        for _ in range(r):
+            put("B", c0), put("B", c1)
+        for _ in range(P - r):
+            put("B", c0), put("W", c0)
+        while nxt[("W", c1)] < nxt[("B", c1)]:
+            put("W", c1)
+        while nxt[("W", c0)] < nxt[("B", c0)]:
+            put("W", c0)
+        ops.append(tuple(op for op in row if op.mb < M))
+    return validate(Schedule("zb-v", P, M, 2, tuple(ops), placement="v"))
