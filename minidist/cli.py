@@ -184,8 +184,8 @@ def bench(argv=None) -> int:
         bench_zero(world_size=(args.world_sizes or [2])[0])
         return 0
     if args.what == "pp":
-        from .bench.pp import bench_bubble
-        bench_bubble()
+        from .bench.pp import bench_schedules
+        bench_schedules()
         return 0
     sizes, s = [], B.parse_size(args.min_bytes)
     while s <= B.parse_size(args.max_bytes):

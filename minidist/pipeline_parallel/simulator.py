@@ -101,20 +101,31 @@ def peak_bytes(schedule: Schedule, bytes_of) -> dict:
 
 
 def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0,
-             t_w: float | None = None) -> SimResult:
-    """Run ``schedule`` in simulated time. Costs per micro-batch per rank (see module docstring).
+             t_w: float | None = None, t_gap: float = 0.0) -> SimResult:
+    """Run ``schedule`` in simulated time. Costs per micro-batch per rank (see module docstring),
+    or ``{stage: seconds of one op}`` per stage (measured costs: stage 0's split B computes no
+    input gradient, so its W holds its whole backward). ``t_gap``: time between two consecutive
+    ops of a rank even when the second is ready (a real engine's per-op overhead: posting sends,
+    bookkeeping); schedules with more ops pay it more often.
 
     Raises:
         PipelineDeadlock: the ranks' orders wait on each other in a circle.
         ValueError: negative costs, or ``t_w > t_b``.
     """
-    t_w = t_b / 2 if t_w is None else t_w
-    if min(t_f, t_b, t_comm, t_w) < 0 or t_w > t_b:
+    P, v, n_stages = schedule.P, schedule.v, schedule.n_stages
+
+    def per_stage(c):  # a number, or {stage: op cost} (measured, one chunk: not divided by v)
+        return dict(c) if isinstance(c, dict) else {s: c / v for s in range(n_stages)}
+
+    f, b = per_stage(t_f), per_stage(t_b)
+    w = {s: b[s] / 2 for s in b} if t_w is None else per_stage(t_w)
+    bad = [s for s in range(n_stages) if min(f[s], b[s], w[s]) < 0 or w[s] > b[s]]
+    if t_comm < 0 or t_gap < 0 or bad:
         raise ValueError(f"simulate: costs must be >= 0 and t_w <= t_b (W is part of the backward), "
                          f"got t_f={t_f}, t_b={t_b}, t_w={t_w}, t_comm={t_comm}")
-    P, v, n_stages = schedule.P, schedule.v, schedule.n_stages
     splits = [schedule.split(r) for r in range(P)]
-    cost = {"F": t_f / v, "B": t_b / v, "W": t_w / v, "Bi": (t_b - t_w) / v}
+    cost = {(k, s): c for s in range(n_stages)
+            for k, c in (("F", f[s]), ("B", b[s]), ("W", w[s]), ("Bi", b[s] - w[s]))}
     ptr = [0] * P
     free = [0.0] * P
     done = {}  # op -> end time
@@ -131,9 +142,9 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
                     break
                 ready = 0.0 if dep is None else done[dep] + (
                     t_comm if schedule.owner(dep.stage) != r else 0.0)
-                start = max(free[r], ready)
+                start = max(free[r] + (t_gap if ptr[r] else 0.0), ready)
                 kind = "Bi" if op.kind == "B" and (op.mb, op.stage) in splits[r] else op.kind
-                end = start + cost[kind]
+                end = start + cost[(kind, op.stage)]
                 events.append(Event(op.kind, start, end, rank=r, mb=op.mb, stage=op.stage))
                 done[op] = free[r] = end
                 ptr[r] += 1
