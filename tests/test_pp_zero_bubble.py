@@ -10,7 +10,7 @@ from torch import nn
 
 from minidist.pipeline_parallel import (Op, PipelineDeadlock, Schedule, ScheduleError, make_schedule,
                                         message_order_mismatches, one_f_one_b, peak_bytes,
-                                        simulate, validate, zb_h1, zb_v)
+                                        simulate, validate, zb_h1, zb_v, dualpipe_v)
 from minidist.pipeline_parallel.split_backward import backward_input, backward_weight
 
 D = torch.float64
@@ -39,23 +39,42 @@ def test_zb_h1_keeps_1f1b_peak_memory(P, M):
     assert max(simulate(h).peak_inflight.values()) == max(simulate(f).peak_inflight.values())
 
 
-@pytest.mark.parametrize("P,M", [(2, 4), (4, 8), (4, 12), (8, 24)])
-def test_zb_v_beats_zb_h1_with_two_chunks(P, M):
-    v, h = simulate(zb_v(P, M), 1.0, 2.0, t_w=1.0), simulate(zb_h1(P, M), 1.0, 2.0, t_w=1.0)
-    assert v.bubble < h.bubble
-    # the measured shape of this ZB-V (each chunk op half a unit): (P-1)/2 units of idle per rank
-    assert v.makespan == pytest.approx(3 * M + (P - 1) / 2)
+@pytest.mark.parametrize("P,M", [(2, 4), (2, 5), (4, 8), (4, 12), (8, 24), (8, 17)])
+def test_v_schedules_halve_zb_h1_idle_time(P, M):
+    h = simulate(zb_h1(P, M), 1.0, 2.0, t_w=1.0)
+    for s in (zb_v(P, M), dualpipe_v(P, M)):
+        v = simulate(s, 1.0, 2.0, t_w=1.0)  # each chunk op half a unit
+        assert v.bubble < h.bubble
+        assert v.makespan == pytest.approx(3 * M + (P - 1) / 2), s.name
+        assert h.makespan - 3 * M == P - 1
+        # peak: 2P chunk micro-batches on the first stage = P rank-shares, 1F1B's peak
+        assert v.peak_inflight[0] == 2 * P and max(v.peak_inflight.values()) == 2 * P
 
 
-@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
+def test_dualpipe_v_pairs_directions_and_refuses_small_m():
+    s = dualpipe_v(4, 8)
+    row = s[1]  # rank 1: c0 = stage 1 (down), c1 = stage 6 (up)
+    steady = [i for i in range(len(row) - 1) if row[i].kind == "F" and row[i + 1].kind == "B"
+              and row[i].stage != row[i + 1].stage]
+    assert len(steady) >= 2 * (8 - 8 + 1 + 1)  # F of one direction next to B of the other
+    with pytest.raises(ScheduleError, match="dualpipe-v needs at least 2P micro-batches"):
+        dualpipe_v(4, 7)
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v", "dualpipe-v"])
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 16])
 def test_zero_bubble_schedules_finish(name, P, M):
+    if name == "dualpipe-v" and M < 2 * P:
+        return
     s = make_schedule(name, P, M)
     r = simulate(s, 1.0, 2.0, t_comm=0.1, t_w=0.7)
-    assert len(r.events) == 3 * M * s.n_stages  # F, B and W of every micro-batch and stage
+    kinds = [e.kind for e in r.events]
+    assert kinds.count("F") == kinds.count("B") == M * s.n_stages
+    n_w = kinds.count("W")  # every backward split (DualPipe-V: only those of the cool-down)
+    assert n_w == M * s.n_stages if name != "dualpipe-v" else 0 < n_w < M * s.n_stages
     assert 0.0 <= r.bubble < 1.0
-    assert message_order_mismatches(s) == [] or name == "zb-v"
+    assert message_order_mismatches(s) == [] or name != "zb-h1"  # the V ones need gloo's tags
 
 
 def test_zb_v_places_stages_in_a_v():

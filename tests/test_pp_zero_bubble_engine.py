@@ -36,7 +36,8 @@ def make_batch(n=N):
 
 
 def cases(P):
-    return [(name, M) for name in ("zb-h1", "zb-v", "1f1b") for M in (P, 2 * P, 3 * P, P + 1)]
+    return ([(name, M) for name in ("zb-h1", "zb-v", "1f1b") for M in (P, 2 * P, 3 * P, P + 1)]
+            + [("dualpipe-v", M) for M in (2 * P, 3 * P, 2 * P + 1)])  # it needs M >= 2P
 
 
 def _worker(rank, world, cases):
@@ -113,7 +114,7 @@ def _torch_and_ours(rank, world, M):
     x, y = make_batch(4 * M)  # torch weights every micro-batch 1/M: equal micro-batches
     out = {}
     for ours, theirs in (("zb-h1", ScheduleInterleavedZeroBubble), ("zb-v", ScheduleZBVZeroBubble),
-                         ("zb-v", ScheduleDualPipeV)):
+                         ("dualpipe-v", ScheduleDualPipeV)):
         for who in ("ours", "torch"):
             schedule = make_schedule(ours, world, M)
             model = make_model()
@@ -140,8 +141,8 @@ def _torch_and_ours(rank, world, M):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("P,M", [(2, 4), (4, 8)])  # DualPipeV needs M >= 2P
 def test_equal_to_torch_zero_bubble_schedules(P, M):
-    """Ours ZB-H1 vs torch's ZB1P (ScheduleInterleavedZeroBubble, one stage per rank); ours ZB-V
-    vs ScheduleZBVZeroBubble and ScheduleDualPipeV (same V placement, same split)."""
+    """Ours ZB-H1 vs torch's ZB1P (ScheduleInterleavedZeroBubble, one stage per rank); ZB-V and
+    DualPipe-V vs ScheduleZBVZeroBubble and ScheduleDualPipeV (same V placement, same split)."""
     results = minidist.run(_torch_and_ours, P, M, timeout=150)
     worst = 0.0
     for theirs in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"):

@@ -160,8 +160,8 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one
 
 
 def make_schedule(name: str, P: int, M: int, v: int = 2) -> Schedule:
-    """``make_schedule("gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-v", P, M, v)``; ``v`` is
-    used by interleaved only (ZB-V always has 2 chunks per rank)."""
+    """``make_schedule("gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-v" | "dualpipe-v", P, M, v)``;
+    ``v`` is used by interleaved only (ZB-V and DualPipe-V always have 2 chunks per rank)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     return interleaved_one_f_one_b(P, M, v) if name == "interleaved" else SCHEDULES[name](P, M)
@@ -211,6 +211,6 @@ def validate(schedule: Schedule) -> Schedule:
     return schedule
 
 
-from .zero_bubble import zb_h1, zb_v  # noqa: E402  (they build on Op/Schedule/validate above)
+from .zero_bubble import dualpipe_v, zb_h1, zb_v  # noqa: E402  (they build on Op/Schedule above)
 
-SCHEDULES.update({"zb-h1": zb_h1, "zb-v": zb_v})
+SCHEDULES.update({"zb-h1": zb_h1, "zb-v": zb_v, "dualpipe-v": dualpipe_v})

@@ -18,14 +18,16 @@ Bubble Pipeline Parallelism", ICLR 2024). Costs below: F, B, W each one unit.
   "cut-in-half" DualPipeV of github.com/deepseek-ai/DualPipe): same placement as ZB-V, but in
   the steady state each rank pairs the forward of one micro-batch on one chunk with the backward
   of another on the other chunk, so one direction's compute can hide the other's communication;
-  W ops are deferred into the cool-down. See the module's section on it below.
+  W ops are deferred into the cool-down (:func:`dualpipe_v`).
 
-Any ``M >= 1`` works for all three (smaller ``M`` only shortens the phases).
+ZB-H1 and ZB-V take any ``M >= 1`` (smaller ``M`` only shortens the phases); DualPipe-V needs
+``M >= 2P``. With equal costs and no communication time, ZB-V and DualPipe-V take
+``3M + (P-1)/2`` units: half of ZB-H1's idle time.
 """
 
 from __future__ import annotations
 
-from .schedules import Op, Schedule, _check_args, validate
+from .schedules import Op, Schedule, ScheduleError, _check_args, validate
 
 __all__ = ["zb_h1", "zb_v", "dualpipe_v"]
 
@@ -105,3 +107,70 @@ def zb_v(P: int, M: int) -> Schedule:
             put("W", c0)
         ops.append(tuple(op for op in row if op.mb < M))
     return validate(Schedule("zb-v", P, M, 2, tuple(ops), placement="v"))
+
+
+def dualpipe_v(P: int, M: int) -> Schedule:
+    """DualPipe-V: ZB-V's placement; steady-state pairs (F of one chunk, whole B of the other).
+
+    DualPipe (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §3.2.1) feeds micro-batches into
+    both ends of the pipeline, so every rank always has a forward of one direction and a backward
+    of the other to run together: one's compute hides the other's communication (on a GPU the
+    pair really overlaps; this engine runs it as F then B). Folded into a V (stage ``r`` and
+    ``2P-1-r`` on rank ``r``) the two directions are the two chunks — chunk 0 flows down, chunk 1
+    flows back up — and the model is stored once. Rank ``r``, with ``c0 = r``, ``c1 = 2P-1-r``:
+
+    1. ``2(P-1-r)`` F(c0);  2. ``r+1`` × [F(c0), F(c1)];
+    3. ``P-1-r`` × [B(c1), W(c1), F(c1)]  (split: the gradient goes up at once);
+    4. ``M-2P+r+1`` × [F(c0), B(c1)], [F(c1), B(c0)]  (pairs; fused backwards);
+    5. ``P-1-r`` × [B(c1)], [F(c1), B(c0)];
+    6. ``r+1`` × [B(c1), B(c0)], the second half split into B and W (odd ranks switch one op
+       earlier), so 7. ``P-1-r`` × [W, B(c0)] and 8. the last ``r+1`` W fill the cool-down.
+
+    The order of torch's ``ScheduleDualPipeV`` (after github.com/deepseek-ai/DualPipe,
+    ``dualpipev.py``). Needs ``M >= 2P`` (every rank's steady state needs a micro-batch per stage).
+    """
+    _check_args("dualpipe-v", P, M)
+    if M < 2 * P:
+        raise ScheduleError(f"dualpipe-v needs at least 2P micro-batches (one per stage of the V): "
+                            f"got M={M} for P={P}; use M >= {2 * P}, or ZB-V (any M)")
+    ops = []
+    for r in range(P):
+        c0, c1 = r, 2 * P - 1 - r
+        count = {}
+        row, pending_w = [], []
+
+        def put(kind, stage, split=False):
+            m = count.get((kind, stage), 0)
+            count[(kind, stage)] = m + 1
+            row.append(Op(kind, m, stage))
+            if split:
+                pending_w.append(Op("W", m, stage))
+
+        def weight():
+            if pending_w:
+                row.append(pending_w.pop(0))
+
+        for _ in range(2 * (P - 1 - r)):
+            put("F", c0)
+        for _ in range(r + 1):
+            put("F", c0), put("F", c1)
+        for _ in range(P - 1 - r):
+            put("B", c1, split=True), weight(), put("F", c1)
+        for _ in range(M - 2 * P + r + 1):
+            put("F", c0), put("B", c1)
+            put("F", c1), put("B", c0)
+        for _ in range(P - 1 - r):
+            put("B", c1)
+            put("F", c1), put("B", c0)
+        split = False
+        for i in range(r + 1):
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            put("B", c1, split)
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            put("B", c0, split)
+        for _ in range(P - 1 - r):
+            weight(), put("B", c0, split)
+        while pending_w:
+            weight()
+        ops.append(tuple(row))
+    return validate(Schedule("dualpipe-v", P, M, 2, tuple(ops), placement="v"))
