@@ -194,3 +194,18 @@ def test_b_runs_no_weight_gradient_matmul():
     backward_weight(wg)
     assert seen == ["dW"]
     torch.testing.assert_close(lin.weight.grad, torch.ones(3, 6, dtype=D).T @ x.detach(), rtol=0, atol=1e-12)
+
+
+def test_optimizer_sync_costs_zero_bubble_schedules_more():
+    """A global synchronization before the step (clipping's norm, a NaN check): every rank waits
+    for the last one plus t_sync; the same unit costs a larger share of a zero-bubble step."""
+    rise = {}
+    for name in ("1f1b", "zb-h1", "zb-v"):
+        s = make_schedule(name, 4, 8)
+        a, b = simulate(s, 1, 2, t_w=1), simulate(s, 1, 2, t_w=1, t_sync=1.0)
+        assert b.makespan == a.makespan + 1.0
+        ends = {r: max(e.end for e in a.events if e.rank == r) for r in range(4)}
+        sync = {e.rank: e for e in b.events if e.kind == "sync"}
+        assert all(sync[r].start == ends[r] and sync[r].end == b.makespan for r in range(4))
+        rise[name] = b.bubble / a.bubble
+    assert rise["1f1b"] < rise["zb-h1"] < rise["zb-v"]

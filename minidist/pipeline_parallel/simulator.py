@@ -101,12 +101,16 @@ def peak_bytes(schedule: Schedule, bytes_of) -> dict:
 
 
 def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0,
-             t_w: float | None = None, t_gap: float = 0.0) -> SimResult:
+             t_w: float | None = None, t_gap: float = 0.0, t_sync: float = 0.0) -> SimResult:
     """Run ``schedule`` in simulated time. Costs per micro-batch per rank (see module docstring),
     or ``{stage: seconds of one op}`` per stage (measured costs: stage 0's split B computes no
     input gradient, so its W holds its whole backward). ``t_gap``: time between two consecutive
     ops of a rank even when the second is ready (a real engine's per-op overhead: posting sends,
-    bookkeeping); schedules with more ops pay it more often.
+    bookkeeping); schedules with more ops pay it more often. ``t_sync``: after its last op every
+    rank joins a global synchronization before the optimizer step (the all-reduce of a gradient
+    norm for clipping, or of a NaN/Inf flag) that ends ``t_sync`` after the *last* rank's last op
+    — a ``"sync"`` event per rank (idle time: it counts as bubble). Zero-bubble schedules pay it
+    like any other (Qi et al. 2023, §4 replace it with a post-hoc validation).
 
     Raises:
         PipelineDeadlock: the ranks' orders wait on each other in a circle.
@@ -120,7 +124,7 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
     f, b = per_stage(t_f), per_stage(t_b)
     w = {s: b[s] / 2 for s in b} if t_w is None else per_stage(t_w)
     bad = [s for s in range(n_stages) if min(f[s], b[s], w[s]) < 0 or w[s] > b[s]]
-    if t_comm < 0 or t_gap < 0 or bad:
+    if t_comm < 0 or t_gap < 0 or t_sync < 0 or bad:
         raise ValueError(f"simulate: costs must be >= 0 and t_w <= t_b (W is part of the backward), "
                          f"got t_f={t_f}, t_b={t_b}, t_w={t_w}, t_comm={t_comm}")
     splits = [schedule.split(r) for r in range(P)]
@@ -159,6 +163,9 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
             raise PipelineDeadlock(f"schedule {schedule.name} (P={P}, M={schedule.M}) deadlocks: "
                                    "the ranks wait on each other in a circle.\n  " + "\n  ".join(lines),
                                    waiting)
+    if t_sync:
+        last_op = max(e.end for e in events)
+        events += [Event("sync", free[r], last_op + t_sync, rank=r) for r in range(P)]
     events.sort(key=lambda e: (e.rank, e.start))
     makespan = max(e.end for e in events)
     return SimResult(schedule, events, makespan, bubble_fraction(events, P), peak_inflight(schedule),
