@@ -409,6 +409,53 @@ def my_one_f_one_b(P, M):
 '''}, "peak micro-batches in flight")
 
 
+_ZB_HEAD = """
+def my_zb_h1(P, M):
+    base = my_one_f_one_b(P, M)
+    ops = []
+    for r in range(P):
+        row, waiting, n_b = [], [], 0
+        for op in base.ops[r]:
+"""
+
+
+def test_ex07_zb_h1_rejects_misplaced_w_ops_naming_the_op():
+    # W right after its B: valid, same memory, but the W no longer fill the bubble
+    _rejects("07_one_f_one_b.ipynb", "zb_h1_grade", {"zb_h1": _ZB_HEAD + """
+            row.append(op)
+            if op.kind == "B":
+                row.append(Op("W", op.mb, op.stage))
+        ops.append(tuple(row))
+    return Schedule("my zb-h1", P, M, 1, tuple(ops))
+"""}, "P=2, M=2: the step takes 8 units", "ZB-H1 7",
+        "rank 1: W0@s1 runs after B0@s1; ZB-H1 runs it after B1@s1")
+    # W before its B: the schedule checker refuses it, naming the op
+    _rejects("07_one_f_one_b.ipynb", "zb_h1_grade", {"zb_h1": _ZB_HEAD + """
+            if op.kind == "B":
+                row.append(Op("W", op.mb, op.stage))
+            row.append(op)
+        ops.append(tuple(row))
+    return Schedule("my zb-h1", P, M, 1, tuple(ops))
+"""}, "W0@s0 (weight gradient) comes before its B0@s0")
+    # W lagging one backward too many: holds more than 1F1B's peak
+    _rejects("07_one_f_one_b.ipynb", "zb_h1_grade", {"zb_h1": _ZB_HEAD + """
+            row.append(op)
+            if op.kind == "B":
+                n_b += 1
+                waiting.append(Op("W", op.mb, op.stage))
+                if n_b > r + 1:
+                    row.append(waiting.pop(0))
+        ops.append(tuple(row + waiting))
+    return Schedule("my zb-h1", P, M, 1, tuple(ops))
+"""}, "micro-batches are in flight, 1F1B's peak is min(P, M) = 4", "must run before")
+    # no W at all: each B would be the fused backward, which is not ZB-H1
+    _rejects("07_one_f_one_b.ipynb", "zb_h1_grade", {"zb_h1": _ZB_HEAD + """
+            row.append(op)
+        ops.append(tuple(row))
+    return Schedule("my zb-h1", P, M, 1, tuple(ops))
+"""}, "no W0@s0: every backward is split")
+
+
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.name)
 def test_text_points_and_printed_score_agree(solution):
     """The part's heading says "(N points)", nbgrader's metadata gives N, and the grading cell's

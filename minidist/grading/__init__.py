@@ -29,11 +29,14 @@ factors), ``sampling.py`` (exercise 05: sampler and exact evaluation), ``launch_
 (exercise 08: launch variables and broken launch logs, against ``minidist.env``), ``cost.py``
 (exercise 13: GPUs for a deadline, spot wall time, Young's interval, against ``minidist.cost``),
 ``hybrid.py`` (exercise 12: the global gradient norm of a dp x tp x pp model, against
-``torch.nn.utils.clip_grad_norm_`` on one process; names the counting rule a wrong norm breaks).
+``torch.nn.utils.clip_grad_norm_`` on one process; names the counting rule a wrong norm breaks),
+``zero_bubble.py`` (exercise 07 part C: ZB-H1 from 1F1B by placing W ops, by the simulator's
+memory and bubble against ``minidist.pipeline_parallel.zb_h1``; names the misplaced op).
 """
 
 from .collectives import REFERENCES, grade_collective  # noqa: F401
 from . import composition, cost, hybrid, launch_env, sampling, walls  # noqa: F401  (exercises 02, 13, 12, 08, 05, 00)
+from . import zero_bubble  # noqa: F401  (exercise 07, part C)
 from .ddp import grade_bucket_layout, grade_ddp  # noqa: F401
 from .core import (Report, Result, check, check_on_ranks, compare,  # noqa: F401
                    describe_exception)

@@ -22,4 +22,5 @@ from ..trace import Event, bubble_fraction, plot_timeline  # noqa: F401
 
 __all__ = ["Op", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_one_f_one_b",
            "make_schedule", "validate", "zb_h1", "zb_v", "dualpipe_v", "simulate", "peak_bytes", "messages",
-           "SimResult", "PipelineDeadlock", "bubble_formula", "peak_inflight", "message_order_mismatches", "Event", "bubble_fraction", "plot_timeline"]
+           "SimResult", "PipelineDeadlock", "bubble_formula", "peak_inflight",
+           "message_order_mismatches", "Event", "bubble_fraction", "plot_timeline"]

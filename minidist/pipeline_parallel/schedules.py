@@ -171,7 +171,8 @@ def validate(schedule: Schedule) -> Schedule:
     """Check that each rank runs F then B exactly once for every (micro-batch, own stage), and at
     most one W after its B (a split backward; without W, B is the fused backward).
 
-    This catches lists that miss, repeat or misplace an op (a W before its B). Whether the ranks' orders fit together
+    This catches lists that miss, repeat or misplace an op (a W before its B). Whether the ranks'
+    orders fit together
     (no circular wait between stages) is a property of all ranks at once: the simulator finds it.
 
     Raises:
