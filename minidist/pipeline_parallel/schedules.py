@@ -172,8 +172,8 @@ def validate(schedule: Schedule) -> Schedule:
     most one W after its B (a split backward; without W, B is the fused backward).
 
     This catches lists that miss, repeat or misplace an op (a W before its B). Whether the ranks'
-    orders fit together
-    (no circular wait between stages) is a property of all ranks at once: the simulator finds it.
+    orders fit together (no circular wait between stages) is a property of all ranks at once: the
+    simulator finds it.
 
     Raises:
         ScheduleError: naming the rank and the op.
