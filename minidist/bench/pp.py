@@ -205,8 +205,9 @@ def bench_bubble(P: int = 4, M: int = 8, schedule: str = "1f1b", v: int = 2, t_f
     return out
 
 
-def bench_schedules(P: int = 4, M: int = 8, schedules=("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"),
-                    t_f: float = 0.02, t_b: float = 0.04, t_w: float | None = None, steps: int = 3,
+def bench_schedules(P: int = 4, M: int = 8,
+                    schedules=("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"),
+                    t_f: float = 0.04, t_b: float = 0.08, t_w: float | None = None, steps: int = 3,
                     verbose: bool = True, timeout: float = 120.0) -> dict:
     """:func:`bench_bubble` for every schedule (same costs): ``{name: result}``, and a table of
     measured vs simulated bubble when ``verbose``."""
