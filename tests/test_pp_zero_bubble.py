@@ -209,3 +209,21 @@ def test_optimizer_sync_costs_zero_bubble_schedules_more():
         assert all(sync[r].start == ends[r] and sync[r].end == b.makespan for r in range(4))
         rise[name] = b.bubble / a.bubble
     assert rise["1f1b"] < rise["zb-h1"] < rise["zb-v"]
+
+
+def test_dualpipe_v_pairs_hide_exposed_communication():
+    """DualPipe's premise in the simulator: communication exposed inside each F/B (t_exposed) is
+    hidden when an F and a B of another stage run as one overlapped pair on a rank."""
+    P, M = 4, 16
+    for name in ("1f1b", "zb-h1", "zb-v"):  # no cross-stage F-B pairs: overlap changes nothing
+        s = make_schedule(name, P, M)
+        assert simulate(s, 1, 2, t_w=1, t_exposed=1.0, overlap_pairs=True).makespan == \
+            simulate(s, 1, 2, t_w=1, t_exposed=1.0).makespan
+    d, v = dualpipe_v(P, M), zb_v(P, M)
+    assert simulate(d, 1, 2, t_w=1, t_exposed=0.0, overlap_pairs=True).makespan == \
+        simulate(d, 1, 2, t_w=1).makespan == 3 * M + (P - 1) / 2
+    paired = simulate(d, 1, 2, t_w=1, t_exposed=1.0, overlap_pairs=True).makespan
+    assert simulate(d, 1, 2, t_w=1, t_exposed=1.0).makespan > simulate(v, 1, 2, t_w=1,
+                                                                        t_exposed=1.0).makespan
+    assert paired < simulate(v, 1, 2, t_w=1, t_exposed=1.0).makespan
+    assert paired < simulate(zb_h1(P, M), 1, 2, t_w=1, t_exposed=1.0).makespan

@@ -101,7 +101,8 @@ def peak_bytes(schedule: Schedule, bytes_of) -> dict:
 
 
 def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0,
-             t_w: float | None = None, t_gap: float = 0.0, t_sync: float = 0.0) -> SimResult:
+             t_w: float | None = None, t_gap: float = 0.0, t_sync: float = 0.0,
+             t_exposed: float = 0.0, overlap_pairs: bool = False) -> SimResult:
     """Run ``schedule`` in simulated time. Costs per micro-batch per rank (see module docstring),
     or ``{stage: seconds of one op}`` per stage (measured costs: stage 0's split B computes no
     input gradient, so its W holds its whole backward). ``t_gap``: time between two consecutive
@@ -111,6 +112,12 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
     norm for clipping, or of a NaN/Inf flag) that ends ``t_sync`` after the *last* rank's last op
     — a ``"sync"`` event per rank (idle time: it counts as bubble). Zero-bubble schedules pay it
     like any other (Qi et al. 2023, §4 replace it with a post-hoc validation).
+
+    DualPipe's premise (DeepSeek-AI 2024, §3.2.1): ``t_exposed`` is communication that occupies the
+    rank inside each F or B (expert-parallel all-to-all, or sends sharing the compute stream),
+    added to its cost (per micro-batch and rank, like ``t_f``: a ``v``-th per chunk op); with ``overlap_pairs=True`` an F followed on the same rank by a B of another
+    stage run as one pair whose computations hide each other's communication (no ``t_exposed``
+    for either) — the two-stream overlap DualPipe-V's steady state is built for.
 
     Raises:
         PipelineDeadlock: the ranks' orders wait on each other in a circle.
@@ -124,10 +131,16 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
     f, b = per_stage(t_f), per_stage(t_b)
     w = {s: b[s] / 2 for s in b} if t_w is None else per_stage(t_w)
     bad = [s for s in range(n_stages) if min(f[s], b[s], w[s]) < 0 or w[s] > b[s]]
-    if t_comm < 0 or t_gap < 0 or t_sync < 0 or bad:
+    if t_comm < 0 or t_gap < 0 or t_sync < 0 or t_exposed < 0 or bad:
         raise ValueError(f"simulate: costs must be >= 0 and t_w <= t_b (W is part of the backward), "
                          f"got t_f={t_f}, t_b={t_b}, t_w={t_w}, t_comm={t_comm}")
     splits = [schedule.split(r) for r in range(P)]
+    hidden = [set() for _ in range(P)]  # list positions whose communication a pair hides
+    for r, row in enumerate(schedule.ops):
+        for i in range(len(row) - 1):
+            if overlap_pairs and row[i].kind == "F" and row[i + 1].kind == "B" \
+                    and row[i].stage != row[i + 1].stage and i not in hidden[r]:
+                hidden[r] |= {i, i + 1}
     cost = {(k, s): c for s in range(n_stages)
             for k, c in (("F", f[s]), ("B", b[s]), ("W", w[s]), ("Bi", b[s] - w[s]))}
     ptr = [0] * P
@@ -148,7 +161,8 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
                     t_comm if schedule.owner(dep.stage) != r else 0.0)
                 start = max(free[r] + (t_gap if ptr[r] else 0.0), ready)
                 kind = "Bi" if op.kind == "B" and (op.mb, op.stage) in splits[r] else op.kind
-                end = start + cost[(kind, op.stage)]
+                end = start + cost[(kind, op.stage)] + (
+                    t_exposed / v if kind != "W" and ptr[r] not in hidden[r] else 0.0)
                 events.append(Event(op.kind, start, end, rank=r, mb=op.mb, stage=op.stage))
                 done[op] = free[r] = end
                 ptr[r] += 1
