@@ -158,3 +158,25 @@ def test_equal_to_torch_zero_bubble_schedules(P, M):
                                        msg=lambda m: f"{theirs} {k}: {m}")
             worst = max(worst, (g - grads["torch"][k]).abs().max().item())
     print(f"P={P}, M={M}: largest gradient difference vs torch's schedules {worst:.2e}")
+
+
+def _w_before_b(rank, world):
+    from minidist.pipeline_parallel import Op, Schedule
+    good = make_schedule("zb-h1", world, 2)
+    row = list(good.ops[1])
+    i, j = row.index(Op("B", 0, 1)), row.index(Op("W", 0, 1))
+    row[i], row[j] = row[j], row[i]
+    bad = Schedule("w-first", world, 2, 1, (good.ops[0], tuple(row)))
+    mods = local_stages(split_model(make_model(), 2), bad, rank)
+    x, y = make_batch()
+    pipeline_step(bad, mods, x, y, nn.functional.mse_loss)
+
+
+@pytest.mark.timeout(60)
+def test_engine_refuses_w_before_b_on_every_rank():
+    with pytest.raises(minidist.RankError) as info:
+        minidist.run(_w_before_b, 2, timeout=30)
+    msg = str(info.value)
+    for r in (0, 1):  # rank 0's own list is fine: it refuses too instead of waiting for rank 1
+        assert (f"pipeline_step (rank {r}): w-first, rank 1: W0@s1 (weight gradient) comes "
+                "before its B0@s1") in msg, msg

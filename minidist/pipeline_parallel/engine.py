@@ -44,7 +44,7 @@ from ..trace import Event
 from ..data_parallel.flat import average_flat
 from . import microbatch
 from .memory import ActivationMeter
-from .schedules import Schedule
+from .schedules import Schedule, ScheduleError, validate
 from .split_backward import backward_input, backward_weight
 from .transport import Transport
 
@@ -244,9 +244,14 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
     Raises:
         ValueError: the schedule does not fit the group, the modules are not this rank's stages,
             or the batch has fewer than M samples, or ``loss_reduction`` is unknown.
+        ScheduleError: a list that misses, repeats or misplaces an op (a W before its B).
     """
     rank = dist.get_rank(group)
     P = dist.get_world_size(group)
+    try:
+        validate(schedule)  # every rank checks every list: all raise, none waits for the others
+    except ScheduleError as e:
+        raise ScheduleError(f"pipeline_step (rank {rank}): {e}") from None
     if schedule.P != P:
         raise ValueError(f"pipeline_step (rank {rank}): schedule {schedule.name} is for P={schedule.P} "
                          f"ranks, the pipeline group has {P}")
