@@ -131,7 +131,7 @@ def _torch_and_ours(rank, world, M):
                 last = schedule.n_stages - 1 in mine
                 sched.step(*((x,) if 0 in mine else ()),
                            **(dict(target=y, losses=losses) if last else {}))
-                loss = float(sum(losses)) / M if last else None
+                loss = float(sum(l.detach() for l in losses)) / M if last else None
             keep = {id(p) for s in mine for p in stages[s].parameters()}
             out[(theirs.__name__, who)] = (loss, {k: p.grad.clone() for k, p in model.named_parameters()
                                                   if id(p) in keep})
