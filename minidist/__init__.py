@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 
 # subpackages and modules reachable as minidist.<name>, imported when first touched (PEP 562)
 _LAZY = ("collectives", "comm", "data_parallel", "tensor_parallel", "pipeline_parallel",
-         "sharding", "grid", "models", "data", "trace", "lessons", "bench", "calc", "diagrams",
+         "sharding", "grid", "models", "data", "trace", "lessons", "bench", "planner", "diagrams",
          "grading", "hybrid")
 
 __all__ = ["run", "init", "RankError", "RankTimeoutError", "env", *_LAZY]

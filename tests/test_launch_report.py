@@ -18,7 +18,7 @@ import torch
 
 import minidist
 from minidist.comm import p2p
-from minidist.launch_errors import short_path
+from minidist.launch.errors import short_path
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ import torch._dynamo  # noqa: F401
 
 import minidist
 from minidist.sharding import fsdp, fsdp_state
-from minidist.lessons.sharding_reference import (OPTIMIZERS, Block, local_batch, loss_fn,
+from minidist.references.sharding import (OPTIMIZERS, Block, local_batch, loss_fn,
                                                  make_model, max_abs_diff)
 
 STEPS = 5

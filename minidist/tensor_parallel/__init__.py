@@ -16,7 +16,7 @@ module                  what it holds
 ======================  =====================================================================
 
 Demos and the checks against the single-process model live in :mod:`minidist.lessons`
-(``tp_checks``, ``tp_demo``). Every function takes ``group=None`` (the world) or a process group,
+(``minidist.references.tp``, ``minidist.lessons.tp_demo``). Every function takes ``group=None`` (the world) or a process group,
 so a 3-D grid can pass its TP group.
 """
 

@@ -42,10 +42,11 @@ import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
-from . import env as _env, rank_process
-from .launch_errors import (RankError, RankTimeoutError, StartupFailure, failure,
+from .. import env as _env
+from . import rank_process
+from .errors import (RankError, RankTimeoutError, StartupFailure, failure,
                             is_startup_failure, stack_of, timeout_error)
-from . import launch_errors as _errors
+from . import errors as _errors
 
 __all__ = ["run", "RankError", "RankTimeoutError"]
 
