@@ -1,7 +1,7 @@
 """Data parallelism across the DP group of a 3-D grid: the three ways minidist averages gradients.
 
-``"flat"``: after the rank's last backward, the pipeline engine averages all of its stages'
-gradients as one flat buffer (:func:`minidist.pipeline_parallel.engine.sync_gradients`).
+``"flat"``: after the rank's last backward, all of its stages' gradients are averaged as one flat
+buffer (:func:`minidist.hybrid.dp_pipeline.sync_gradients`).
 
 ``"bucketed"``: each stage (model chunk) is wrapped in :class:`PipelineBucketedDDP`, minidist's
 :class:`~minidist.data_parallel.BucketedDDP` whose sync decision is taken per *backward*: a
