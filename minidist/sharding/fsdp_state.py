@@ -21,6 +21,7 @@ import os
 import torch
 from torch import nn
 
+from ..data_parallel.clip import clip_by_global_norm_
 from .fsdp import units
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_optim_state_dict",
@@ -154,10 +155,5 @@ def clip_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
     for u in us:
         if u.flat_shard.grad is not None:
             sq += u.flat_shard.grad.float().pow(2).sum()
-    us[0].comm.all_reduce(sq, "sum")
-    norm = sq.sqrt()[0]
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for u in us:
-        if u.flat_shard.grad is not None:
-            u.flat_shard.grad.mul_(coef.to(u.flat_shard.grad.dtype))
-    return norm
+    grads = [u.flat_shard.grad for u in us if u.flat_shard.grad is not None]
+    return clip_by_global_norm_(sq, grads, max_norm, lambda t: us[0].comm.all_reduce(t, "sum"))
