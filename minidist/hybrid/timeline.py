@@ -38,7 +38,7 @@ from collections import defaultdict
 import torch.distributed as dist
 
 from ..tensor_parallel import accounting
-from ..trace import Event, Timeline
+from ..trace import Event, Timeline, align
 from .step import train_step
 
 __all__ = ["KINDS", "kind_of", "record_step", "align", "time_by_kind", "plot_step_timeline"]
@@ -115,18 +115,6 @@ def record_step(model, optimizer, modules: dict, ids, targets, microbatches: int
     events = [e._replace(rank=grid.rank) for e in events + extra
               if grid.dp_size > 1 or kind_of(e) != "dp"]   # dp = 1: no DP communication
     return out, sorted(events, key=lambda e: e.start)
-
-
-def align(events) -> list[Event]:
-    """A flat list (from one list per rank, or flat), shifted so the earliest event starts at 0."""
-    flat = [e for per_rank in events for e in per_rank] \
-        if events and isinstance(events[0], (list, tuple)) and not isinstance(events[0], Event) \
-        else list(events)
-    if not flat:
-        return []
-    t0 = min(e.start for e in flat)
-    return sorted((e._replace(start=e.start - t0, end=e.end - t0) for e in flat),
-                  key=lambda e: (e.rank, e.start))
 
 
 def time_by_kind(events) -> dict[int, dict[str, float]]:

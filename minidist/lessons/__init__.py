@@ -21,3 +21,6 @@ module                  what it holds
 
 Nothing is imported here eagerly: ``import minidist.lessons.ddp_demo`` loads only what it needs.
 """
+
+__all__ = ["collectives_demo", "ddp_training", "ddp_plots", "ddp_demo", "tp_demo", "pp_demo",
+           "sharding_demo", "hybrid_demo", "hybrid_timeline", "gpu_check"]  # modules, imported on use

@@ -39,7 +39,7 @@ from torch import nn
 from .. import collectives as C, env
 from ..trace import Event
 from . import microbatch
-from .memory import ActivationMeter
+from .memory import StageActivationMeter
 from .schedules import Schedule
 from .transport import Transport
 
@@ -90,7 +90,7 @@ class _StepState:
     rank: int
     device: object
     transport: Transport
-    meter: ActivationMeter
+    meter: StageActivationMeter
     clock: object
     loss_fn: object
     mb_inputs: list | None = None     # on the rank holding stage 0
@@ -219,7 +219,7 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         return time.perf_counter() - t0
 
     transport = Transport(group, device, clock if record else None)
-    st = _StepState(schedule, modules, rank, device, transport, ActivationMeter(modules), clock,
+    st = _StepState(schedule, modules, rank, device, transport, StageActivationMeter(modules), clock,
                     loss_fn, mb_inputs, mb_targets, weights, loss_reduction, backward_context,
                     {op.stage: op.mb for op in schedule[rank] if op.kind == "B"})
     if prefetch if prefetch is not None else dist.get_backend(group) == "gloo":

@@ -14,10 +14,10 @@ import contextlib
 import torch
 from torch import nn
 
-__all__ = ["ActivationMeter"]
+__all__ = ["StageActivationMeter"]
 
 
-class ActivationMeter:
+class StageActivationMeter:
     """Running saved-activation bytes per stage: ``with meter.forward(stage, mb): y = module(x)``,
     then ``meter.backward(stage, mb)`` after its backward. ``meter.peak_bytes`` = {stage: peak}."""
 
