@@ -217,7 +217,7 @@ def init(backend: str = "auto", timeout: float = 300.0, check_hosts: bool = True
                                dist.is_nccl_available()).backend
     set_device(backend, info.local_rank, device if device != "auto" else None,
                info.local_world_size, memory_fraction)
-    kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+    kwargs: dict = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
     if info.launcher == "single":
         store = dist.HashStore()
         dist.init_process_group(store=store, rank=0, world_size=1, **kwargs)
@@ -228,7 +228,7 @@ def init(backend: str = "auto", timeout: float = 300.0, check_hosts: bool = True
     dist.init_process_group(init_method="env://", rank=info.rank, world_size=info.world_size,
                             **kwargs)
     if check_hosts:
-        hosts = [None] * info.world_size
+        hosts: list = [None] * info.world_size
         dist.all_gather_object(hosts, (socket.gethostname(), info.local_rank))
         dup = {h for h in hosts if hosts.count(h) > 1}
         if dup:

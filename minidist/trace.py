@@ -183,7 +183,7 @@ def plot_timeline(events, title: str = "", lanes: list[str] | None = None, ax=No
     (t0, t1), scale = (_span(events), 1.0) if pipeline else ((0.0, 0.0), 1e3)
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5 if pipeline else 0.45 * len(rows) + 1.2), dpi=80)
-    legend = {}
+    legend: dict = {}
     for e in events:
         y = y_of.get((e.rank, None if pipeline else e.lane))
         if y is None:

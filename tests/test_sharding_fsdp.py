@@ -5,12 +5,10 @@ process). The model (minidist.references.sharding) has tied weights, a frozen pa
 a buffer and no parameter size divisible by W; units are its two blocks (auto-wrap) and the root.
 """
 
-import contextlib
 
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it)
-import torch.distributed as dist
 
 import minidist
 from minidist.sharding import fsdp, fsdp_state

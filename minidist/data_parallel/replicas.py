@@ -50,7 +50,7 @@ def check_same_structure(module: nn.Module, group=None, what: str = "DDP") -> No
     if world == 1:
         return
     mine = _signature(module)
-    everyone = [None] * world
+    everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     if all(e == everyone[0] for e in everyone):
         return

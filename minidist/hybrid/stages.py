@@ -122,7 +122,8 @@ class HybridGPT:
         for s in sorted(self.stages):
             for p in self.stages[s].parameters():
                 if id(p) not in seen:
-                    seen.add(id(p)), out.append(p)
+                    seen.add(id(p))
+                    out.append(p)
         return out
 
     def is_tied_copy(self, p: nn.Parameter) -> bool:

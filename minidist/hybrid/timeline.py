@@ -141,7 +141,7 @@ def plot_step_timeline(events, title: str = "", ax=None, n_ranks: int | None = N
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.5 * P + 1.4), dpi=80)
     order = {"compute": 0, "other": 1, "dp": 2, "pp": 3, "tp": 4}
-    legend = {}
+    legend: dict = {}
     for e in sorted(events, key=lambda e: order[kind_of(e)]):
         if e.duration <= 0 or e.rank >= P:
             continue

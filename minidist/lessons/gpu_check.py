@@ -307,7 +307,7 @@ def _bf16_rank(rank, world):
                         generator=torch.Generator().manual_seed(0)).to(dev)
     out = {}
     for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
-        def step():
+        def step(dtype=dtype):
             with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
                 loss = model(ids[:, :-1], ids[:, 1:])[1]
             loss.backward()

@@ -28,7 +28,7 @@ class StageActivationMeter:
         self.peak_bytes = {s: 0 for s in modules}
         self.inflight = {s: 0 for s in modules}
         self.peak_inflight = {s: 0 for s in modules}
-        self.per_mb = {}  # (stage, mb) -> bytes
+        self.per_mb: dict = {}  # (stage, mb) -> bytes
 
     @contextlib.contextmanager
     def forward(self, stage: int, mb: int):

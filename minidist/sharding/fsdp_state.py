@@ -64,7 +64,7 @@ def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> N
     """Load an unsharded state dict (from any world size); no communication."""
     with torch.no_grad():
         for u, entries in _unit_entries(module):
-            first = {}
+            first: dict = {}
             for name, i in entries:
                 first.setdefault(i, state[name])
             flat = u.layout.pack([first[i] for i in range(len(first))],
@@ -79,7 +79,7 @@ def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> N
 
 def full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """``{"state": {param name: {key: tensor}}, "param_groups": [...]}`` unsharded. Collective."""
-    state = {}
+    state: dict = {}
     for u, entries in _unit_entries(module):
         own = optimizer.state.get(u.flat_shard, {})
         for key in sorted(own):
@@ -101,7 +101,7 @@ def load_full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimiz
     for mine, saved in zip(optimizer.param_groups, osd["param_groups"]):
         mine.update(saved)
     for u, entries in _unit_entries(module):
-        per = {}
+        per: dict = {}
         for name, i in entries:
             per.setdefault(i, osd["state"].get(name, {}))
         per = [per[i] for i in range(len(per))]
