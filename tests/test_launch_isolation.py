@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import minidist
