@@ -15,7 +15,7 @@ from torch import nn
 import minidist
 from minidist.pipeline_parallel import make_schedule, peak_bytes
 from minidist.pipeline_parallel.engine import local_stages, pipeline_step
-from minidist.pipeline_parallel.memory import ActivationMeter
+from minidist.pipeline_parallel.memory import StageActivationMeter
 from minidist.pipeline_parallel.microbatch import split
 from minidist.pipeline_parallel.partition import split_model
 
@@ -58,7 +58,7 @@ def _bytes_per_microbatch(schedule):
     """Saved bytes of each (micro-batch, stage), measured in one process, schedule-free (the last
     stage includes its loss, as in the engine)."""
     stages = split_model(make_model(), schedule.n_stages)
-    meter = ActivationMeter(dict(enumerate(stages)))
+    meter = StageActivationMeter(dict(enumerate(stages)))
     x, y = make_batch()
     for m, (xm, ym) in enumerate(zip(split(x, schedule.M), split(y, schedule.M))):
         h = xm

@@ -24,9 +24,9 @@ from torch import nn
 
 from ..launch import run
 from ..pipeline_parallel.engine import local_stages, pipeline_step
-from ..pipeline_parallel.schedules import make_schedule
+from ..pipeline_parallel.catalog import make_schedule
 from ..pipeline_parallel.simulator import bubble_formula, simulate
-from ..trace import Event, bubble_fraction
+from ..trace import align, bubble_fraction
 
 __all__ = ["FixedCost", "bench_bubble", "bench_schedules", "activation_memory", "make_model", "align",
            "measured_costs"]
@@ -86,14 +86,6 @@ def _worker(rank, world, name, M, v, t_f, t_b, steps, width, batch, t_w=None):
         res = pipeline_step(schedule, mods, x, y, nn.functional.mse_loss, record=True)
         out.append((res.events, res.peak_inflight, res.peak_activation_bytes, res.loss, res.t0))
     return out
-
-
-def align(per_rank: list) -> list[Event]:
-    """Events of all ranks on one time axis: ``per_rank[r] = (events, t0)``; ranks share one
-    machine's monotonic clock (``time.perf_counter``), so ``t0`` aligns them."""
-    base = min(t0 for _, t0 in per_rank)
-    return [e._replace(start=e.start + t0 - base, end=e.end + t0 - base)
-            for events, t0 in per_rank for e in events]
 
 
 def measured_costs(events, schedule) -> dict:
@@ -180,7 +172,7 @@ def bench_bubble(P: int = 4, M: int = 8, schedule: str = "1f1b", v: int = 2, t_f
     results = run(_worker, P, schedule, M, v, t_f, t_b, steps + 1, width, batch, t_w, timeout=timeout)
     per_step = []
     for step in range(1, steps + 1):  # step 0 warms up (first messages set up gloo's pairs)
-        events = align([(results[r][step][0], results[r][step][4]) for r in range(P)])
+        events = align([results[r][step][0] for r in range(P)], [results[r][step][4] for r in range(P)])
         costs = measured_costs(events, sched)
         predicted = simulate(sched, costs["stage_t_f"], costs["stage_t_b"], costs["t_comm"],
                              costs["stage_t_w"], costs["t_gap"]).bubble

@@ -2,6 +2,7 @@
 
 * ``schedules``  — GPipe, 1F1B, interleaved 1F1B as per-rank lists of (op, micro-batch, stage)
 * ``zero_bubble`` — ZB-H1, ZB-V, DualPipe-V: the backward split into B (input grad) and W (weight grads)
+* ``catalog``    — every schedule by name (``make_schedule``)
 * ``split_backward`` — B and W on any stage module: autograd's graph cut at the input path
 * ``simulator``  — the timeline, bubble and peak activations of a schedule, no processes
 * ``partition``  — cut an ``nn.Sequential`` into stages (by layers, parameters or measured time)
@@ -14,13 +15,16 @@ here.
 """
 
 from .schedules import (Op, Schedule, ScheduleError, gpipe, interleaved_one_f_one_b,  # noqa: F401
-                        make_schedule, one_f_one_b, validate)
+                        one_f_one_b, validate)
 from .zero_bubble import dualpipe_v, zb_h1, zb_v  # noqa: F401
+from .catalog import SCHEDULES, make_schedule  # noqa: F401
+from .engine import StepResult, local_stages, pipeline_step
 from .simulator import (PipelineDeadlock, SimResult, bubble_formula, message_order_mismatches,  # noqa: F401
                         messages, peak_bytes, peak_inflight, simulate)
 from ..trace import Event, bubble_fraction, plot_timeline  # noqa: F401
 
 __all__ = ["Op", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_one_f_one_b",
-           "make_schedule", "validate", "zb_h1", "zb_v", "dualpipe_v", "simulate", "peak_bytes", "messages",
-           "SimResult", "PipelineDeadlock", "bubble_formula", "peak_inflight",
-           "message_order_mismatches", "Event", "bubble_fraction", "plot_timeline"]
+           "make_schedule", "SCHEDULES", "validate", "zb_h1", "zb_v", "dualpipe_v", "simulate",
+           "peak_bytes", "messages", "SimResult", "PipelineDeadlock", "bubble_formula", "peak_inflight",
+           "message_order_mismatches", "Event", "bubble_fraction", "plot_timeline",
+           "pipeline_step", "local_stages", "StepResult"]

@@ -2,7 +2,7 @@
 
 A schedule is nothing but lists. One engine (``engine.py``) executes any of them, and one
 simulator (``simulator.py``) predicts their timeline, so a new schedule is a new function here
-and nothing else.
+and its name in ``catalog.py`` (``make_schedule``), nothing else.
 
 Vocabulary: ``P`` ranks (pipeline stages in hardware), ``M`` micro-batches, ``v`` virtual stages
 (model chunks) per rank. The model is cut into ``P·v`` stages; stage ``s`` lives on rank
@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["Op", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "SCHEDULES",
-           "make_schedule", "validate", "ScheduleError"]
+__all__ = ["Op", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "validate",
+           "ScheduleError"]
 
 
 class ScheduleError(ValueError):
@@ -156,17 +156,6 @@ def interleaved_one_f_one_b(P: int, M: int, v: int = 2) -> Schedule:
     return validate(Schedule(f"interleaved(v={v})", P, M, v, tuple(ops)))
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b}
-
-
-def make_schedule(name: str, P: int, M: int, v: int = 2) -> Schedule:
-    """``make_schedule("gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-v" | "dualpipe-v", P, M, v)``;
-    ``v`` is used by interleaved only (ZB-V and DualPipe-V always have 2 chunks per rank)."""
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    return interleaved_one_f_one_b(P, M, v) if name == "interleaved" else SCHEDULES[name](P, M)
-
-
 def validate(schedule: Schedule) -> Schedule:
     """Check that each rank runs F then B exactly once for every (micro-batch, own stage), and at
     most one W after its B (a split backward; without W, B is the fused backward).
@@ -210,8 +199,3 @@ def validate(schedule: Schedule) -> Schedule:
             raise ScheduleError(f"{schedule.name}, rank {r}: missing ops {missing[:6]}"
                                 f"{' ...' if len(missing) > 6 else ''}")
     return schedule
-
-
-from .zero_bubble import dualpipe_v, zb_h1, zb_v  # noqa: E402  (they build on Op/Schedule above)
-
-SCHEDULES.update({"zb-h1": zb_h1, "zb-v": zb_v, "dualpipe-v": dualpipe_v})

@@ -52,7 +52,7 @@ class SimResult:
     makespan: float
     bubble: float
     peak_inflight: dict
-    messages: list = ()
+    messages: tuple | list = ()
 
     def plot(self, ax=None, title: str | None = None, time_unit: str = "units"):
         from ..trace import plot_timeline
@@ -87,10 +87,11 @@ def peak_inflight(schedule: Schedule) -> dict:
 
 def peak_bytes(schedule: Schedule, bytes_of) -> dict:
     """{stage: peak saved-activation bytes}: ``bytes_of(mb, stage)`` bytes are held from ``F``
-    to the fused ``B``, or to ``W`` for a split backward (the engine's ``ActivationMeter``)."""
-    peak = {}
+    to the fused ``B``, or to ``W`` for a split backward (the engine's ``StageActivationMeter``)."""
+    peak: dict = {}
     for r, row in enumerate(schedule.ops):
-        split, live = schedule.split(r), {}
+        split = schedule.split(r)
+        live: dict = {}
         for op in row:
             frees = op.kind == "W" or (op.kind == "B" and (op.mb, op.stage) not in split)
             step = bytes_of(op.mb, op.stage) if op.kind == "F" else (
@@ -135,7 +136,7 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
         raise ValueError(f"simulate: costs must be >= 0 and t_w <= t_b (W is part of the backward), "
                          f"got t_f={t_f}, t_b={t_b}, t_w={t_w}, t_comm={t_comm}")
     splits = [schedule.split(r) for r in range(P)]
-    hidden = [set() for _ in range(P)]  # list positions whose communication a pair hides
+    hidden: list[set] = [set() for _ in range(P)]  # list positions whose communication a pair hides
     for r, row in enumerate(schedule.ops):
         for i in range(len(row) - 1):
             if overlap_pairs and row[i].kind == "F" and row[i + 1].kind == "B" \
@@ -145,7 +146,7 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
             for k, c in (("F", f[s]), ("B", b[s]), ("W", w[s]), ("Bi", b[s] - w[s]))}
     ptr = [0] * P
     free = [0.0] * P
-    done = {}  # op -> end time
+    done: dict = {}  # op -> end time
     events = []
     remaining = sum(len(row) for row in schedule.ops)
     while remaining:
@@ -213,7 +214,8 @@ def message_order_mismatches(schedule: Schedule) -> list[tuple]:
     ``[(src, dst, sent, received), ...]``; empty for GPipe, 1F1B and interleaved 1F1B.
     """
     last = schedule.n_stages - 1
-    sent, recvd = {}, {}
+    sent: dict = {}
+    recvd: dict = {}
     for r, row in enumerate(schedule.ops):
         for op in row:
             if op.kind == "F":

@@ -87,7 +87,8 @@ def backward_input(y: torch.Tensor, dy: torch.Tensor | None, x: torch.Tensor, pa
         off = [(n, nr) for n, nr in node.next_functions if n is not None and n not in on_path]
         if off and node is not x_node:
             frontier[node] = off
-    recorded, handles = {}, []
+    recorded: dict = {}
+    handles: list = []
     for node in frontier:
         handles.append(node.register_prehook(
             lambda grad_outputs, node=node: recorded.__setitem__(node, grad_outputs)))
@@ -109,7 +110,7 @@ def _group(frontier: dict, recorded: dict) -> list:
             n = parent[n]
         return n
 
-    owner = {}
+    owner: dict = {}
     for node, off in frontier.items():
         for edge in off:
             key = (edge[0], edge[1])
@@ -117,7 +118,7 @@ def _group(frontier: dict, recorded: dict) -> list:
                 parent[find(node)] = find(owner[key])
             else:
                 owner[key] = node
-    groups = {}
+    groups: dict = {}
     for node, off in frontier.items():
         if node in recorded:  # a node B never reached carries no gradient
             groups.setdefault(find(node), []).append((node, recorded[node], off))
