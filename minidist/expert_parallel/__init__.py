@@ -16,8 +16,10 @@ module                  what it holds
 ======================  =====================================================================
 """
 
-from . import dispatch, layer, permute, router, stats  # noqa: F401
+from . import dispatch, gpt, grid, layer, permute, reference, router, stats  # noqa: F401
 from .dispatch import all_to_all_rows, dispatch_combine, exchange_counts, local_experts  # noqa: F401
+from .gpt import MoEGPT, clip_grad_norm_, global_grad_norm, sync_grads  # noqa: F401
+from .grid import EPGrid, ep_layout  # noqa: F401
 from .layer import MoE  # noqa: F401
 from .router import expert_capacity, keep_mask, load_balancing_loss, route, z_loss  # noqa: F401
 from .stats import MoEStats, imbalance  # noqa: F401

@@ -5,7 +5,8 @@ block's MLP replaced by a :class:`~.layer.MoE`; ``forward(ids, targets) -> (logi
 ``loss`` is the cross-entropy **plus every layer's auxiliary losses**. With ``grid=None`` it is the
 one-process model (the reference); with a grid, the experts are sharded over ``grid.ep_group``
 and the load-balancing statistics are taken over every rank (``aux_stats="global"``, the
-one-process value) or per rank (``"local"``).
+one-process value) or per rank (``"local"``). ``recompute=True`` checkpoints every block (activation recomputation; the MoE
+statistics are per-forward snapshots, so the recomputed forward does not count tokens twice).
 
 Gradients (:func:`sync_grads`), with each rank's loss the mean over its own tokens and the
 one-process loss the mean over all ``W = dp·ep`` ranks' tokens:
@@ -27,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ..collectives import all_reduce
 from ..models.gpt import Block, GPTConfig
@@ -46,13 +48,13 @@ class MoEGPT(nn.Module):
     Raises ValueError for ``aux_stats`` not in ("global", "local") and what GPT / MoE raise."""
 
     def __init__(self, cfg: GPTConfig, num_experts: int, top_k: int = 1, grid=None,
-                 aux_stats: str = "global", **moe_kwargs):
+                 aux_stats: str = "global", recompute: bool = False, **moe_kwargs):
         super().__init__()
         if aux_stats not in ("global", "local"):
             raise ValueError(f"MoEGPT: aux_stats must be 'global' or 'local', got {aux_stats!r}")
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"MoEGPT: n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
-        self.cfg, self.grid = cfg, grid
+        self.cfg, self.grid, self.recompute = cfg, grid, recompute
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -70,13 +72,24 @@ class MoEGPT(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [b.mlp for b in self.blocks]
 
+    def tokens_per_expert(self) -> torch.Tensor:
+        """``[n_layer, E]``: this rank's assignments per expert in the last forward (before
+        dropping). Read once per step: a recomputed forward overwrites the same values."""
+        return torch.stack([m.stats.routed for m in self.moe_layers()])
+
     def forward(self, ids, targets=None):
         s = ids.shape[1]
         if s > self.cfg.block_size:
             raise ValueError(f"MoEGPT: sequence length {s} exceeds block_size {self.cfg.block_size}")
         x = self.drop(self.tok_emb(ids) + self.pos_emb(torch.arange(s, device=ids.device)))
         for block in self.blocks:
-            x = block(x)
+            if self.recompute and torch.is_grad_enabled():
+                # no early stop: every rank recomputes the whole block, so the collectives inside
+                # (count exchange, both all-to-alls, the stats all-reduce) match across ranks
+                with set_checkpoint_early_stop(False):
+                    x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.head(self.ln_f(x))
         self.aux_loss = sum(m.aux_loss for m in self.moe_layers())
         if targets is None:
