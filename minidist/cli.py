@@ -14,7 +14,7 @@ __all__ = ["main"]
 _DEMO_SIZES = (0, 3, 10, 100_003)  # elements: empty, fewer than ranks, uneven, large-ish
 # section of `minidist demo` -> the module of minidist.lessons that gives its rows
 _SECTIONS = {"data_parallel": "ddp_demo", "tensor_parallel": "tp_demo", "pipeline_parallel": "pp_demo",
-             "sharding": "sharding_demo", "hybrid": "hybrid_demo"}
+             "sharding": "sharding_demo", "hybrid": "hybrid_demo", "expert_parallel": "ep_demo"}
 
 
 def _demo_ops(C) -> dict:

@@ -19,6 +19,9 @@ module                  what it holds
                         sizes not divisible by W), its batches, one process on the global batch
 ``hybrid_demo``         the 3-D rows of ``minidist demo`` ((dp, tp, pp) = (2, 2, 2) vs one process)
 ``hybrid_timeline``     one 3-D step's per-rank timeline for ch12's Gantt chart
+``ep_checks``           the expert-parallel checks the demo, ch15 and exercise 15 share: the
+                        MoE layer and MoEGPT on a dp x ep grid against one process
+``ep_demo``             the expert-parallel rows of ``minidist demo``
 ``gpu_check``           the checks of ``tools/gpu-check.sh`` (CUDA/NCCL paths against references)
 ======================  ====================================================================
 
