@@ -51,7 +51,8 @@ def test_route_breaks_ties_toward_the_lower_expert_and_checks_k():
 
 
 @pytest.mark.parametrize("T,E,k,cf,expected", [
-    (10, 1, 1, 1.1, 11),     # float 10 * 1.1 = 11.000000000000002: a naive ceil gives 12
+    (100, 2, 1, 1.1, 55),    # float (100 / 2) * 1.1 = 55.00000000000001: Megatron's float ceil gives 56
+    (10, 1, 1, 1.1, 11),
     (10, 4, 1, 1.0, 3),      # 2.5 rounded up
     (8, 4, 2, 1.0, 4), (10, 4, 2, 1.25, 7), (10, 8, 1, 0.5, 1), (3, 8, 1, 1.0, 1), (0, 4, 1, 1.0, 0)])
 def test_capacity_is_megatrons_ceil_rule(T, E, k, cf, expected):

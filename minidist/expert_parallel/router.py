@@ -9,7 +9,8 @@ Fedus et al. 2021, §2.4 "selective precision").
   descending sort), so every process and every reference makes the same choice.
 * :func:`expert_capacity` — Megatron-LM's ``get_capacity``: ``ceil(T · k · capacity_factor / E)``,
   rounded **up**, computed exactly (the factor is read as the decimal it prints as, so 1.1 is
-  11/10 and 10 tokens x 1.1 / 1 expert is 11, not 12).
+  11/10: 100 tokens over 2 experts at 1.1 is 55 rows, where the float ``ceil((100/2)·1.1)`` gives
+  56).
 * :func:`keep_mask` — which (token, choice) assignments fit. ``"position"`` (GShard, Lepikhin et
   al. 2020, Algorithm 1; Megatron's ``moe_token_drop_policy="position"``): all first choices in
   token order, then all second choices; ``"probs"`` (Megatron's default): highest router
