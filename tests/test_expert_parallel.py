@@ -20,10 +20,19 @@ import torch.distributed as dist
 
 import minidist
 from minidist.expert_parallel import MoE
-from minidist.expert_parallel.dispatch import (all_to_all_rows, exchange_counts, experts_per_rank,
-                                               local_experts)
-from minidist.expert_parallel.permute import (permutation, permute, regroup_index, split_sizes,
-                                              unpermute)
+from minidist.expert_parallel.dispatch import (
+    all_to_all_rows,
+    exchange_counts,
+    experts_per_rank,
+    local_experts,
+)
+from minidist.expert_parallel.permute import (
+    permutation,
+    permute,
+    regroup_index,
+    split_sizes,
+    unpermute,
+)
 from minidist.expert_parallel.reference import dense_moe, kept_by_loop
 from minidist.expert_parallel.router import expert_capacity, keep_mask, route
 from minidist.expert_parallel.stats import a2a_bytes_formula, imbalance
@@ -245,3 +254,38 @@ def test_ep_layer_equals_the_dense_one_process_moe(world):
                 assert all(torch.equal(g, torch.zeros_like(g)) for g in grads), e
             else:
                 assert any(g.abs().sum() > 0 for g in grads)
+
+
+def _local_stats_and_mismatch_rank(rank, world):
+    wg = dist.group.WORLD
+    layer = make_layer(4, 2, None, "position", AUX, wg, stats_group=None)    # per-rank statistics
+    xg, _ = global_batch(world, 0)
+    layer(xg[rank * B:(rank + 1) * B]).sum()
+    local_aux = float(layer.aux_loss.detach())
+    bad = None
+    try:   # the ranks disagree on the number of experts: an error naming the exchange, no hang
+        make_layer(4 if rank == 0 else 2, 1, None, "position", 0.0, wg, wg)(
+            torch.randn(B, S, CFG.n_embd))
+    except Exception as e:  # noqa: BLE001
+        bad = f"{type(e).__name__}: {e}"
+    return local_aux, bad
+
+
+@pytest.mark.timeout(90)
+def test_per_rank_aux_statistics_match_one_process_per_micro_batch_only():
+    world = 2
+    results = minidist.run(_local_stats_and_mismatch_rank, world, timeout=80)
+    layer = make_layer(4, 2, None, "position", AUX)
+    xg, _ = global_batch(world, 0)
+    x = xg.reshape(-1, CFG.n_embd)
+    per_chunk = [float(dense_moe(x[r * B * S:(r + 1) * B * S], layer.router.weight, list(layer.experts),
+                                 2, aux_loss_coeff=AUX, z_loss_coeff=ZC)[1].detach())
+                 for r in range(world)]
+    global_aux = float(dense_moe(x, layer.router.weight, list(layer.experts), 2, aux_loss_coeff=AUX,
+                                 z_loss_coeff=ZC)[1].detach())
+    for r, (local_aux, _) in enumerate(results):
+        assert abs(local_aux - per_chunk[r]) <= TOL          # each rank: its own micro-batch's value
+    mean_local = sum(a for a, _ in results) / world
+    assert abs(mean_local - global_aux) > 10 * TOL           # ... which is not the global batch's
+    for _, bad in results:
+        assert bad is not None and "all_to_all" in bad and "disagree" in bad, bad

@@ -24,7 +24,13 @@ import pytest
 import torch
 
 import minidist
-from minidist.expert_parallel.gpt import MoEGPT, clip_grad_norm_, global_grad_norm, is_expert, sync_grads
+from minidist.expert_parallel.gpt import (
+    MoEGPT,
+    clip_grad_norm_,
+    global_grad_norm,
+    is_expert,
+    sync_grads,
+)
 from minidist.expert_parallel.grid import EPGrid, ep_layout
 from minidist.models.gpt import GPTConfig
 

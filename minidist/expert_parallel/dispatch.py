@@ -35,8 +35,15 @@ from ..collectives import all_to_all
 from ..comm import p2p
 from .permute import permutation, permute, regroup_index, split_sizes, unpermute
 
-__all__ = ["AllToAll", "all_to_all_rows", "experts_per_rank", "local_experts", "exchange_counts",
-           "dispatch_combine", "Dispatch"]
+__all__ = [
+    "AllToAll",
+    "Dispatch",
+    "all_to_all_rows",
+    "dispatch_combine",
+    "exchange_counts",
+    "experts_per_rank",
+    "local_experts",
+]
 
 
 def experts_per_rank(num_experts: int, world: int) -> int:
@@ -127,7 +134,7 @@ def dispatch_combine(x, experts, weights, kept, num_experts: int, expert_modules
     rows = permute(x, token_index)                                                     # 3
     received = all_to_all_rows(rows, send_splits, recv_splits, group)                  # 4
     if len(expert_modules):                                                            # 5
-        idx = regroup_index(recv_counts.cpu()).to(x.device)
+        idx = regroup_index(recv_counts.cpu()).to(x.device)   # Python-sized loop on the host
         grouped = received.index_select(0, idx)
         per_expert = recv_counts.sum(0).tolist()
         outs = [m(piece) for m, piece in zip(expert_modules, grouped.split(per_expert))]

@@ -34,7 +34,7 @@ from ..collectives import all_reduce
 from ..models.gpt import Block, GPTConfig
 from .layer import MoE
 
-__all__ = ["MoEGPT", "is_expert", "sync_grads", "global_grad_norm", "clip_grad_norm_"]
+__all__ = ["MoEGPT", "clip_grad_norm_", "global_grad_norm", "is_expert", "sync_grads"]
 
 
 def is_expert(p) -> bool:
@@ -123,11 +123,12 @@ def sync_grads(model: MoEGPT, grid) -> None:
 
 def global_grad_norm(model: MoEGPT, grid) -> float:
     """The 2-norm of the whole (one-process) model's gradient, on every rank (after sync_grads)."""
-    dense = torch.zeros(1, dtype=torch.float64)
-    expert = torch.zeros(1, dtype=torch.float64)
+    device = next(model.parameters()).device
+    dense = torch.zeros(1, dtype=torch.float64, device=device)
+    expert = torch.zeros(1, dtype=torch.float64, device=device)
     for p in model.parameters():
         if p.grad is not None:
-            (expert if is_expert(p) else dense).add_(p.grad.detach().double().pow(2).sum().cpu())
+            (expert if is_expert(p) else dense).add_(p.grad.detach().double().pow(2).sum())
     if grid is not None and grid.ep_size > 1:
         all_reduce(expert, "sum", group=grid.ep_group)
     return float((dense + expert).sqrt())

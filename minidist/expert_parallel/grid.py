@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["ep_layout", "EPGrid"]
+__all__ = ["EPGrid", "ep_layout"]
 
 
 def ep_layout(world_size: int, dp: int, ep: int) -> dict[str, list[list[int]]]:

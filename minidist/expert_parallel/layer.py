@@ -116,7 +116,8 @@ class MoE(nn.Module):
             raise ValueError(f"MoE (rank {self.ep_rank}): {T} tokens do not split into "
                              f"drop_chunks={n} equal chunks")
         if self.capacity_factor is not None:
-            local = torch.tensor([expert_capacity(T // n, E, k, self.capacity_factor)])
+            local = torch.tensor([expert_capacity(T // n, E, k, self.capacity_factor)],
+                                 device=flat.device)
             if _group_info(self.capacity_group)[1] > 1:
                 all_reduce(local, op="max", group=self.capacity_group)
             capacity = int(local)
@@ -127,7 +128,7 @@ class MoE(nn.Module):
                                       list(self.experts), self.ep_group, self.ep_rank, self.ep_size)
         routed = torch.bincount(experts.reshape(-1), minlength=E)
         local_routed = routed.clone()
-        total = torch.tensor([T * k])
+        total = torch.tensor([T * k], device=flat.device)
         if _group_info(self.stats_group)[1] > 1:
             both = torch.cat([routed, total])
             all_reduce(both, op="sum", group=self.stats_group)

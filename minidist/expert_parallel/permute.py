@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["permutation", "permute", "unpermute", "regroup_index", "split_sizes"]
+__all__ = ["permutation", "permute", "regroup_index", "split_sizes", "unpermute"]
 
 
 def permutation(experts: torch.Tensor, weights: torch.Tensor, kept: torch.Tensor, num_experts: int):
@@ -28,7 +28,7 @@ def permutation(experts: torch.Tensor, weights: torch.Tensor, kept: torch.Tensor
     counts [E])``: row n of the permuted tensor is token ``token_index[n]``, to be weighted by
     ``row_weights[n]``; ``counts[e]`` rows go to expert e, in expert order (``N = counts.sum()``).
     """
-    T, k = experts.shape
+    k = experts.shape[1]
     key = torch.where(kept, experts, torch.full_like(experts, num_experts)).reshape(-1)
     order = torch.sort(key, stable=True).indices               # token-major flat order kept stable
     counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
@@ -66,6 +66,7 @@ def regroup_index(recv_counts: torch.Tensor) -> torch.Tensor:
     W, L = recv_counts.shape
     flat = recv_counts.reshape(-1)
     starts = torch.cumsum(flat, 0) - flat
-    pieces = [torch.arange(int(starts[j * L + e]), int(starts[j * L + e] + flat[j * L + e]))
-              for e in range(L) for j in range(W)]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    pieces = [torch.arange(int(starts[j * L + e]), int(starts[j * L + e] + flat[j * L + e]),
+                           device=recv_counts.device) for e in range(L) for j in range(W)]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64,
+                                                        device=recv_counts.device)

@@ -16,7 +16,7 @@ import torch
 
 from .router import load_balancing_loss, route, z_loss
 
-__all__ = ["kept_by_loop", "dense_moe"]
+__all__ = ["dense_moe", "kept_by_loop"]
 
 
 def kept_by_loop(experts: torch.Tensor, probs_chosen: torch.Tensor, capacity: int | None,
@@ -55,8 +55,8 @@ def dense_moe(x: torch.Tensor, router_weight: torch.Tensor, experts, top_k: int,
     for c in range(chunks):
         keep += kept_by_loop(chosen[c * n:(c + 1) * n], weights[c * n:(c + 1) * n], capacity,
                              policy)
-    kept = torch.tensor(keep, dtype=torch.bool).view(T, top_k)
-    combine = torch.zeros(T, len(experts), dtype=torch.float32)
+    kept = torch.tensor(keep, dtype=torch.bool, device=x.device).view(T, top_k)
+    combine = torch.zeros(T, len(experts), dtype=torch.float32, device=x.device)
     combine = combine.scatter_add(1, chosen, torch.where(kept, weights, torch.zeros_like(weights)))
     every = torch.stack([e(x) for e in experts], dim=1)             # [T, E, h]
     out = (combine.to(x.dtype).unsqueeze(-1) * every).sum(1)

@@ -28,8 +28,14 @@ from fractions import Fraction
 
 import torch
 
-__all__ = ["route", "expert_capacity", "keep_mask", "load_balancing_loss", "z_loss",
-           "DROP_POLICIES"]
+__all__ = [
+    "DROP_POLICIES",
+    "expert_capacity",
+    "keep_mask",
+    "load_balancing_loss",
+    "route",
+    "z_loss",
+]
 
 DROP_POLICIES = ("position", "probs")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["MoEStats", "imbalance", "a2a_bytes_formula"]
+__all__ = ["MoEStats", "a2a_bytes_formula", "imbalance"]
 
 
 @dataclass

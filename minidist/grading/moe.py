@@ -30,7 +30,7 @@ from ..expert_parallel.reference import dense_moe
 from ..expert_parallel.router import expert_capacity, keep_mask, load_balancing_loss, route
 from .core import Report
 
-__all__ = ["CAPACITY_CASES", "grade_capacity", "grade_aux_loss", "grade_permutation"]
+__all__ = ["CAPACITY_CASES", "grade_aux_loss", "grade_capacity", "grade_permutation"]
 
 CAPACITY_CASES = [  # (T, E, k, factor)
     (10, 4, 1, 1.0),      # 2.5 -> 3: round up
@@ -132,7 +132,7 @@ def grade_aux_loss(fn, total: float = 2) -> Report:
 
 def _moe_with(perm_fn, unperm_fn, x, router_w, experts_mods, k, capacity):
     """One MoE forward with the learner's permutation: rows per expert slice, then un-permute."""
-    probs, chosen, weights = route(x @ router_w.t(), k)
+    _, chosen, weights = route(x @ router_w.t(), k)
     kept = keep_mask(chosen, weights, len(experts_mods), capacity)
     token_index, row_w, counts = perm_fn(chosen, weights, kept, len(experts_mods))
     rows = x[token_index]

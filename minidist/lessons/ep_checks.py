@@ -13,14 +13,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..expert_parallel import MoE, MoEGPT, EPGrid, clip_grad_norm_, sync_grads
+from ..expert_parallel import EPGrid, MoE, MoEGPT, clip_grad_norm_, sync_grads
 from ..expert_parallel.gpt import is_expert
 from ..expert_parallel.reference import dense_moe
 from ..expert_parallel.stats import a2a_bytes_formula
 from ..models.gpt import GPTConfig
 
-__all__ = ["LAYER_CFG", "GPT_CFG", "TOL", "layer_on_ranks", "layer_errors", "train_on_grid",
-           "train_reference", "train_errors"]
+__all__ = [
+    "GPT_CFG",
+    "LAYER_CFG",
+    "TOL",
+    "layer_errors",
+    "layer_on_ranks",
+    "train_errors",
+    "train_on_grid",
+    "train_reference",
+]
 
 LAYER_CFG = GPTConfig(n_embd=8)
 GPT_CFG = GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16)
@@ -71,7 +79,7 @@ def layer_errors(results: list, E, k, cf=None, policy="position", aux=AUX) -> di
     y, aux_ref, kept = dense_moe(x, layer.router.weight, list(layer.experts), k, cap, world,
                                  policy, aux_loss_coeff=aux, z_loss_coeff=ZC if aux else 0.0)
     ((y * cot.reshape(-1, LAYER_CFG.n_embd)).sum() + world * aux_ref).backward()
-    flat = lambda key: torch.cat([r[key] for r in results]).reshape(-1, LAYER_CFG.n_embd)  # noqa: E731
+    flat = lambda key: torch.cat([r[key] for r in results]).reshape(-1, LAYER_CFG.n_embd)
     owned = {e: g for r in results for e, g in r["experts"].items()}
     return dict(
         out=(flat("y") - y.detach()).abs().max().item(),

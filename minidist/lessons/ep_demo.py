@@ -12,7 +12,14 @@ Rows (each ``{"section": "EP", "check", "world_size", "max_error", "ok", "detail
 from __future__ import annotations
 
 from .. import launch
-from .ep_checks import TOL, layer_errors, layer_on_ranks, train_errors, train_on_grid, train_reference
+from .ep_checks import (
+    TOL,
+    layer_errors,
+    layer_on_ranks,
+    train_errors,
+    train_on_grid,
+    train_reference,
+)
 
 __all__ = ["demo_rows"]
 
