@@ -162,7 +162,7 @@ def _layer_rank(rank, world, configs):
         out.append(dict(y=y.detach(), xgrad=x.grad, router=layer.router.weight.grad,
                         experts={e: [p.grad for p in m.parameters()]
                                  for e, m in zip(layer.expert_ids, layer.experts)},
-                        aux=float(layer.aux_loss), capacity=st.capacity, bytes=st.a2a_bytes_sent,
+                        aux=float(layer.aux_loss.detach()), capacity=st.capacity, bytes=st.a2a_bytes_sent,
                         formula=formula, kept=st.kept, routed=st.routed, received=st.received))
     # the dispatch and the count exchange against gloo's all_to_all_single with uneven splits
     g = torch.Generator().manual_seed(rank)
