@@ -4,14 +4,15 @@
   drop rule against a Python loop, permute/un-permute restoring input and gradient bitwise
   (Megatron-LM's dispatcher test), hand-computed permutation tables (torchtitan's CPU test:
   2 ranks x 2 experts, counts [2, 3, 1, 4]).
-* One launch per W = 1, 2, 4 runs every (E, k, capacity, policy) configuration: the EP layer's
+* One launch per W = 1, 2, 3, 4 runs every (E, k, capacity, policy) configuration: the EP layer's
   outputs, input gradients, router gradients (summed over ranks) and expert gradients (on their
   owner) equal :func:`~minidist.expert_parallel.reference.dense_moe` on the global batch, with the
   same tokens dropped, within 1e-6 absolute (fp32; only summation order differs). The same launch
   checks the dispatch against gloo's ``dist.all_to_all_single`` with uneven splits, the count
   exchange, the all-to-all bytes against the formula, the aux loss against the one-process value
   (and that dropping it from the loss changes the router gradient), and a rank whose experts get
-  no token (zero gradients, no hang).
+  no token (zero gradients, no hang), a rank with an empty batch, and W = 3 where E = 2 or 4
+  leaves the last rank without experts.
 """
 
 import pytest
@@ -191,6 +192,12 @@ def _layer_rank(rank, world, configs):
     x = torch.rand(B, S, CFG.n_embd) + 0.1                  # positive: expert 0 wins everywhere
     layer(x).sum().backward()
     zero = {e: [p.grad for p in m.parameters()] for e, m in zip(layer.expert_ids, layer.experts)}
+    # a rank with an empty batch still joins every collective; the others are unaffected
+    layer = make_layer(4, 2, 1.0, "position", AUX, wg, wg)
+    xe = torch.randn(0 if rank == world - 1 else B, S, CFG.n_embd, requires_grad=True)
+    ye = layer(xe)
+    (ye.sum() + layer.aux_loss).backward()
+    assert ye.shape == xe.shape and xe.grad.shape == xe.shape
     # ranks with different token counts apply one capacity: the MAX over the EP group
     layer = make_layer(4, 2, 1.0, "position", 0.0, wg, wg)
     layer(torch.randn(1 + rank, S, CFG.n_embd)).sum().backward()
@@ -199,7 +206,7 @@ def _layer_rank(rank, world, configs):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ep_layer_equals_the_dense_one_process_moe(world):
     results = minidist.run(_layer_rank, world, CONFIGS, timeout=200)
     for i, (E, k, cf, policy, aux) in enumerate(CONFIGS):

@@ -80,7 +80,15 @@ class AllToAll(torch.autograd.Function):
 
 
 def all_to_all_rows(x, send: list[int], recv: list[int], group=None) -> torch.Tensor:
-    """Differentiable uneven all-to-all of rows (see :class:`AllToAll`)."""
+    """Differentiable uneven all-to-all of rows (see :class:`AllToAll`).
+
+    With gradients enabled, the result requires grad on **every** rank, even where ``x`` does not
+    (a rank that owns no experts passes its received rows straight back; a rank whose input is
+    not a function of parameters): whether this rank's backward runs the reverse all-to-all must
+    not depend on what it holds, or the ranks that do would wait for it forever.
+    """
+    if torch.is_grad_enabled() and not x.requires_grad:
+        x = x.detach().requires_grad_()
     return AllToAll.apply(x, list(send), list(recv), group)
 
 
