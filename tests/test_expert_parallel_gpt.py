@@ -158,16 +158,16 @@ def test_ep_dp_adamw_steps_equal_one_process(world):
             assert worst > 1e2 * TOL, (where, "world_avg params", worst)
 
 
-def _recompute_rank(rank, world):
+def _recompute_rank(rank, world, E, k):
     grid = EPGrid(1, world)
     res = {}
     for recompute in (False, True):
         torch.manual_seed(0)
-        model = MoEGPT(CFG, 4, 2, grid=grid, capacity_factor=1.0, recompute=recompute, **MOE)
+        model = MoEGPT(CFG, E, k, grid=grid, capacity_factor=1.0, recompute=recompute, **MOE)
         calls = [0]
         for m in model.moe_layers():
             m.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
-        total = torch.zeros(CFG.n_layer, 4, dtype=torch.int64)
+        total = torch.zeros(CFG.n_layer, E, dtype=torch.int64)
         for step in range(2):
             ids, targets = batch(world, step)
             model.zero_grad()
@@ -179,14 +179,14 @@ def _recompute_rank(rank, world):
 
 
 @pytest.mark.timeout(120)
-def test_recomputation_gives_the_same_gradients_and_counts_tokens_once():
-    world = 2
-    for res, _ in minidist.run(_recompute_rank, world, timeout=100):
+@pytest.mark.parametrize("world,E,k", [(2, 4, 2), (3, 2, 1)])   # W=3, E=2: rank 2 owns no expert
+def test_recomputation_gives_the_same_gradients_and_counts_tokens_once(world, E, k):
+    for res, _ in minidist.run(_recompute_rank, world, E, k, timeout=100):
         (g0, calls0, total0), (g1, calls1, total1) = res[False], res[True]
         assert _err(g1, g0) == 0.0                       # same math, same order
         assert calls0 == 2 * CFG.n_layer and calls1 == 2 * calls0   # the forward did run twice
         assert torch.equal(total0, total1)
-        assert (total1.sum(1) == 2 * B * CFG.block_size * 2).all()  # steps x T x k, once
+        assert (total1.sum(1) == 2 * B * CFG.block_size * k).all()  # steps x T x k, once
 
 
 def test_ep_layout_and_bad_sizes():
