@@ -125,6 +125,19 @@ def test_hand_computed_permutation_tables():
     assert experts_per_rank(8, 4) == 2 and imbalance([4, 4]) == 1.0 and imbalance([8, 0]) == 2.0
 
 
+def test_a_model_can_be_copied_after_its_forward():
+    import copy
+
+    from minidist.expert_parallel import MoEGPT
+    model = MoEGPT(GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=2, n_embd=8), 4, 2,
+                   aux_loss_coeff=0.01)
+    ids = torch.randint(0, 11, (2, 4))
+    _, loss = model(ids, ids)
+    twin = copy.deepcopy(model)                   # the aux loss's graph is not copied
+    assert twin.aux_loss is None and twin.blocks[0].mlp.aux_loss is None
+    assert model.aux_loss is not None and torch.equal(twin(ids, ids)[1], model(ids, ids)[1])
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="top_k must be an int in 1..4"):
         MoE(CFG, 4, 0)

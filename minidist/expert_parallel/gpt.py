@@ -69,6 +69,11 @@ class MoEGPT(nn.Module):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.aux_loss = None
 
+    def __getstate__(self):   # as MoE's: the last forward's aux loss is not copied
+        state = dict(super().__getstate__())
+        state["aux_loss"] = None
+        return state
+
     def moe_layers(self) -> list[MoE]:
         return [b.mlp for b in self.blocks]
 

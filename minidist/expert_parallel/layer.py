@@ -102,6 +102,13 @@ class MoE(nn.Module):
         self.aux_loss = None
         self.stats = None
 
+    def __getstate__(self):
+        """Copies and pickles leave the last forward's aux loss behind (a graph cannot be copied:
+        ``copy.deepcopy`` of a model after its forward would fail)."""
+        state = dict(super().__getstate__())
+        state["aux_loss"] = None
+        return state
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3:
             raise ValueError(f"MoE (rank {self.ep_rank}): expected x [batch, seq, width], got "
