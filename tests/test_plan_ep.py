@@ -14,8 +14,7 @@ import minidist
 from minidist.expert_parallel import MoEGPT
 from minidist.expert_parallel.gpt import is_expert
 from minidist.models.gpt import GPTConfig
-from minidist.plan import Link, Links, ModelSpec, MoESpec, predict_ep
-from minidist.plan_reference import PRECISIONS
+from minidist.planner import PRECISIONS, Link, Links, ModelSpec, MoESpec, predict_ep
 
 CFG = GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16)
 

@@ -23,3 +23,8 @@ from .grid import EPGrid, ep_layout  # noqa: F401
 from .layer import MoE  # noqa: F401
 from .router import expert_capacity, keep_mask, load_balancing_loss, route, z_loss  # noqa: F401
 from .stats import MoEStats, imbalance  # noqa: F401
+
+__all__ = ["MoE", "MoEGPT", "EPGrid", "ep_layout", "MoEStats", "imbalance",
+           "route", "expert_capacity", "keep_mask", "load_balancing_loss", "z_loss",
+           "dispatch_combine", "all_to_all_rows", "exchange_counts", "local_experts",
+           "sync_grads", "global_grad_norm", "clip_grad_norm_"]

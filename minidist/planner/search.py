@@ -7,7 +7,7 @@ then dp), so a TP group spans t devices, a pipeline t·p, the DP group all of th
 
 **Memory per device** (the worst pipeline stage: ceil(L/(p·v))·v layers plus the embedding or the
 head): weights, gradients and optimizer state from the bytes per parameter of
-:data:`~minidist.plan_reference.PRECISIONS`, the state ZeRO shards divided by dp (Rajbhandari et
+:data:`~minidist.planner.published.PRECISIONS`, the state ZeRO shards divided by dp (Rajbhandari et
 al. 2020, §5); activations per layer per micro-batch from Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", §4, Table 2 (16-bit, scaled by
 ``act_bytes``/2): sbh(10 + 24/t + 5as/(ht)); sbh(34/t + 5as/(ht)) with sequence parallelism;
@@ -20,7 +20,7 @@ the first stage (Narayanan et al. 2021, §2.2.1), times 1 + (p-1)/(p·v) when in
 layer and 2bshV for the logits (Narayanan §5.1), backward twice that, plus one more forward of the
 layers with full recomputation (only the 4bs²h attention core with selective), divided by t and
 the device's FLOP rate. Bubble: (p-1)/(v·m) of the compute (Narayanan §2.2). Communication, by
-:func:`minidist.calc.comm_time` (ring, alpha-beta) on the link the group spans:
+:func:`minidist.planner.calc.comm_time` (ring, alpha-beta) on the link the group spans:
 TP — per layer and micro-batch 2 all-reduces of bsh forward, 2 backward, 2 more when recomputing,
 plus the embedding's and the head's, and 3 small ones of vocab-parallel cross-entropy: all exposed;
 PP — 2(v·m + p - 1) point-to-point messages of bsh, and the tied embedding's gradient all-reduce
@@ -37,10 +37,10 @@ import math
 from dataclasses import dataclass, field
 
 from . import calc
-from .plan_reference import LINKS, PRECISIONS
+from .published import LINKS, PRECISIONS
 
 __all__ = ["ModelSpec", "Link", "Links", "Config", "Prediction", "predict", "plan", "format_table",
-           "MoESpec", "predict_ep", "this_machine", "predict_step_seconds", "calibrate_overhead", "load_link", "spearman"]
+           "RECOMPUTE", "LEGEND"]
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -240,54 +240,6 @@ def plan(model: ModelSpec, global_batch: int, n_devices: int, device_memory: flo
     return out
 
 
-@dataclass(frozen=True)
-class MoESpec:
-    """Every block's MLP (8h² + 5h parameters) replaced by ``experts`` copies and a router
-    (``E·h``, no bias); each token goes to ``top_k`` experts; an expert accepts
-    ``capacity_factor`` × its fair share of rows (:func:`minidist.expert_parallel.expert_capacity`)."""
-    experts: int
-    top_k: int = 1
-    capacity_factor: float = 1.0
-
-
-def predict_ep(model: ModelSpec, moe: MoESpec, ep: int, tokens_per_rank: int,
-               links: Links = Links(), devices_per_node: int = 8, precision: str = "mixed",
-               act_bytes: int = 2) -> dict:
-    """Expert parallelism over ``ep`` ranks (EP carved out of the DP ranks, tp = pp = 1): the
-    expert memory per rank and the all-to-all time of one step of ``tokens_per_rank`` tokens.
-
-    Experts per rank ``ceil(E/ep)``; their weights, gradients and optimizer state take the bytes
-    per parameter of ``precision`` (the non-expert part is ``model.params`` minus the MLPs, plus
-    the routers). Per MoE layer: dispatch and combine forward, the same two backward; each moves
-    ``rows = tokens·k·min(1, capacity_factor)`` rows of ``h`` values (balanced routing; a
-    capacity factor below 1 drops the rest), of which (ep-1)/ep leave
-    the rank, pairwise: ``(ep-1)·α + (ep-1)/ep · rows·h·act_bytes · β``, plus one count exchange
-    (forward only: ``(ep-1)·α + (ep-1)/ep · 8E · β``, E int64). The EP group's link is the node's when ``ep <= devices_per_node``.
-    Returns ``expert_params`` (per rank), ``dense_params``, ``expert_memory`` (bytes per rank),
-    ``a2a_bytes`` (sent per rank per step), ``a2a_s`` (seconds per step, all exposed).
-
-    Raises ValueError for ep < 1 or an unknown precision.
-    """
-    if not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"predict_ep: ep must be an int >= 1, got {ep!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"plan: precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    h, L, E = model.hidden, model.layers, moe.experts
-    mlp = 8 * h * h + 5 * h
-    expert_params = L * math.ceil(E / ep) * mlp
-    dense_params = model.params - L * mlp + L * E * h
-    wb, gb, ob = PRECISIONS[precision]
-    rows = tokens_per_rank * moe.top_k * min(1.0, moe.capacity_factor)
-    out_bytes = (ep - 1) / ep * rows * h * act_bytes if ep > 1 else 0.0
-    link = links.intra if ep <= devices_per_node else links.inter
-    one = (ep - 1) * link.alpha + out_bytes * link.beta if ep > 1 else 0.0
-    counts = (ep - 1) * link.alpha + 8 * E * (ep - 1) / ep * link.beta if ep > 1 else 0.0
-    return dict(expert_params=expert_params, dense_params=dense_params,
-                expert_memory=expert_params * (wb + gb + ob),
-                a2a_bytes=L * (4 * out_bytes + 8 * E * (ep - 1) / ep),
-                a2a_s=L * (4 * one + counts))
-
-
 LEGEND = ("v = model chunks per pipeline rank (interleaving), m = micro-batches per step, b = "
           "micro-batch size (sequences), infl = micro-batches in flight on the first stage (1F1B); "
           "W+G+O = weights + gradients + optimizer state")
@@ -315,7 +267,3 @@ def format_table(preds: list[Prediction], top: int | None = 20) -> str:
                              for x, (_, w) in zip(vals, cols)))
     return "\n".join(rows + [LEGEND])
 
-
-# the mode for this machine (CPU ranks sharing cores) and the measured-link loader live apart
-from .plan_machine import (calibrate_overhead, load_link, predict_step_seconds,  # noqa: E402
-                           spearman, this_machine)
