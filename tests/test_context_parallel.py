@@ -371,7 +371,7 @@ def _bad_input(rank, world):
     q = torch.zeros(1, 6, 5, 4)
     for fn, args, kw in ((ring_attention, (q, q, q), {"seq_len": 16}),   # 5 != 16/4 positions
                          (ulysses_attention, (torch.zeros(1, 6, 4, 4),) * 3, {}),   # 6 % 4
-                         (ulysses_attention, (torch.zeros(1, 8, 4, 4), torch.zeros(1, 3, 4, 4),
+                         (ulysses_attention, (torch.zeros(1, 12, 4, 4), torch.zeros(1, 3, 4, 4),
                                               torch.zeros(1, 3, 4, 4)), {})):
         try:
             fn(*args, **kw)

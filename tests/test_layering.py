@@ -7,7 +7,7 @@ function, or relative — and compared with the floor of the module it imports f
 * floor 1, the launcher and the public collectives: ``collectives``, ``launch``, ``launch_errors``,
   ``rank_process``
 * floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``, ``sharding``,
-  ``hybrid``
+  ``hybrid``, ``context_parallel``
 * floor 3, what reads or drives them: ``lessons``, ``bench``, ``grading``, ``exercises``, ``cli``,
   ``doctor``, ``calc``, ``cost``, ``diagrams``, ``plan`` (and ``plan_reference``, ``plan_machine``),
   ``__main__`` (``python -m minidist``)
@@ -28,7 +28,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "minidist"
 FLOORS = {
     0: ("env", "devices", "comm", "trace", "grid", "models", "data", "text"),
     1: ("collectives", "launch", "launch_errors", "rank_process"),
-    2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding", "hybrid"),
+    2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding", "hybrid",
+        "context_parallel"),
     3: ("lessons", "bench", "grading", "exercises", "cli", "doctor", "calc", "cost", "diagrams",
         "plan", "plan_reference", "plan_machine", "__main__"),
 }
