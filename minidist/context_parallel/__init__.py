@@ -15,6 +15,7 @@ from . import blocks, loss, positions, ring, sharding, ulysses  # noqa: F401
 from .blocks import attention_reference, log_add_exp, merge, naive_log_add_exp  # noqa: F401
 from .loss import allreduce_grads, sharded_cross_entropy  # noqa: F401
 from .ring import RingAttention, ring_attention, ring_traffic  # noqa: F401
+from .attention import ContextParallelSelfAttention  # noqa: F401
 from .sharding import (SPLITS, block_kind, block_table, causal_work, chunks,  # noqa: F401
                        computed_work, positions as split_positions, shard, unshard)
 from .ulysses import check_heads, ulysses_attention  # noqa: F401

@@ -71,7 +71,7 @@ class ZeRO1Optimizer(ShardedOptimizer):
             model.last.head.weight if model.last is not None else None) if p is not None]
         rest = [p for p in model.parameters() if all(p is not t for t in tied)]
         groups = [{"params": [t]} for t in tied] + ([{"params": rest}] if rest else [])
-        super().__init__(groups, optimizer_class, group=model.grid.dp_group, stage=1,
+        super().__init__(groups, optimizer_class, group=model.grid.dp_cp_group, stage=1,
                          grads="local", **defaults)
         self.model, self._reduced = model, False
         tp_rank = model.grid.tp_rank
@@ -99,7 +99,7 @@ class ZeRO1Optimizer(ShardedOptimizer):
         for b, mask in zip(self.buckets, self._counted):
             if b.shard.grad is not None:
                 total += (b.shard.grad.double().pow(2) * mask).sum()
-        for size, group in ((grid.dp_size, grid.dp_group), (grid.tp_size, grid.tp_group),
+        for size, group in ((len(grid.dp_cp_ranks), grid.dp_cp_group), (grid.tp_size, grid.tp_group),
                             (grid.pp_size, grid.pp_group)):
             if size > 1:
                 C.all_reduce(total, "sum", group=group)

@@ -23,6 +23,13 @@ layout: rows of the padded vocabulary), and after backward the two copies' gradi
 
 Shapes: stage 0 takes ids ``[b, s]``; between stages the hidden state ``[b, s, h]`` (``[b, s/tp, h]``
 with sequence parallelism); the last stage returns this rank's logits ``[b, s, Vp/tp]``.
+
+Context parallelism (a grid with ``cp > 1``): each rank holds ``s/cp`` positions of every sample,
+cut by the zigzag split (:mod:`minidist.context_parallel.sharding`); stage 0 embeds them at their
+*global* positions, attention is ring attention over the CP group
+(:class:`~minidist.context_parallel.attention.ContextParallelSelfAttention`), everything else is
+per token and unchanged. ``s`` must divide by ``2·cp``; no sequence parallelism or attention
+dropout with CP.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ import torch
 from torch import nn
 
 from .. import collectives as C
+from ..context_parallel.attention import ContextParallelSelfAttention
+from ..context_parallel.ring import group_rank_world
+from ..context_parallel.sharding import positions as cp_positions
 from ..models.gpt import GPT, Block, GPTConfig
 from ..pipeline_parallel.partition import balanced_bounds
 from ..tensor_parallel import accounting, regions as R
@@ -52,13 +62,25 @@ def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
 
 def check_grid(cfg: GPTConfig, dp: int, pp: int, tp: int, chunks: int = 1,
                sequence_parallel: bool = False, rank: int | None = None, seq_len: int | None = None,
-               batch: int | None = None, microbatches: int | None = None) -> None:
+               batch: int | None = None, microbatches: int | None = None, cp: int = 1) -> None:
     """Raise ``ValueError`` (naming ``rank`` and what to change) when the grid does not divide the
     model or the batch: fewer layers than ``pp·chunks`` stages, ``n_head % tp``, ``seq_len % tp``
     with sequence parallelism, a global batch not divisible by ``dp``, fewer samples per replica
-    than ``microbatches``, or ``microbatches % pp`` with the interleaved schedule (``chunks > 1``).
+    than ``microbatches``, or ``microbatches % pp`` with the interleaved schedule (``chunks > 1``);
+    with ``cp > 1``: ``seq_len % (2·cp)`` (the zigzag split), sequence parallelism, attention dropout.
     Every rank raises the same error before any communication, so nothing hangs."""
-    who = f"hybrid GPT (rank {rank}, grid dp={dp} pp={pp} tp={tp} chunks={chunks})"
+    who = f"hybrid GPT (rank {rank}, grid dp={dp} pp={pp} tp={tp} chunks={chunks}" + (
+        f" cp={cp})" if cp > 1 else ")")
+    if cp > 1:
+        if sequence_parallel:
+            raise ValueError(f"{who}: sequence parallelism and context parallelism together are "
+                             "not supported; turn sequence_parallel off")
+        if cfg.attn_dropout:
+            raise ValueError(f"{who}: attention dropout ({cfg.attn_dropout}) is not supported "
+                             "with context parallelism; set attn_dropout=0")
+        if seq_len is not None and seq_len % (2 * cp):
+            raise ValueError(f"{who}: the zigzag split needs the sequence length ({seq_len}) "
+                             f"divisible by 2·cp = {2 * cp}")
     if cfg.n_layer < pp * chunks:
         raise ValueError(f"{who}: {cfg.n_layer} layers cannot fill pp x chunks = {pp * chunks} "
                          f"stages (each needs a block); use n_layer >= {pp * chunks} or fewer "
@@ -89,10 +111,11 @@ class GPTStage(nn.Module):
     the first stage and ``ln_f`` + head on the last, tensor-parallel over ``group``."""
 
     def __init__(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group=None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, cp_group=None):
         super().__init__()
         sp = sequence_parallel
         self.cfg, self.index, self.group, self.sequence_parallel = cfg, index, group, sp
+        self.cp_group = cp_group   # None: no context parallelism
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         self.tp_rank, self.tp_size = R.tp_rank_world(group)
         if self.is_first:
@@ -102,8 +125,12 @@ class GPTStage(nn.Module):
             self.drop = Dropout(cfg.dropout, "replicated", group, sp)
         self.blocks = nn.ModuleDict()
         for i in layers:
-            attn = ParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout, cfg.dropout,
-                                         group, sp)
+            if cp_group is None:
+                attn = ParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout,
+                                             cfg.dropout, group, sp)
+            else:
+                attn = ContextParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout,
+                                                    cfg.dropout, group, sp, cp_group, "zigzag")
             mlp = ParallelMLP(cfg.n_embd, 4 * cfg.n_embd, cfg.dropout, group, sp)
             self.blocks[str(i)] = block = Block(cfg, attn, mlp)
             if sp:
@@ -120,12 +147,17 @@ class GPTStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             s = x.shape[1]
+            pos_ids = torch.arange(s, device=x.device)
+            if self.cp_group is not None:   # this rank's zigzag positions of the whole sequence
+                cp_rank, cp = group_rank_world(self.cp_group)
+                s = s * cp
+                pos_ids = cp_positions("zigzag", s, cp, cp_rank).to(x.device)
             if s > self.cfg.block_size:
                 raise ValueError(f"GPTStage 0 (TP rank {self.tp_rank}): sequence length {s} "
                                  f"exceeds block_size {self.cfg.block_size}")
             with accounting.scope("embed"):
                 tok = self.tok_emb(x)
-                pos = self.pos_emb(torch.arange(s, device=x.device))
+                pos = self.pos_emb(pos_ids)
                 if self.sequence_parallel:
                     pos = R.split_along(pos, 0, self.group, "GPTStage sequence split")
                 x = self.drop(tok + pos)
@@ -141,7 +173,7 @@ class GPTStage(nn.Module):
 class HybridGPT:
     """This rank's stages of ``GPT(cfg)`` on a :class:`minidist.grid.ProcessGrid`.
 
-    Args: ``cfg``; ``grid`` (``ProcessGrid(dp, pp, tp)``); ``chunks`` = ``v`` model chunks per
+    Args: ``cfg``; ``grid`` (``ProcessGrid(dp, pp, tp)``, or ``(..., cp=c)``: context parallelism); ``chunks`` = ``v`` model chunks per
     rank (interleaved 1F1B); ``sequence_parallel``; ``seed`` for the full model's weights.
 
     Attributes: ``stages`` {stage index: :class:`GPTStage`} (this rank's), ``n_stages`` = pp·v,
@@ -152,8 +184,9 @@ class HybridGPT:
 
     def __init__(self, cfg: GPTConfig, grid, chunks: int = 1, sequence_parallel: bool = False,
                  seed: int = 0):
+        cp = getattr(grid, "cp_size", 1)
         check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, chunks, sequence_parallel,
-                   grid.rank)
+                   grid.rank, cp=cp)
         self.cfg, self.grid, self.chunks, self.sequence_parallel = cfg, grid, chunks, sequence_parallel
         self.n_stages = grid.pp_size * chunks
         self.bounds = stage_bounds(cfg.n_layer, self.n_stages)
@@ -163,7 +196,7 @@ class HybridGPT:
         for c in range(chunks):
             s = c * grid.pp_size + grid.pp_rank
             stage = GPTStage(cfg, s, self.n_stages, range(*self.bounds[s]), grid.tp_group,
-                             sequence_parallel)
+                             sequence_parallel, grid.cp_group if cp > 1 else None)
             stage.load_state_dict(shard_state_dict(full, stage, grid.tp_group))
             self.stages[s] = stage
         last, first = self.n_stages - 1, 0
