@@ -14,7 +14,7 @@ __all__ = ["main"]
 _DEMO_SIZES = (0, 3, 10, 100_003)  # elements: empty, fewer than ranks, uneven, large-ish
 # section of `minidist demo` -> the module of minidist.lessons that gives its rows
 _SECTIONS = {"data_parallel": "ddp_demo", "tensor_parallel": "tp_demo", "pipeline_parallel": "pp_demo",
-             "sharding": "sharding_demo", "hybrid": "hybrid_demo"}
+             "sharding": "sharding_demo", "hybrid": "hybrid_demo", "context_parallel": "cp_demo"}
 
 
 def _demo_ops(C) -> dict:
@@ -149,7 +149,7 @@ def demo(argv=None) -> int:
 
 
 # `minidist bench X` subcommands with their own parser: X -> module of minidist.bench with main(argv)
-_BENCH_MAINS = {"alpha-beta": "alpha_beta_bench", "flops": "flops", "3d": "hybrid"}
+_BENCH_MAINS = {"alpha-beta": "alpha_beta_bench", "flops": "flops", "3d": "hybrid", "cp": "cp"}
 
 
 def bench(argv=None) -> int:

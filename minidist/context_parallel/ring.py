@@ -23,14 +23,18 @@ Messages sent per rank: forward ``W - 1``, backward ``2W - 1`` (none at W=1); by
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 import torch.distributed as dist
 
 from ..comm import p2p
+from ..trace import Event
 from .blocks import block_backward, block_forward, compute_dtype, merge
 from .sharding import SPLITS, block_kind, chunks
 
-__all__ = ["ring_attention", "RingAttention", "ring_traffic", "group_rank_world"]
+__all__ = ["ring_attention", "RingAttention", "ring_traffic", "group_rank_world", "recording"]
 
 _KV, _DKV = 1, 2   # tags: the K/V block and its gradient accumulator are different messages
 
@@ -90,6 +94,28 @@ def _check(q, k, v, split, seq_len, rank, world):
     return seq_len
 
 
+_RECORD: list | None = None   # set by recording(): where each step's compute and wait go
+
+
+@contextlib.contextmanager
+def recording():
+    r"""``with recording() as events:`` — every ring step inside appends two
+    :class:`~minidist.trace.Event`\ s (``perf_counter`` seconds): ``"fwd t"``/``"bwd t"`` on lane
+    ``"compute"`` (the block's attention) and ``"wait"`` on lane ``"comm"`` (the time spent
+    waiting for the transfer after the compute: the part of the communication *not* hidden)."""
+    global _RECORD
+    previous, _RECORD = _RECORD, []
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = previous
+
+
+def _note(name, lane, start, end, rank, step):
+    if _RECORD is not None:
+        _RECORD.append(Event(name, start, end, lane=lane, rank=rank, stage=step))
+
+
 def _advance(current: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
     """The block the backward works on next: the one just received. (A test replaces this with
     ``lambda current, received: current`` — the stale-K/V bug — to show the check catches it.)"""
@@ -117,12 +143,16 @@ class RingAttention(torch.autograd.Function):
                 if t < world - 1:   # post the next block's transfer before this block's compute
                     incoming = kv.new_empty(2, b, k.shape[1], lay.sizes[(src - 1) % world], d)
                     works = [p2p.irecv(incoming, prv, group, _KV), p2p.isend(kv, nxt, group, _KV)]
+                t0 = time.perf_counter()
                 kc = kv.to(cdt)
                 for qs, qp, ks, kp, kind in lay.pairs(rank, src, q.device):
                     o, l = block_forward(qc[:, :, qs], kc[0][:, :, ks], kc[1][:, :, ks], qp, kp,
                                          kind, scale)
                     out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, l)
+                t1 = time.perf_counter()
                 p2p.wait_all(works)
+                _note(f"fwd {t}", "compute", t0, t1, rank, t)
+                _note("wait", "comm", t1, time.perf_counter(), rank, t)
                 if works:
                     kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
@@ -150,6 +180,7 @@ class RingAttention(torch.autograd.Function):
                 if t < world - 1:
                     incoming = kv.new_empty(2, b, h_kv, lay.sizes[(src - 1) % world], d)
                     works = [p2p.irecv(incoming, prv, group, _KV), p2p.isend(kv, nxt, group, _KV)]
+                t0 = time.perf_counter()
                 kc = kv.to(cdt)
                 dkv = torch.zeros(2, b, h_kv, lay.sizes[src], d, dtype=cdt, device=q.device)
                 for qs, qp, ks, kp, kind in lay.pairs(rank, src, q.device):
@@ -159,10 +190,13 @@ class RingAttention(torch.autograd.Function):
                     dq[:, :, qs] += dq_
                     dkv[0][:, :, ks] += dk_
                     dkv[1][:, :, ks] += dv_
+                t1 = time.perf_counter()
                 if t > 0:   # the accumulator of this block, from the ranks that held it before
                     p2p.wait_all(dkv_works)
                     dkv += dkv_in
                 p2p.wait_all(works)
+                _note(f"bwd {t}", "compute", t0, t1, rank, t)
+                _note("wait", "comm", t1, time.perf_counter(), rank, t)
                 if world > 1:   # pass the accumulator on with its block; the last hop: home
                     dkv_in = dkv.new_empty(2, b, h_kv, lay.sizes[(src - 1) % world], d)
                     sent.append(dkv)
