@@ -387,3 +387,29 @@ def test_bad_input_is_a_clear_error_on_every_rank():
         assert f"rank {rank} of 4" in ring_msg and "gives this rank 4" in ring_msg
         assert "6 attention heads do not divide over 4 ranks" in heads_msg
         assert "3 key/value heads on 4 ranks" in kv_msg
+
+
+# ---------------------------------------------------------------- the cost formulas (planner)
+def test_cp_cost_formulas_agree_with_the_ring_and_divide_by_cp():
+    from minidist.context_parallel.cost import activation_bytes, longest_context, ring_time
+    from minidist.plan import longest_context as from_planner
+    assert from_planner is longest_context
+    # the ring's counted messages and bytes (fp32 K/V and accumulators) are the formula's
+    for world in (2, 3, 4):
+        rt = ring_time(hidden=H * D, heads=H, seq_len=8 * world, cp=world, alpha=0, beta=1,
+                       flop_rate=1e30, micro_batch=B, act_bytes=4, grad_bytes=4)
+        f = ring_traffic("zigzag", 8 * world, world, 0, B, H, D, 4)
+        assert rt.messages == (f["forward"][0], f["backward"][0])
+        assert rt.bytes == f["forward"][1] + f["backward"][1]
+        assert rt.hidden == 0.0 and rt.exposed_s == rt.comm_s    # nothing to hide behind
+    assert ring_time(4096, 32, 131072, 8, 5e-6, 1 / 300e9, 400e12).hidden == 1.0
+    # activations per rank: exactly 1/cp of one rank's
+    for rec in ("none", "selective", "full"):
+        one = activation_bytes(32, 4096, 32000, 65536, 1, 2, recompute=rec)
+        assert activation_bytes(32, 4096, 32000, 65536, 4, 2, recompute=rec) == pytest.approx(one / 4)
+    # the longest context fits, one more step does not
+    for r in longest_context(32, 4096, 32, 32000, 6.7e9, 8):
+        total = r["states"] + r["activations"]
+        more = r["states"] + activation_bytes(32, 4096, 32000, r["seq_len"] + 1024 * 2 * r["cp"],
+                                              r["cp"], r["tp"])
+        assert total <= 80e9 < more and r["seq_len"] % (2 * r["cp"]) == 0
