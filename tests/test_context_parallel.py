@@ -413,3 +413,39 @@ def test_cp_cost_formulas_agree_with_the_ring_and_divide_by_cp():
         more = r["states"] + activation_bytes(32, 4096, 32000, r["seq_len"] + 1024 * 2 * r["cp"],
                                               r["cp"], r["tp"])
         assert total <= 80e9 < more and r["seq_len"] % (2 * r["cp"]) == 0
+
+
+def _posting_order(rank, world):
+    """At each step, how many K/V messages this rank had already posted when the block's compute
+    began (forward), and the recorded compute/wait events."""
+    seen = []
+    original = ring.block_forward
+
+    def spy(*args):
+        seen.append(p2p.traffic("cp/ring_attention/forward").msgs_sent)
+        return original(*args)
+    q, k, v, do = (shard(t, "contiguous", world, rank, dim=2)
+                   for t in _data(4 * world, torch.float64, H))
+    q.requires_grad_()
+    ring.block_forward = spy
+    try:
+        p2p.reset_traffic()
+        with ring.recording() as events:
+            out, _ = ring_attention(q, k, v, split="contiguous", causal=False)
+            out.backward(do)
+    finally:
+        ring.block_forward = original
+    return seen, [(e.name, e.lane, e.stage) for e in events]
+
+
+@pytest.mark.timeout(60)
+def test_next_transfer_is_posted_before_the_current_block_is_computed():
+    """Non-causal, contiguous: one block per step. At step t < W-1 the send of step t is already
+    posted (t + 1 messages) when the compute starts; the last step posts nothing new."""
+    world = 3
+    for seen, events in minidist.run(_posting_order, world, timeout=40):
+        assert seen == [1, 2, 2], seen
+        compute = [e for e in events if e[1] == "compute"]
+        assert [e[0] for e in compute] == [f"fwd {t}" for t in range(world)] + \
+            [f"bwd {t}" for t in range(world)]
+        assert sum(1 for e in events if e[0] == "wait") == 2 * world
