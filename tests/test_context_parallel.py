@@ -12,7 +12,8 @@ lse, whose rounding (half an ulp of |lse| ~ 4, 2.4e-7) is a relative error of ev
 FlashAttention-2 backward's known property. Measured at W=1 (no communication at all): up to
 1.1e-6 for dK, where torch's fp32 autograd on the same inputs gives 2-4e-7. The same launch checks the exact
 messages and bytes each rank sends against :func:`ring_traffic`, a stale-K/V backward and local
-positions (both caught), and the loss over a sharded sequence.
+positions (both caught), the loss over a sharded sequence, and sequences shorter than W (ranks
+with empty shards: nothing sent to or from them, results still equal).
 """
 
 import math
@@ -250,7 +251,9 @@ def _rank(rank, world):
            for dt in (torch.float64, torch.float32)}
     bf16 = {m: _run_case(rank, world, m, "zigzag", torch.bfloat16, True, 6 * world, H)
             for m in ("ring", "ulysses")}
-    extra = {"stale": _stale_kv_backward(rank, world),
+    tiny = {(m, sp, n): _run_case(rank, world, m, sp, torch.float64, True, n, H)   # empty shards
+            for m, sp in METHODS for n in (0, 1, world - 1) if n < world}
+    extra = {"tiny": tiny, "stale": _stale_kv_backward(rank, world),
              "rope_global": _rope_positions(rank, world, False),
              "rope_local": _rope_positions(rank, world, True),
              "loss": _loss_case(rank, world)}
@@ -268,7 +271,9 @@ def _reference(dtype, causal, seq_len, kv, scale=1.0, ref_dtype=None):
 
 def _errors(parts, split, ref):
     got = [unshard([p[i] for p in parts], split, dim=2) for i in range(5)]
-    return [(g.double() - r.double()).abs().max().item() / max(1.0, r.abs().max().item())
+    assert all(g.shape == r.shape for g, r in zip(got, ref))
+    return [0.0 if r.numel() == 0 else
+            (g.double() - r.double()).abs().max().item() / max(1.0, r.abs().max().item())
             for g, r in zip(got, ref)]
 
 
@@ -335,6 +340,14 @@ def test_ring_and_ulysses_equal_full_attention(world):
             assert (g.float() - r).abs().max().item() <= bound, (method, name)
 
     extra = [r[3] for r in results]
+    for (method, split, n), _ in extra[0]["tiny"].items():   # fewer positions than ranks
+        parts = [e["tiny"][(method, split, n)] for e in extra]
+        errs = _errors(parts, split, _reference(torch.float64, True, n, H))
+        assert max(errs) <= 1e-12, (method, split, n, errs)
+        if method == "ring":
+            for rank, p in enumerate(parts):
+                f = ring_traffic(split, n, world, rank, B, H, D, 8)
+                assert (p[5], p[6]) == (f["forward"], f["backward"]), (split, n, rank)
     ref = _reference(torch.float64, True, 6 * world, H)
     stale = [unshard([e["stale"][i] for e in extra], "zigzag", dim=2) for i in range(3)]
     stale_err = max((a - b).abs().max().item() for a, b in zip(stale, ref[2:]))
