@@ -2,18 +2,22 @@
 
 One launch per world size W = 1..4 runs every case and returns each rank's shard; the test
 process unshards and compares with :func:`attention_reference` (plain autograd, one process):
-output, LSE, dQ, dK, dV (the fp32 runs against fp64 arithmetic on the same fp32 inputs), for ring attention under the contiguous, zigzag and striped splits and
-for Ulysses, fp64 and fp32, causal and not, two sequence lengths (one divisible by 2W, one not),
-batch 2, 12 query heads, full and grouped-query K/V heads. Tolerances (max abs error relative to
-max(1, the tensor's max abs value)): fp64 1e-12; fp32 1e-6·W for out and lse (the merge order
-differs from the one-process softmax; torch's own ring-attention tests scale the tolerance with W
-as well) and 2e-6·W for dQ, dK, dV: the backward recomputes P = exp(S - lse) from the stored
-lse, whose rounding (half an ulp of |lse| ~ 4, 2.4e-7) is a relative error of every P — the
+output, LSE, dQ, dK, dV (the fp32 runs against fp64 arithmetic on the same fp32 inputs), for
+ring attention under the contiguous, zigzag and striped splits and for Ulysses, fp64 and fp32,
+causal and not, two sequence lengths (one divisible by 2W, one not), batch 2, 12 query heads,
+full and grouped-query K/V heads.
+
+Tolerances (max abs error relative to max(1, the tensor's max abs value)): fp64 1e-12; fp32
+1e-6·W for out and lse (the merge order differs from the one-process softmax, once per ring
+step), 2e-6·W for dQ, dK, dV: the backward recomputes P = exp(S - lse) from the stored lse, whose
+rounding (half an ulp of |lse| ~ 4, 2.4e-7) is a relative error of every P — the
 FlashAttention-2 backward's known property. Measured at W=1 (no communication at all): up to
-1.1e-6 for dK, where torch's fp32 autograd on the same inputs gives 2-4e-7. The same launch checks the exact
-messages and bytes each rank sends against :func:`ring_traffic`, a stale-K/V backward and local
-positions (both caught), the loss over a sharded sequence, and sequences shorter than W (ranks
-with empty shards: nothing sent to or from them, results still equal).
+1.1e-6 for dK, where torch's fp32 autograd on the same inputs gives 2-4e-7.
+
+The same launch checks the exact messages and bytes each rank sends against
+:func:`ring_traffic`, a stale-K/V backward and local positions (both caught), the loss over a
+sharded sequence, and sequences shorter than W (ranks with empty shards: nothing sent to or from
+them, results still equal).
 """
 
 import math
