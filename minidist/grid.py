@@ -31,6 +31,8 @@ tp 1; CP group [5, 7], DP group [1, 5], DP×CP group [1, 3, 5, 7], TP group [4, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -84,6 +86,18 @@ class ProcessGrid:
     ``cp == 1`` no group is created: ``cp_group`` is None (never pass it to a collective: None
     means the world), ``dp_cp_group`` is ``dp_group``.
     """
+
+    # set per dimension in __init__ (setattr over "dp", "pp", "tp"; with cp > 1 also "cp", "dp_cp")
+    dp_group: Any
+    pp_group: Any
+    tp_group: Any
+    dp_ranks: list[int]
+    pp_ranks: list[int]
+    tp_ranks: list[int]
+    cp_group: Any
+    dp_cp_group: Any
+    cp_ranks: list[int]
+    dp_cp_ranks: list[int]
 
     def __init__(self, dp: int, pp: int = 1, tp: int = 1, cp: int = 1):
         if not dist.is_initialized():

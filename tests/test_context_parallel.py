@@ -409,8 +409,10 @@ def test_bad_input_is_a_clear_error_on_every_rank():
 # ---------------------------------------------------------------- the cost formulas (planner)
 def test_cp_cost_formulas_agree_with_the_ring_and_divide_by_cp():
     from minidist.context_parallel.cost import activation_bytes, longest_context, ring_time
-    from minidist.plan import longest_context as from_planner
-    assert from_planner is longest_context
+    from minidist import planner
+    from minidist.planner.search import longest_context as from_search
+    assert planner.longest_context is longest_context and from_search is longest_context
+    assert planner.ring_time is ring_time and planner.activation_bytes is activation_bytes
     # the ring's counted messages and bytes (fp32 K/V and accumulators) are the formula's
     for world in (2, 3, 4):
         rt = ring_time(hidden=H * D, heads=H, seq_len=8 * world, cp=world, alpha=0, beta=1,

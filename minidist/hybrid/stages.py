@@ -4,9 +4,10 @@ The tiny GPT (:class:`minidist.models.gpt.GPT`) is cut into ``P·v`` pipeline st
 pipeline size, ``v`` model chunks per rank for the interleaved schedule): its ``n_layer`` blocks
 are split as evenly as possible (:func:`minidist.pipeline_parallel.partition.balanced_bounds`),
 stage 0 also holds the token and position embeddings, the last stage ``ln_f`` and the head.
-Inside a stage every layer is tensor-parallel over the grid's TP group, as in
-:class:`minidist.tensor_parallel.gpt.TPGPT` (VocabParallelEmbedding, ParallelSelfAttention and
-ParallelMLP in the plain ``Block``, a vocabulary-parallel head; optionally sequence parallelism).
+Inside a stage every layer is tensor-parallel over the grid's TP group: each stage is a
+:class:`minidist.tensor_parallel.gpt.GPTStage` (VocabParallelEmbedding, ParallelSelfAttention and
+ParallelMLP in the plain ``Block``, a vocabulary-parallel head; optionally sequence parallelism),
+the same code :class:`~minidist.tensor_parallel.gpt.TPGPT` is (one stage holding every layer).
 Rank ``r`` holds stages ``r, r+P, ...`` (chunk order) of its pipeline. Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2-3.
 
@@ -41,18 +42,13 @@ from .. import collectives as C
 from ..context_parallel.attention import ContextParallelSelfAttention
 from ..context_parallel.ring import group_rank_world
 from ..context_parallel.sharding import positions as cp_positions
-from ..models.gpt import GPT, Block, GPTConfig
+from ..models.gpt import GPT, GPTConfig
 from ..pipeline_parallel.partition import balanced_bounds
-from ..tensor_parallel import accounting, regions as R
-from ..tensor_parallel.attention import ParallelSelfAttention
-from ..tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, mark_parameter,
-                                      pad_to_multiple)
-from ..tensor_parallel.mlp import ParallelMLP
-from ..tensor_parallel.random import Dropout
-from ..tensor_parallel.sequence import allreduce_sequence_parallel_grads, mark_sequence_parallel
+from ..tensor_parallel.gpt import GPTStage
+from ..tensor_parallel.sequence import allreduce_sequence_parallel_grads
 from ..tensor_parallel.sharding import gather_state_dict, shard_state_dict
 
-__all__ = ["GPTStage", "HybridGPT", "stage_bounds", "check_grid"]
+__all__ = ["GPTStage", "CPGPTStage", "HybridGPT", "stage_bounds", "check_grid"]
 
 
 def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
@@ -106,77 +102,36 @@ def check_grid(cfg: GPTConfig, dp: int, pp: int, tp: int, chunks: int = 1,
                          f"be a multiple of pp={pp}")
 
 
-class GPTStage(nn.Module):
-    """Stage ``index`` of ``n_stages``: blocks ``layers`` (global indices), plus the embeddings on
-    the first stage and ``ln_f`` + head on the last, tensor-parallel over ``group``."""
+class CPGPTStage(GPTStage):
+    """:class:`~minidist.tensor_parallel.gpt.GPTStage` on a context-parallel group: each block's
+    attention is :class:`~minidist.context_parallel.attention.ContextParallelSelfAttention` (ring
+    attention over ``cp_group``) and stage 0 embeds this rank's ``s/cp`` tokens at their global
+    zigzag positions. Same parameters (names, shapes) as the plain stage."""
 
-    def __init__(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group=None,
-                 sequence_parallel: bool = False, cp_group=None):
-        super().__init__()
-        sp = sequence_parallel
-        self.cfg, self.index, self.group, self.sequence_parallel = cfg, index, group, sp
-        self.cp_group = cp_group   # None: no context parallelism
-        self.is_first, self.is_last = index == 0, index == n_stages - 1
-        self.tp_rank, self.tp_size = R.tp_rank_world(group)
-        if self.is_first:
-            self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, group, sp)
-            self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
-            mark_parameter(self.pos_emb.weight, sequence_parallel=sp)
-            self.drop = Dropout(cfg.dropout, "replicated", group, sp)
-        self.blocks = nn.ModuleDict()
-        for i in layers:
-            if cp_group is None:
-                attn = ParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout,
-                                             cfg.dropout, group, sp)
-            else:
-                attn = ContextParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout,
-                                                    cfg.dropout, group, sp, cp_group, "zigzag")
-            mlp = ParallelMLP(cfg.n_embd, 4 * cfg.n_embd, cfg.dropout, group, sp)
-            self.blocks[str(i)] = block = Block(cfg, attn, mlp)
-            if sp:
-                mark_sequence_parallel(block.ln1), mark_sequence_parallel(block.ln2)
-        if self.is_last:
-            self.ln_f = nn.LayerNorm(cfg.n_embd)
-            self.head = ColumnParallelLinear(cfg.n_embd, cfg.vocab_size, bias=False, group=group,
-                                             sequence_parallel=sp,
-                                             padded_out_features=pad_to_multiple(cfg.vocab_size,
-                                                                                 self.tp_size))
-            if sp:
-                mark_sequence_parallel(self.ln_f)
+    def __init__(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group,
+                 sequence_parallel: bool, cp_group):
+        nn.Module.__init__(self)        # cp_group first: make_attention needs it during the build
+        self.cp_group = cp_group
+        self._build(cfg, index, n_stages, layers, group, sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            s = x.shape[1]
-            pos_ids = torch.arange(s, device=x.device)
-            if self.cp_group is not None:   # this rank's zigzag positions of the whole sequence
-                cp_rank, cp = group_rank_world(self.cp_group)
-                s = s * cp
-                pos_ids = cp_positions("zigzag", s, cp, cp_rank).to(x.device)
-            if s > self.cfg.block_size:
-                raise ValueError(f"GPTStage 0 (TP rank {self.tp_rank}): sequence length {s} "
-                                 f"exceeds block_size {self.cfg.block_size}")
-            with accounting.scope("embed"):
-                tok = self.tok_emb(x)
-                pos = self.pos_emb(pos_ids)
-                if self.sequence_parallel:
-                    pos = R.split_along(pos, 0, self.group, "GPTStage sequence split")
-                x = self.drop(tok + pos)
-        for i, block in self.blocks.items():
-            with accounting.scope(f"block{i}"):
-                x = block(x)
-        if self.is_last:
-            with accounting.scope("head"):
-                x = self.head(self.ln_f(x))
-        return x
+    def make_attention(self, cfg: GPTConfig, group, sequence_parallel: bool) -> nn.Module:
+        return ContextParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout, cfg.dropout,
+                                            group, sequence_parallel, self.cp_group, "zigzag")
+
+    def positions(self, s: int, device) -> tuple[int, torch.Tensor]:
+        cp_rank, cp = group_rank_world(self.cp_group)   # this rank's zigzag positions of cp·s
+        return s * cp, cp_positions("zigzag", s * cp, cp, cp_rank).to(device)
 
 
 class HybridGPT:
     """This rank's stages of ``GPT(cfg)`` on a :class:`minidist.grid.ProcessGrid`.
 
-    Args: ``cfg``; ``grid`` (``ProcessGrid(dp, pp, tp)``, or ``(..., cp=c)``: context parallelism); ``chunks`` = ``v`` model chunks per
-    rank (interleaved 1F1B); ``sequence_parallel``; ``seed`` for the full model's weights.
+    Args: ``cfg``; ``grid`` (``ProcessGrid(dp, pp, tp)``, or ``(..., cp=c)``: context
+    parallelism); ``chunks`` = ``v`` model chunks per rank (interleaved 1F1B);
+    ``sequence_parallel``; ``seed`` for the full model's weights.
 
-    Attributes: ``stages`` {stage index: :class:`GPTStage`} (this rank's), ``n_stages`` = pp·v,
+    Attributes: ``stages`` {stage index: :class:`GPTStage`, a :class:`CPGPTStage` with cp > 1}
+    (this rank's), ``n_stages`` = pp·v,
     ``bounds`` (block ranges per stage), ``tied`` (tied embeddings held as two copies).
 
     Raises ``ValueError`` from :func:`check_grid`.
@@ -195,8 +150,10 @@ class HybridGPT:
         self.stages = {}
         for c in range(chunks):
             s = c * grid.pp_size + grid.pp_rank
-            stage = GPTStage(cfg, s, self.n_stages, range(*self.bounds[s]), grid.tp_group,
-                             sequence_parallel, grid.cp_group if cp > 1 else None)
+            layers = range(*self.bounds[s])
+            stage = (CPGPTStage(cfg, s, self.n_stages, layers, grid.tp_group, sequence_parallel,
+                                grid.cp_group) if cp > 1 else
+                     GPTStage(cfg, s, self.n_stages, layers, grid.tp_group, sequence_parallel))
             stage.load_state_dict(shard_state_dict(full, stage, grid.tp_group))
             self.stages[s] = stage
         last, first = self.n_stages - 1, 0
@@ -213,7 +170,8 @@ class HybridGPT:
         for s in sorted(self.stages):
             for p in self.stages[s].parameters():
                 if id(p) not in seen:
-                    seen.add(id(p)), out.append(p)
+                    seen.add(id(p))
+                    out.append(p)
         return out
 
     def is_tied_copy(self, p: nn.Parameter) -> bool:
