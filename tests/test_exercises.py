@@ -633,3 +633,36 @@ def unpermute(rows, token_index, row_weights, num_tokens):
 ])
 def test_ex15_permutation_slips_are_named(code, needle):
     _rejects(EX15, "permutation_grade", {"permutation": code}, needle)
+
+
+def test_ex14_rejects_an_unstable_merge_a_plain_sum_and_the_wrong_chunk_pairing():
+    naive = '''
+def merge(out_a, lse_a, out_b, lse_b):
+    lse = lse_a + torch.log(1 + torch.exp(lse_b - lse_a))
+    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse
+'''
+    _rejects("14_context_parallel.ipynb", "merge_grade", {"merge": naive},
+             "overflow: the merge is not finite", "max + log1p(exp(-|a - b|))",
+             "block a saw no key (lse -inf): nan or inf")
+    _rejects("14_context_parallel.ipynb", "ring_grade", {"merge": naive}, "non-finite output")
+    plain = '''
+def merge(out_a, lse_a, out_b, lse_b):
+    return out_a + out_b, torch.logaddexp(lse_a, lse_b)
+'''
+    _rejects("14_context_parallel.ipynb", "merge_grade", {"merge": plain},
+             "out is out_a + out_b: weight each by its share")
+    _rejects("14_context_parallel.ipynb", "ring_grade", {"merge": plain},
+             "output differs from full attention")
+    for wrong, needle in (("chunks[world + rank]", "chunks r and W + r: the wrong chunk pairing"),
+                          ("chunks[(2 * world - rank) % (2 * world)]", "chunks r and 2W - r")):
+        _rejects("14_context_parallel.ipynb", "zigzag_positions_grade", {"zigzag_positions": f'''
+def zigzag_positions(seq_len, world, rank):
+    chunks = torch.arange(seq_len).tensor_split(2 * world)
+    return torch.cat([chunks[rank], {wrong}])
+'''}, needle)
+    _rejects("14_context_parallel.ipynb", "zigzag_positions_grade", {"zigzag_positions": '''
+def zigzag_positions(seq_len, world, rank):
+    n = seq_len // (2 * world)
+    return torch.cat([torch.arange(rank * n, (rank + 1) * n),
+                      torch.arange((2 * world - 1 - rank) * n, (2 * world - rank) * n)])
+'''}, "does not divide into")

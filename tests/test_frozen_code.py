@@ -68,6 +68,7 @@ DISPLAYED: dict[str, list[str]] = {
         "minidist.expert_parallel.router:load_balancing_loss",
         "minidist.expert_parallel.dispatch:dispatch_combine", "minidist.expert_parallel.dispatch:AllToAll",
         "minidist.expert_parallel.gpt:sync_grads"],
+    "course/14_context_parallel.ipynb": ["minidist.context_parallel.blocks:log_add_exp"],
     "solutions/03_ring_allreduce.ipynb": ["minidist.comm.ring:reduce_scatter_chunks"],
     "exercises/03_ring_allreduce.ipynb": ["minidist.comm.ring:reduce_scatter_chunks"],
     "solutions/07_one_f_one_b.ipynb": ["minidist.pipeline_parallel.schedules:gpipe"],

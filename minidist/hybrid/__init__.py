@@ -32,9 +32,9 @@ from . import clip, dp, dp_pipeline, stages, step  # noqa: F401
 from .clip import clip_grad_norm_, global_grad_norm  # noqa: F401
 from .dp import DP_MODES, PipelineBucketedDDP, ZeRO1Optimizer, make_optimizer  # noqa: F401
 from .dp_pipeline import dp_pipeline_step, sync_gradients  # noqa: F401
-from .stages import GPTStage, HybridGPT, check_grid, stage_bounds  # noqa: F401
+from .stages import CPGPTStage, GPTStage, HybridGPT, check_grid, stage_bounds  # noqa: F401
 from .step import StepOutput, make_loss_fn, train_step, wrap_stages  # noqa: F401
 
-__all__ = ["HybridGPT", "GPTStage", "check_grid", "stage_bounds", "PipelineBucketedDDP", "ZeRO1Optimizer",
+__all__ = ["HybridGPT", "GPTStage", "CPGPTStage", "check_grid", "stage_bounds", "PipelineBucketedDDP", "ZeRO1Optimizer",
            "make_optimizer", "DP_MODES", "global_grad_norm", "clip_grad_norm_", "train_step",
            "wrap_stages", "make_loss_fn", "StepOutput", "dp_pipeline_step", "sync_gradients"]

@@ -72,7 +72,7 @@ class ZeRO1Optimizer(ShardedOptimizer):
             model.last.head.weight if model.last is not None else None) if p is not None]
         rest = [p for p in model.parameters() if all(p is not t for t in tied)]
         groups = [{"params": [t]} for t in tied] + ([{"params": rest}] if rest else [])
-        super().__init__(groups, optimizer_class, group=model.grid.dp_group, stage=1,
+        super().__init__(groups, optimizer_class, group=model.grid.dp_cp_group, stage=1,
                          grads="local", **defaults)
         self.model, self._reduced = model, False
         tp_rank = model.grid.tp_rank
