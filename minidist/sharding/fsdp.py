@@ -69,8 +69,11 @@ class FlatParamUnit:
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.rank, self.world_size = comm.rank, comm.world_size
         self.slots, params, seen = [], [], {}   # slots: (submodule, name, index into params)
+        self.frozen = []                        # (name, parameter) left unsharded: frozen at wrap
         for mod_name, sub in _own_modules(module):
             for name, p in list(sub._parameters.items()):
+                if p is not None and not p.requires_grad:
+                    self.frozen.append((f"{mod_name}{name}", p))
                 if p is None or not p.requires_grad:
                     continue
                 if id(p) not in seen:
@@ -144,6 +147,13 @@ class FlatParamUnit:
     # ------------------------------------------------------------------ hooks
     def pre_forward(self, module, args, kwargs):
         ctx = self.ctx
+        thawed = [n for n, p in self.frozen if p.requires_grad]
+        if thawed:   # the flat design packs what was trainable at wrap; it cannot take in more
+            raise RuntimeError(f"fully_shard(per_parameter=False) (rank {self.rank}): unit "
+                               f"{self.unit_name()} left {', '.join(thawed)} unsharded because "
+                               "it was frozen at wrap time, and it requires a gradient now; its "
+                               "gradient would never be averaged. Use the per-parameter "
+                               "fully_shard (the default), which shards frozen parameters too")
         if ctx.recording and self not in ctx.order:
             ctx.order.append(self)
         if self.layout is not None:
@@ -184,7 +194,7 @@ class FlatParamUnit:
     def _on_grad(self) -> None:
         grad = self.full.grad
         self.full.grad = None
-        rdtype = self.mp.reduce_dtype or self.flat_shard.dtype
+        rdtype = self.mp.reduce_dtype or self.master_dtype()
         grad = grad.to(rdtype)
         if self.unsharded_grad is not None:
             grad = grad + self.unsharded_grad
@@ -194,9 +204,26 @@ class FlatParamUnit:
         else:
             out = torch.empty(self.layout.shard_numel, dtype=rdtype, device=grad.device)
             h = self.ctx.worker.submit(f"reduce-scatter of unit {self.unit_name()} (rank "
-                                       f"{self.rank})", _reduce_scatter, out, grad)
+                                       f"{self.rank})", _reduce_scatter, out,
+                                       self._reduce_input(grad))
             self.ctx.pending.append((self, h, out))
         self._free()
+
+    def master_dtype(self) -> torch.dtype:
+        """dtype of the sharded masters (what gradients are reduced in without a policy)."""
+        return self.flat_shard.dtype
+
+    def _reduce_input(self, grad: torch.Tensor) -> torch.Tensor:
+        """The [W·S] buffer to reduce-scatter, from the gathered-layout gradient."""
+        return grad
+
+    def _accept_grad(self, out: torch.Tensor) -> None:
+        """Add this rank's averaged slice ``out`` [S] to the shard's gradient."""
+        g = out.to(self.flat_shard.dtype)
+        if self.flat_shard.grad is None:
+            self.flat_shard.grad = g
+        else:
+            self.flat_shard.grad.add_(g)
 
     def _finish_backward(self) -> None:
         ctx = self.ctx
@@ -205,11 +232,7 @@ class FlatParamUnit:
         with torch.no_grad():
             for unit, h, out in pending:
                 h.wait()
-                g = out.to(unit.flat_shard.dtype)
-                if unit.flat_shard.grad is None:
-                    unit.flat_shard.grad = g
-                else:
-                    unit.flat_shard.grad.add_(g)
+                unit._accept_grad(out)
         for unit in ctx.order:                # units whose gradient never came: free them too
             if unit.layout is not None and unit.handle is not None:
                 unit.wait_gathered()
@@ -275,7 +298,8 @@ def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
 
 def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built",
                 auto_wrap: tuple = (), mp_policy: MixedPrecision | None = None,
-                reshard_after_forward: bool = True, prefetch: bool = True) -> nn.Module:
+                reshard_after_forward: bool = True, prefetch: bool = True,
+                per_parameter: bool = True) -> nn.Module:
     """Shard ``module`` as one unit (after sharding its submodules of the classes in
     ``auto_wrap`` as units of their own) and return it. Call on children first, then the root.
 
@@ -288,13 +312,16 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
     if getattr(module, "_fsdp", None) is not None:
         raise ValueError(f"fully_shard: {type(module).__name__} is already a unit")
     opts = dict(group=group, collectives=collectives, mp_policy=mp_policy,
-                reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+                reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+                per_parameter=per_parameter)
     if auto_wrap:
         for sub in list(module.modules())[1:][::-1]:
             if isinstance(sub, tuple(auto_wrap)) and getattr(sub, "_fsdp", None) is None:
                 fully_shard(sub, **opts)
-    unit = FlatParamUnit(module, Collectives(collectives, group), mp_policy or MixedPrecision(),
-                         reshard_after_forward, prefetch)
+    from .fsdp_param import ParamShardUnit
+    cls = ParamShardUnit if per_parameter else FlatParamUnit
+    unit = cls(module, Collectives(collectives, group), mp_policy or MixedPrecision(),
+               reshard_after_forward, prefetch)
     module._fsdp = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
