@@ -119,14 +119,15 @@ def _params_by_name(model):
 def run_case(c, how: str, rank: int = 0, world: int = 1):
     try:
         return _run(c, how, rank, world)
-    except (RuntimeError, ValueError, NotImplementedError, AssertionError) as e:
+    except (RuntimeError, ValueError, NotImplementedError, AssertionError, KeyError,
+            TypeError) as e:
         return f"error: {type(e).__name__}: {e}"
 
 
 def _wrap(c, how, model, world):
     if how in ("fsdp", "fsdp-flat"):
         mp = fsdp.MixedPrecision(torch.bfloat16, torch.float32) if c["mp"] == "bf16" else None
-        opts = dict(mp_policy=mp, per_parameter=how == "fsdp")
+        opts = dict(mp_policy=mp) if how == "fsdp" else dict(mp_policy=mp, per_parameter=False)
         if c["units"] in ("blocks+root", "blocks"):
             for b in model.blocks:
                 fsdp.fully_shard(b, **opts)
