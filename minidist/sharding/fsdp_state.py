@@ -45,8 +45,9 @@ def _unit_entries(module: nn.Module, per_param: bool):
 
 
 def check_covered(module: nn.Module, what: str) -> list:
-    """The units of ``module``; ``ValueError`` naming every module whose parameters no unit owns
-    (wrap the root too: ``fully_shard(model)`` after its blocks owns what no block owns)."""
+    """The units of ``module``; ``ValueError`` naming every module whose trainable parameters no
+    unit owns (wrap the root too: ``fully_shard(model)`` after its blocks owns what no block
+    owns, as FSDP2's root does). Frozen parameters outside units are fine (they never change)."""
     us = units(module)
     owned = set()
     for u in us:
@@ -54,7 +55,7 @@ def check_covered(module: nn.Module, what: str) -> list:
         owned.update(id(p) for _, p in u.frozen)
         if getattr(u, "flat_shard", None) is not None:
             owned.add(id(u.flat_shard))
-    outside = [n for n, p in module.named_parameters() if id(p) not in owned]
+    outside = [n for n, p in module.named_parameters() if id(p) not in owned and p.requires_grad]
     if outside or not us:
         mods = sorted({n.rpartition(".")[0] or "<root>" for n in outside})
         raise ValueError(f"{what}: parameters {', '.join(outside) or '(none)'} of modules "
@@ -91,7 +92,11 @@ def _rows_of(u, i: int, full: torch.Tensor, dtype=None) -> torch.Tensor:
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """The unsharded ``state_dict`` (fp32 masters). Collective. ``rank0_only``: others get {}."""
+    """The unsharded ``state_dict`` (fp32 masters). Collective. ``rank0_only``: others get {}.
+
+    Raises ``ValueError`` naming the modules whose trainable parameters belong to no unit: their
+    gradients were never averaged, so every rank holds a different value."""
+    check_covered(module, "full_state_dict")
     out = {name: t.detach().clone() for name, t in module.state_dict().items()
            if not name.endswith("flat_shard")}
     for u, entries in _unit_entries(module, per_param=False):
