@@ -1,26 +1,48 @@
-"""ZeRO-3 / fully sharded data parallelism: :func:`fully_shard`, a flat sharded parameter per unit.
+"""ZeRO-3 / fully sharded data parallelism: :func:`fully_shard`.
 
 Each call turns one module into a *unit* (Zhao et al. 2023, "PyTorch FSDP", §3.2; Rajbhandari et
-al. 2020, ZeRO, §5.3, P_os+g+p). The unit's trainable parameters — those not already in a unit
-below it — are packed into a flat buffer padded to W·S elements (:class:`~.flat.FlatBuffer`);
-rank r keeps only its [S] slice, registered on the module as the parameter ``flat_shard`` (so an
-ordinary optimizer built afterwards keeps state for 1/W of the model). Per training step:
+al. 2020, ZeRO, §5.3, P_os+g+p) owning every parameter of the module that no unit below it owns
+(so ``fully_shard(model)`` after its blocks owns the embedding and head, as FSDP2's root does).
+Two layouts, one machinery (this file):
 
-1. **before the unit's forward** its flat buffer is all-gathered (in ``param_dtype``) and the
-   original parameter names become views of it; the next unit's all-gather is *prefetched* on the
-   communication thread (order recorded during the first step);
+* **per parameter** (default, :class:`~.fsdp_param.ParamShardUnit`, FSDP2's design): each
+  parameter — trainable or frozen — is cut on dim 0, rank r keeps its [ceil(d0/W), ...] rows as
+  the same ``nn.Parameter`` object under its own name, so the optimizer sees one sharded tensor
+  per original parameter (param groups by name or ``p.dim()`` work) and ``requires_grad`` can
+  change after wrapping; communication goes through one flat buffer per unit;
+* **flat** (``per_parameter=False``, :class:`FlatParamUnit`, FSDP1's ``FlatParameter``, the
+  first design, kept to teach why it was replaced): the unit's *trainable* parameters are packed
+  into one flat buffer padded to W·S elements (:class:`~.flat.FlatBuffer`); rank r keeps its [S]
+  slice as the parameter ``flat_shard``. Frozen parameters stay unsharded; one that later
+  requires a gradient is a ``RuntimeError`` at the next forward naming it.
+
+Per training step:
+
+1. **before the unit's forward** its parameters are all-gathered (in ``param_dtype``) and the
+   original parameter names point at the gathered tensors; the next unit's all-gather is
+   *prefetched* on the communication thread (order recorded during the first step);
 2. **after its forward** the gathered storage is freed (``reshard_after_forward``);
 3. **before its backward** (a hook on the unit's outputs) it is all-gathered again into the *same*
    storage, so the tensors autograd saved (views of it) are valid again; the unit that comes next
    in backward is prefetched;
-4. **when its flat gradient is complete** (a post-accumulate-grad hook), it is cast to
+4. **when its gradient is complete** (a post-accumulate-grad hook), it is cast to
    ``reduce_dtype`` and reduce-scattered (average) on the communication thread; each rank keeps
-   its [S] slice in ``flat_shard.grad`` (fp32 master dtype); the gathered storage is freed again.
+   its slice as the shards' ``.grad`` (master dtype); the gathered storage is freed again.
 
 Per step a rank therefore sends 3·(W-1)/W·Ψ elements (two all-gathers and one reduce-scatter):
-1.5x plain data parallelism (ZeRO §7.2.2). Parameters with ``requires_grad=False`` and buffers are
-not sharded (replicated as in DDP). A parameter tied between two units must belong to a unit that
-contains both uses (e.g. the root): anything else is a ``ValueError``.
+1.5x plain data parallelism (ZeRO §7.2.2).
+
+**Synced at construction**: per-parameter units broadcast their parameters (trainable and frozen)
+and their modules' buffers from rank 0; flat units broadcast the packed (trainable) parameters
+only. **Supports**: tied parameters inside one unit, frozen parameters and ``requires_grad``
+changes (per parameter), gradient accumulation (:func:`set_requires_gradient_sync`), mixed
+precision (:class:`MixedPrecision`; per-parameter units cast frozen weights too, as FSDP2),
+recomputation inside units, no_grad/eval forwards. **Refuses** (``ValueError``): a module sharded
+twice, a parameter tied across two units, 0-d parameters and mixed dtypes without a policy (per
+parameter); :func:`~.fsdp_state.clip_grad_norm_` and :func:`~.fsdp_state.full_state_dict` refuse
+a model whose trainable parameters belong to no unit (their gradients are never averaged).
+Buffers are not cast by a mixed-precision policy (as FSDP2): an fp32 buffer added to bf16
+activations makes them fp32.
 """
 
 from __future__ import annotations
@@ -306,8 +328,11 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
     Args: ``group`` (data-parallel process group, e.g. ``ProcessGrid.dp_group``), ``collectives``
     (``"hand-built"`` or ``"torch"``), ``mp_policy`` (:class:`MixedPrecision`),
     ``reshard_after_forward`` (free after forward; False keeps it gathered until backward),
-    ``prefetch`` (all-gather the next unit on the comm thread).
-    Raises ``ValueError`` for a module sharded twice or a parameter tied across two units.
+    ``prefetch`` (all-gather the next unit on the comm thread), ``per_parameter`` (True: dim-0
+    shards per parameter, FSDP2; False: one flat shard per unit, FSDP1 — see the module doc).
+    Syncs parameters (and, per parameter, frozen ones and buffers) from rank 0. Raises
+    ``ValueError`` for a module sharded twice, a parameter tied across two units, and (per
+    parameter) a 0-d parameter or mixed dtypes without ``mp_policy.param_dtype``.
     """
     if getattr(module, "_fsdp", None) is not None:
         raise ValueError(f"fully_shard: {type(module).__name__} is already a unit")

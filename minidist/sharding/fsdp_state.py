@@ -9,9 +9,13 @@
   built on the shards, keyed by parameter name (so it reloads at another world size).
 * :func:`save_sharded` / :func:`load_sharded` — one file per rank with its slices only (no
   communication); reloads at the same world size only (else ``ValueError``).
-* :func:`clip_grad_norm_` — the global L2 norm of all gradients is sqrt(all-reduce of every
-  rank's sum of squares of its slices) (the zero padding adds nothing); every rank scales its
-  slices by ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``.
+* :func:`clip_grad_norm_` — the global p-norm of all gradients is (all-reduce of every rank's
+  sum of |g|^p over its slices)^(1/p), the max over ranks for p = inf (the zero padding adds
+  nothing); every rank scales its slices by ``min(1, max_norm / (norm + 1e-6))``, as
+  ``torch.nn.utils.clip_grad_norm_``.
+
+Both unit layouts (per-parameter and flat, :mod:`.fsdp`) are handled; dict keys are the names of
+the unsharded model either way.
 """
 
 from __future__ import annotations
