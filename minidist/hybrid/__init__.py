@@ -15,6 +15,8 @@ module                  what it holds
                         (ZeRO1Optimizer: reduce-scatter, clip on slices, step, all-gather)
 ``clip``                global gradient norm and clipping across TP shards and stages
 ``step``                train_step: one step (pipeline, gradient duties, clip, optimizer)
+``reshard``             layout-free checkpoints: full weights and optimizer state (AdamW moments,
+                        ZeRO-1 slices consolidated), saved at one (dp, pp, tp), loaded at any
 ======================  =====================================================================
 
 Usage (on every rank, inside ``minidist.run`` or after ``minidist.init()``)::
@@ -26,9 +28,10 @@ Usage (on every rank, inside ``minidist.run`` or after ``minidist.init()``)::
     out = train_step(model, opt, modules, ids, targets, microbatches=4, dp_mode="bucketed")
 """
 
-from . import clip, dp, stages, step  # noqa: F401
+from . import clip, dp, reshard, stages, step  # noqa: F401
 from .clip import clip_grad_norm_, global_grad_norm  # noqa: F401
 from .dp import DP_MODES, PipelineBucketedDDP, ZeRO1Optimizer, make_optimizer  # noqa: F401
+from .reshard import load_layout_free, save_layout_free  # noqa: F401
 from .stages import GPTStage, HybridGPT, check_grid, stage_bounds  # noqa: F401
 from .step import StepOutput, make_loss_fn, train_step, wrap_stages  # noqa: F401
 
