@@ -116,3 +116,26 @@ def test_recomputation_replays_the_tensor_parallel_dropout_tracker():
     for (w0, x0), (w1, x1) in zip(plain, again):
         assert torch.equal(w0, w1) and torch.equal(x0, x1)
     assert not torch.equal(plain[0][0], plain[1][0])   # the two TP ranks drew different masks
+
+
+def _refusals(rank, world):
+    from torch import nn
+    from minidist.sharding import fsdp
+    out = {}
+    scalar = nn.Linear(3, 2)
+    scalar.temperature = nn.Parameter(torch.tensor(1.0))
+    mixed = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2).double())
+    for what, m in (("0-d", scalar), ("dtypes", mixed)):
+        try:
+            fsdp.fully_shard(m)
+            out[what] = "no error"
+        except ValueError as e:
+            out[what] = str(e)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_per_parameter_refusals_name_the_parameter():
+    out = minidist.run(_refusals, 1, timeout=50)[0]
+    assert "temperature" in out["0-d"] and "0-d" in out["0-d"]
+    assert "1.weight: torch.float64" in out["dtypes"] and "param_dtype" in out["dtypes"]
