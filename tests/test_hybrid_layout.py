@@ -45,3 +45,27 @@ def test_tied_one_stage_tp2_gathers_and_loads_the_full_head():
         assert torch.equal(gathered["head.weight"], ref0["tok_emb.weight"])
         assert torch.equal(loaded["head.weight"], one.state_dict()["tok_emb.weight"])
         assert (logits - want).abs().max() <= 1e-5
+
+
+def _thaw_zero1(rank, world):
+    from minidist.hybrid import make_optimizer, train_step, wrap_stages
+    grid = ProcessGrid(2, 1, 1)
+    model = HybridGPT(CFG, grid, seed=0)
+    frozen = model.stages[0].ln_f.weight
+    frozen.requires_grad_(False)
+    modules = wrap_stages(model, "zero1")
+    opt = make_optimizer(model, "zero1", torch.optim.AdamW, lr=1e-2)
+    ids = torch.randint(0, 93, (4, 16), generator=torch.Generator().manual_seed(1))
+    train_step(model, opt, modules, ids, ids, 2, dp_mode="zero1")
+    frozen.requires_grad_(True)
+    try:
+        train_step(model, opt, modules, ids, ids, 2, dp_mode="zero1")
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_zero1_names_a_parameter_thawed_after_construction():
+    for msg in minidist.run(_thaw_zero1, 2, timeout=100):
+        assert "requires_grad changed" in msg and f"({CFG.n_embd},)" in msg, msg
