@@ -31,12 +31,14 @@ CASES = {   # name: (case, the ways that must equal one process)
     "weight decay on dim >= 2 only": (case(groups="decay"), ["fsdp", "zero1", "zero2"]),
     "recomputed blocks, untied, accumulation, eval forwards":
         (case(recompute=True, tie=False, accum=2, eval=True, groups="decay"), ["fsdp", "zero2"]),
-    # found by the differential test (torch's FSDP2 is 0.0165 off on it at W = 4): a [1]-shaped
-    # parameter thawed and another frozen after wrapping, everything in the root unit
-    "thaw a [1] parameter, freeze another, root unit only":
-        (case(units="root", frozen=["blocks.0.fc1.weight", "blocks.0.gain"], groups="decay",
-              changes=[(2, "blocks.0.gain", True), (2, "inp.bias", False)], accum=2,
-              recompute=True), ["fsdp"]),   # ZeRO-2 refuses the refreeze (tested below)
+    # found by the differential test: torch's FSDP2 is 0.0167 off on this at W = 4 — a parameter
+    # frozen after wrapping, with gradient accumulation (no sync on the first micro-batch) and a
+    # no_grad eval forward between steps; without any one of the three FSDP2 is right
+    "frozen after wrap, accumulation and eval forwards, root unit only":
+        (case(units="root", hidden=[2], d=1, tie=False, buffer=False, steps=3,
+              frozen=["blocks.0.fc1.weight"], groups="decay", accum=2, eval=True,
+              changes=[(2, "blocks.0.gain", True), (2, "inp.bias", False)], recompute=True),
+         ["fsdp"]),   # ZeRO-1/2 refuse a refreeze inside a flat buffer (tested below)
     "clip, L1": (case(clip=(0.1, 1.0)), ["fsdp"]),
     "clip, inf": (case(clip=(0.05, float("inf"))), ["fsdp"]),
     "clip, L2, binding": (case(clip=(0.05, 2.0), opt="sgd"), ["fsdp"]),
@@ -139,3 +141,18 @@ def test_per_parameter_refusals_name_the_parameter():
     out = minidist.run(_refusals, 1, timeout=50)[0]
     assert "temperature" in out["0-d"] and "0-d" in out["0-d"]
     assert "1.weight: torch.float64" in out["dtypes"] and "param_dtype" in out["dtypes"]
+
+
+def _fsdp2_refreeze(rank, world):
+    c = CASES["frozen after wrap, accumulation and eval forwards, root unit only"][0]
+    return run_case(c, "fsdp", rank, world)
+
+
+@pytest.mark.timeout(120)
+def test_the_case_torch_fsdp2_gets_wrong_at_w4():
+    c = CASES["frozen after wrap, accumulation and eval forwards, root unit only"][0]
+    single = run_case(c, "single")
+    # torch 2.14's FSDP2 ends 0.0167 from one process on this case (measured when it was found;
+    # not asserted, so that a fixed torch does not fail this test): minidist must be right
+    for ours in minidist.run(_fsdp2_refreeze, 4, timeout=100):
+        assert max_diff(ours, single) <= TOL
