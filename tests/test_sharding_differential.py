@@ -15,12 +15,22 @@ clipping with norm_type 1, 2 or inf; world sizes 1-4 (one launch per world size 
 The rule: each minidist way gives one process's numbers (fp32: 2e-6; bf16: torch's FSDP2's, which
 runs the same bf16 operations, 2e-6 — else within the bf16 distance of one process) or raises one
 of its documented errors (parameters outside every unit; a parameter refrozen inside a ZeRO flat
-buffer; no trainable parameter). torch is only recorded: where it is wrong (DDP and
-ZeroRedundancyOptimizer+DDP after a parameter thaws; FSDP2 with modules outside units) or refuses
-(FSDP2's clip with modules outside units; inf-norm clipping on FSDP2 kills gloo ranks: skipped),
-minidist must still be right or say why. Not generated: fp32 buffers inside bf16 units (FSDP2
-does not cast buffers and neither does minidist: both fail in the next matmul with torch's dtype
-error).
+buffer; no trainable parameter). torch is only recorded (``-s`` prints it). What it found in
+torch 2.14 on gloo:
+
+* DDP, and ZeroRedundancyOptimizer over DDP: a parameter frozen at construction and thawed later
+  is never averaged (silently wrong, 0.04 here); one frozen later makes the next backward fail
+  ("Expected to have finished reduction in the prior iteration");
+* FSDP2 with only the blocks wrapped (modules outside every unit): silently wrong (0.03-0.11: the
+  root's gradients are never averaged), and ``clip_grad_norm_`` fails ("mixed torch.Tensor and
+  DTensor"); ``norm_type=inf`` clipping kills the ranks (gloo SIGABRT: skipped here);
+* FSDP2 with a bf16 policy and a parameter frozen after wrapping: "FSDP reduce-scatter expects
+  uniform gradient dtype" (AssertionError);
+* FSDP2, a parameter frozen after wrapping with gradient accumulation and a no_grad eval forward
+  between steps: 0.0167 off at W = 4 (committed as a regression in test_sharding_real_use.py).
+
+Not generated: fp32 buffers inside bf16 units (FSDP2 does not cast buffers and neither does
+minidist: both fail in the next matmul with torch's dtype error).
 
 Budget: ``derandomize=True`` (fixed cases), 7 cases per world size, one launch per world size;
 ``MINIDIST_HYPOTHESIS=long`` runs 40 per world size.
