@@ -5,8 +5,8 @@ backward of the operations inside ``fn`` is replaced by a ticket number (a saved
 hook, ``torch.autograd.graph.saved_tensors_hooks``). The first time backward asks for one of them
 ("unpack"), ``fn`` is run again on the same inputs under ``enable_grad`` with the RNG states it
 had the first time — torch's CPU and CUDA generators and the tensor-parallel dropout tracker's
-generators (:mod:`minidist.tensor_parallel.random`) — so dropout draws the same masks, and the tensors that run saves, numbered in the
-same order, are handed to the original graph one by one. No nested backward runs, so gradient
+generators (:mod:`minidist.tensor_parallel.random`) — so dropout draws the same masks, and the
+tensors that run saves, numbered in the same order, are handed to the original graph one by one. No nested backward runs, so gradient
 hooks (bucketed DDP's, ZeRO-2's, ZeRO-3's) fire once, in the outer backward, exactly as without
 recomputation. This is the design of torch's non-reentrant ``torch.utils.checkpoint``; the
 reentrant one instead runs a whole nested backward in a custom autograd function.
@@ -59,8 +59,8 @@ def checkpoint(fn, *args, **kwargs):
 
     Shapes: whatever ``fn`` takes and returns. Gradients equal those without recomputation
     (bit for bit on CPU), including dropout from torch's generators and from the global
-    tensor-parallel tracker (a dropout given a ``tracker=`` of its own is not replayed). Raises ``RuntimeError`` if the recomputation saves a
-    different number of tensors than the first run.
+    tensor-parallel tracker (a dropout given a ``tracker=`` of its own is not replayed). Raises
+    ``RuntimeError`` if the recomputation saves a different number of tensors than the first run.
     """
     rng = _rng_state(args)
     frame = _Frame()
