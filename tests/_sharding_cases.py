@@ -126,7 +126,7 @@ def run_case(c, how: str, rank: int = 0, world: int = 1):
 
 def _wrap(c, how, model, world):
     if how in ("fsdp", "fsdp-flat"):
-        mp = fsdp.MixedPrecision(torch.bfloat16, torch.float32) if c["mp"] == "bf16" else None
+        mp = fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if c["mp"] == "bf16" else None
         opts = dict(mp_policy=mp) if how == "fsdp" else dict(mp_policy=mp, per_parameter=False)
         if c["units"] in ("blocks+root", "blocks"):
             for b in model.blocks:

@@ -24,10 +24,10 @@ Example (a grading cell)::
 Files: ``core.py`` (Result, Report, check, compare, check_on_ranks), ``collectives.py``
 (grade_collective and its calling conventions, ``REFERENCES``), ``ddp.py`` (exercise 04's
 bucket layout and DDP wrapper against torch's DDP), ``walls.py`` (exercise 00, against
-``minidist.calc``), ``composition.py`` (exercise 02: collectives from broadcast/reduce, busbw
+``minidist.planner.calc``), ``composition.py`` (exercise 02: collectives from broadcast/reduce, busbw
 factors), ``sampling.py`` (exercise 05: sampler and exact evaluation), ``launch_env.py``
 (exercise 08: launch variables and broken launch logs, against ``minidist.env``), ``cost.py``
-(exercise 13: GPUs for a deadline, spot wall time, Young's interval, against ``minidist.cost``),
+(exercise 13: GPUs for a deadline, spot wall time, Young's interval, against ``minidist.planner.cost``),
 ``hybrid.py`` (exercise 12: the global gradient norm of a dp x tp x pp model, against
 ``torch.nn.utils.clip_grad_norm_`` on one process; names the counting rule a wrong norm breaks).
 """

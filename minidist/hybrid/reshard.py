@@ -46,7 +46,9 @@ NOT_CARRIED = ("random states (torch generators, dropout tracker): dropout resta
 
 def _cfg(model) -> dict:
     c = model.cfg
-    return dataclasses.asdict(c) if dataclasses.is_dataclass(c) else dict(vars(c))
+    if dataclasses.is_dataclass(c) and not isinstance(c, type):
+        return dataclasses.asdict(c)
+    return dict(vars(c))
 
 
 def _named(model):
@@ -98,13 +100,14 @@ def save_layout_free(path: str | os.PathLike, model, optimizer=None, step: int =
                         gather_state_dict(model.stages[s], grid.tp_group).items()})
     states, hyper = _optimizer_states(model, optimizer)
     mine = (weights, states) if grid.dp_rank == 0 and grid.tp_rank == 0 else None
-    every = [None] * grid.world_size
+    every: list = [None] * grid.world_size
     if dist.is_initialized() and grid.world_size > 1:
         dist.all_gather_object(every, mine)
     else:
         every = [mine]
     if grid.rank == 0:
-        full_w, full_s = {}, {}
+        full_w: dict = {}
+        full_s: dict = {}
         for part in every:
             if part is not None:
                 full_w.update(part[0])
@@ -160,7 +163,7 @@ def _shard_state(full: dict, p, group) -> dict:
 
 def _load_optimizer(optimizer, model, blob, tp) -> None:
     saved = blob["optimizer"]
-    names = {}
+    names: dict = {}
     for name, p, _ in _named(model):
         names.setdefault(id(p), name)
     if isinstance(optimizer, ShardedOptimizer):

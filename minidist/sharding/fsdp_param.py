@@ -1,6 +1,6 @@
 """Per-parameter sharding for :func:`~.fsdp.fully_shard`: each parameter is cut on dim 0.
 
-The flat design (:class:`~.fsdp.FlatParamUnit`, FSDP1's ``FlatParameter``) hands the optimizer
+The flat design (:class:`~.fsdp_flat.FlatParamUnit`, FSDP1's ``FlatParameter``) hands the optimizer
 one 1-D slice per unit, so nothing per parameter survives: a param group "weight decay on
 ``p.dim() >= 2`` only" cannot be written, and a parameter frozen at wrap time can never train.
 FSDP2 (torch ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``) shards every parameter on
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .fsdp import FlatParamUnit, _claim, _own_modules
+from .fsdp_flat import FlatParamUnit, _claim, _own_modules
 
 __all__ = ["ParamShardUnit", "ParamLayout"]
 
@@ -80,14 +80,15 @@ class ParamShardUnit(FlatParamUnit):
 
     ``params`` (the unit's parameters, each now its [c, *rest] shard), ``names`` (their names in
     the unit), ``layout`` (:class:`ParamLayout`), ``full`` (the gathered buffer, freed between
-    uses). Everything else (hooks, prefetch, freeing, no_sync) is :class:`~.fsdp.FlatParamUnit`'s.
+    uses). Everything else (hooks, prefetch, freeing, no_sync) is :class:`~.fsdp_flat.FlatParamUnit`'s.
     """
 
     def __init__(self, module, comm, mp, reshard_after_forward: bool, prefetch: bool):
         self.module, self.comm, self.mp = module, comm, mp
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.rank, self.world_size = comm.rank, comm.world_size
-        self.slots, params, seen, self.frozen = [], [], {}, []
+        params: list[torch.nn.Parameter] = []
+        self.slots, seen, self.frozen = [], {}, []
         for mod_name, sub in _own_modules(module):
             for name, p in list(sub._parameters.items()):
                 if p is None:
@@ -107,11 +108,12 @@ class ParamShardUnit(FlatParamUnit):
             raise ValueError(f"fully_shard (rank {self.rank}): unit {unit} mixes dtypes "
                              + ", ".join(f"{n}: {p.dtype}" for p, n in zip(params, self.names))
                              + "; one all-gather needs one dtype: convert them or set "
-                               "mp_policy=MixedPrecision(param_dtype=...)")
+                               "mp_policy=MixedPrecisionPolicy(param_dtype=...)")
         _claim(params, self.names, unit)
         self.params = params
         self.ctx, self.sync, self.state, self.handle = None, True, "sharded", None
-        self.full, self.unsharded_grad, self._got_grad = None, None, set()
+        self.full, self.unsharded_grad = None, None
+        self._got_grad: set[int] = set()
         self._sync_at_wrap(module)
         self.layout = ParamLayout(params, self.world_size) if params else None
         if self.layout is None or self.layout.shard_numel == 0:

@@ -53,7 +53,7 @@ def check_covered(module: nn.Module, what: str) -> list:
     unit owns (wrap the root too: ``fully_shard(model)`` after its blocks owns what no block
     owns, as FSDP2's root does). Frozen parameters outside units are fine (they never change)."""
     us = units(module)
-    owned = set()
+    owned: set[int] = set()
     for u in us:
         owned.update(id(p) for p in getattr(u, "params", []))
         owned.update(id(p) for _, p in u.frozen)
@@ -120,7 +120,7 @@ def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> N
     with torch.no_grad():
         done = set()
         for u, entries in _unit_entries(module, per_param=False):
-            first = {}
+            first: dict = {}
             for name, i in entries:
                 first.setdefault(i, state[name])
                 done.add(name)
@@ -138,7 +138,7 @@ def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> N
 
 def full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """``{"state": {param name: {key: tensor}}, "param_groups": [...]}`` unsharded. Collective."""
-    state = {}
+    state: dict = {}
     for u, entries in _unit_entries(module, per_param=False):
         own = optimizer.state.get(u.flat_shard, {})
         for key in sorted(own):
@@ -173,7 +173,7 @@ def load_full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimiz
     for mine, saved in zip(optimizer.param_groups, osd["param_groups"]):
         mine.update(saved)
     for u, entries in _unit_entries(module, per_param=False):
-        per = {}
+        per: dict = {}
         for name, i in entries:
             per.setdefault(i, osd["state"].get(name, {}))
         per = [per[i] for i in range(len(per))]

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from .comms import Collectives, CommWorker
+from ..communicator import CommThread, Communicator
 from .flat import FlatBuffer, plan_buckets
 
 __all__ = ["ShardedOptimizer"]
@@ -79,7 +79,7 @@ class ShardedOptimizer:
         if grads not in ("averaged", "local"):
             raise ValueError("ShardedOptimizer: grads must be 'averaged' or 'local', "
                              f"got {grads!r}")
-        self.comm = Collectives(collectives, group)
+        self.comm = Communicator(collectives, group)
         self.rank, self.world_size, self.stage, self.grads = (self.comm.rank, self.comm.world_size,
                                                               stage, grads)
         groups = list(params)
@@ -109,7 +109,7 @@ class ShardedOptimizer:
         self.optim = optimizer_class(inner_groups, **defaults)
         self._handles, self._in_backward, self._next = [], False, 0
         if stage == 2:
-            self.worker = CommWorker(collectives, group)
+            self.worker = CommThread(collectives, group, name="zero-comm")
             self._hook(list(self._where))
 
     def _add_buckets(self, gi: int, params: list) -> list[_Bucket]:
@@ -326,5 +326,5 @@ class ShardedOptimizer:
             self.optim.state[b.shard] = new
 
 
-def _reduce_scatter(comm: Collectives, out, flat, divisor) -> None:
+def _reduce_scatter(comm: Communicator, out, flat, divisor) -> None:
     comm.reduce_scatter(out, flat, divisor=divisor)
