@@ -55,7 +55,9 @@ DISPLAYED: dict[str, list[str]] = {
         "minidist.pipeline_parallel.engine:_backward_op"],
     "course/09_sharding.ipynb": [
         "minidist.sharding.zero:ShardedOptimizer.step", "minidist.sharding.zero:ShardedOptimizer._on_grad",
-        "minidist.sharding.fsdp:FlatParamUnit.pre_backward", "minidist.sharding.fsdp:FlatParamUnit._on_grad",
+        "minidist.sharding.fsdp_flat:FlatParamUnit.pre_backward",
+        "minidist.sharding.fsdp_flat:FlatParamUnit._on_grad",
+        "minidist.sharding.fsdp_param:ParamLayout.to_param_major",
         "minidist.sharding.recompute:checkpoint"],
     "course/10_frameworks.ipynb": ["frameworks/job.py:global_batch", "frameworks/job.py:shard"],
     "course/11_gpu.ipynb": ["minidist.comm.staging:isend", "minidist.comm.staging:irecv"],
