@@ -13,7 +13,8 @@ __all__ = ["main"]
 
 # section of `minidist demo` -> the module of minidist.lessons that gives its rows
 _SECTIONS = {"data_parallel": "ddp_demo", "tensor_parallel": "tp_demo", "pipeline_parallel": "pp_demo",
-             "sharding": "sharding_demo", "hybrid": "hybrid_demo"}
+             "sharding": "sharding_demo", "hybrid": "hybrid_demo", "expert_parallel": "ep_demo",
+             "context_parallel": "cp_demo"}
 
 
 def demo(argv=None) -> int:
@@ -63,7 +64,7 @@ def demo(argv=None) -> int:
 
 
 # `minidist bench X` subcommands with their own parser: X -> module of minidist.bench with main(argv)
-_BENCH_MAINS = {"alpha-beta": "alpha_beta_bench", "flops": "flops", "3d": "hybrid"}
+_BENCH_MAINS = {"alpha-beta": "alpha_beta_bench", "flops": "flops", "3d": "hybrid", "cp": "cp"}
 
 
 def bench(argv=None) -> int:

@@ -58,7 +58,9 @@ DISPLAYED: dict[str, list[str]] = {
         "minidist.pipeline_parallel.zero_bubble:zb_h1"],
     "course/09_sharding.ipynb": [
         "minidist.sharding.zero:ShardedOptimizer.step", "minidist.sharding.zero:ShardedOptimizer._on_grad",
-        "minidist.sharding.fsdp:FlatParamUnit.pre_backward", "minidist.sharding.fsdp:FlatParamUnit._on_grad",
+        "minidist.sharding.fsdp_flat:FlatParamUnit.pre_backward",
+        "minidist.sharding.fsdp_flat:FlatParamUnit._on_grad",
+        "minidist.sharding.fsdp_param:ParamLayout.to_param_major",
         "minidist.sharding.recompute:checkpoint"],
     "course/10_frameworks.ipynb": ["frameworks/job.py:global_batch", "frameworks/job.py:shard"],
     "course/11_gpu.ipynb": ["minidist.comm.staging:isend", "minidist.comm.staging:irecv"],
@@ -66,6 +68,12 @@ DISPLAYED: dict[str, list[str]] = {
         "minidist.grid:grid_layout", "minidist.hybrid.step:train_step",
         "minidist.references.hybrid:batch", "minidist.hybrid.dp_pipeline:_over_replicas",
         "minidist.hybrid.stages:HybridGPT.allreduce_tied_grads"],
+    "course/15_mixture_of_experts.ipynb": [
+        "minidist.expert_parallel.router:route", "minidist.expert_parallel.router:expert_capacity",
+        "minidist.expert_parallel.router:load_balancing_loss",
+        "minidist.expert_parallel.dispatch:dispatch_combine", "minidist.expert_parallel.dispatch:AllToAll",
+        "minidist.expert_parallel.gpt:sync_grads"],
+    "course/14_context_parallel.ipynb": ["minidist.context_parallel.blocks:log_add_exp"],
     "solutions/03_ring_allreduce.ipynb": ["minidist.comm.ring:reduce_scatter_chunks"],
     "exercises/03_ring_allreduce.ipynb": ["minidist.comm.ring:reduce_scatter_chunks"],
     "solutions/07_one_f_one_b.ipynb": ["minidist.pipeline_parallel.schedules:gpipe"],

@@ -8,7 +8,7 @@ function, or relative — and compared with the floor of the module it imports f
 * floor 1, the launcher and the public collectives: ``collectives``, ``communicator`` (hand-built
   or torch, bound to a group; the one communication thread), ``launch``
 * floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``, ``sharding``,
-  ``hybrid``
+  ``hybrid``, ``expert_parallel``, ``context_parallel``
 * floor 3, what reads or drives them, in sub-floors (3.0 < 3.1 < 3.2 < 3.3):
   3.0 ``references`` (the oracles), ``planner``, ``diagrams``; 3.1 ``bench`` (measures);
   3.2 ``lessons``, ``grading``, ``exercises``, ``doctor`` (teach, grade, inspect); 3.3 ``cli``,
@@ -32,7 +32,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "minidist"
 FLOORS = {
     0: ("env", "comm", "trace", "grid", "models", "data", "text"),
     1: ("collectives", "communicator", "launch"),
-    2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding", "hybrid"),
+    2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding", "hybrid",
+        "expert_parallel", "context_parallel"),
     3.0: ("references", "planner", "diagrams"),
     3.1: ("bench",),
     3.2: ("lessons", "grading", "exercises", "doctor"),

@@ -5,7 +5,9 @@ pipeline stages — each rank first sums the squares of *its part, each element 
 :func:`clip_by_global_norm_` sums that over the ranks holding parts, takes the square root and
 scales this rank's gradients by ``min(1, max_norm / (norm + 1e-6))``, as
 ``torch.nn.utils.clip_grad_norm_`` does (the same 1e-6). Callers: :func:`minidist.hybrid.clip.clip_grad_norm_`,
-the ZeRO-1 optimizer of :mod:`minidist.hybrid.dp`, :func:`minidist.sharding.fsdp_state.clip_grad_norm_`.
+the ZeRO-1 optimizer of :mod:`minidist.hybrid.dp`. (:func:`minidist.sharding.fsdp_state.clip_grad_norm_`
+takes any ``norm_type``, ``inf`` included, and checks ``error_if_nonfinite`` before scaling, so it
+computes its norm itself; its scaling is this same ``min(1, max_norm / (norm + 1e-6))``.)
 """
 
 from __future__ import annotations

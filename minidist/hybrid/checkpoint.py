@@ -26,7 +26,8 @@ mix of two steps.
 Resuming on the grid that wrote the checkpoint continues the run bit for bit: the same losses
 and, in fp32, the same parameters (``==``) as a run that never stopped. Another grid (or chunks,
 sequence parallelism, model config) is a ``ValueError`` naming the rank and both grids: the shards
-would not fit (reshard by gathering the full model first, e.g. ``HybridGPT.gather``).
+would not fit: to change the layout, save a layout-free checkpoint
+(:func:`~.reshard.save_layout_free`: full weights and optimizer state, loadable on any grid).
 """
 
 from __future__ import annotations

@@ -57,9 +57,10 @@ def _local_sum_sq(model) -> torch.Tensor:
 
 
 def _reduce_tp_pp(grid, dp: bool = False):
-    """Sum in place over the grid's TP and PP groups (and DP, for ZeRO-1's slices)."""
+    """Sum in place over the grid's TP and PP groups (and DP×CP, for ZeRO-1's slices: the ranks
+    holding the same parameters, the DP group without context parallelism)."""
     def reduce(t):
-        for size, group in (((grid.dp_size, grid.dp_group),) if dp else ()) + (
+        for size, group in (((len(grid.dp_cp_ranks), grid.dp_cp_group),) if dp else ()) + (
                 (grid.tp_size, grid.tp_group), (grid.pp_size, grid.pp_group)):
             if size > 1:
                 C.all_reduce(t, "sum", group=group)

@@ -72,7 +72,7 @@ class ZeRO1Optimizer(ShardedOptimizer):
             model.last.head.weight if model.last is not None else None) if p is not None]
         rest = [p for p in model.parameters() if all(p is not t for t in tied)]
         groups = [{"params": [t]} for t in tied] + ([{"params": rest}] if rest else [])
-        super().__init__(groups, optimizer_class, group=model.grid.dp_group, stage=1,
+        super().__init__(groups, optimizer_class, group=model.grid.dp_cp_group, stage=1,
                          grads="local", **defaults)
         self.model, self._reduced = model, False
         tp_rank = model.grid.tp_rank
@@ -86,7 +86,15 @@ class ZeRO1Optimizer(ShardedOptimizer):
             self._counted.append(b.layout.shard(mask).double())
 
     def reduce_gradients(self) -> None:
-        """Reduce-scatter every buffer's gradients: this rank's slice of the DP average."""
+        """Reduce-scatter every buffer's gradients: this rank's slice of the DP average.
+        ``RuntimeError`` naming the parameters whose ``requires_grad`` changed since
+        construction (the norm masks are per buffer: rebuild the optimizer after a change)."""
+        changed = [f"parameter {i} {tuple(p.shape)}" for i, p in enumerate(self.all_params)
+                   if p.requires_grad != (p in self._where)]
+        if changed:
+            raise RuntimeError(f"ZeRO1Optimizer (rank {self.rank}): requires_grad changed since "
+                               f"it was built for {', '.join(changed)}; build a new optimizer "
+                               "(state_dict()/load_state_dict() carry the state)")
         self._stage1_grads()
         self._reduced = True
 

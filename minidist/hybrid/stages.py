@@ -24,6 +24,13 @@ layout: rows of the padded vocabulary), and after backward the two copies' gradi
 
 Shapes: stage 0 takes ids ``[b, s]``; between stages the hidden state ``[b, s, h]`` (``[b, s/tp, h]``
 with sequence parallelism); the last stage returns this rank's logits ``[b, s, Vp/tp]``.
+
+Context parallelism (a grid with ``cp > 1``): each rank holds ``s/cp`` positions of every sample,
+cut by the zigzag split (:mod:`minidist.context_parallel.sharding`); stage 0 embeds them at their
+*global* positions, attention is ring attention over the CP group
+(:class:`~minidist.context_parallel.attention.ContextParallelSelfAttention`), everything else is
+per token and unchanged. ``s`` must divide by ``2·cp``; no sequence parallelism or attention
+dropout with CP.
 """
 
 from __future__ import annotations
@@ -32,13 +39,16 @@ import torch
 from torch import nn
 
 from .. import collectives as C
+from ..context_parallel.attention import ContextParallelSelfAttention
+from ..context_parallel.ring import group_rank_world
+from ..context_parallel.sharding import positions as cp_positions
 from ..models.gpt import GPT, GPTConfig
 from ..pipeline_parallel.partition import balanced_bounds
 from ..tensor_parallel.gpt import GPTStage
 from ..tensor_parallel.sequence import allreduce_sequence_parallel_grads
 from ..tensor_parallel.sharding import gather_state_dict, shard_state_dict
 
-__all__ = ["GPTStage", "HybridGPT", "stage_bounds", "check_grid"]
+__all__ = ["GPTStage", "CPGPTStage", "HybridGPT", "stage_bounds", "check_grid"]
 
 
 def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
@@ -48,13 +58,25 @@ def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
 
 def check_grid(cfg: GPTConfig, dp: int, pp: int, tp: int, chunks: int = 1,
                sequence_parallel: bool = False, rank: int | None = None, seq_len: int | None = None,
-               batch: int | None = None, microbatches: int | None = None) -> None:
+               batch: int | None = None, microbatches: int | None = None, cp: int = 1) -> None:
     """Raise ``ValueError`` (naming ``rank`` and what to change) when the grid does not divide the
     model or the batch: fewer layers than ``pp·chunks`` stages, ``n_head % tp``, ``seq_len % tp``
     with sequence parallelism, a global batch not divisible by ``dp``, fewer samples per replica
-    than ``microbatches``, or ``microbatches % pp`` with the interleaved schedule (``chunks > 1``).
+    than ``microbatches``, or ``microbatches % pp`` with the interleaved schedule (``chunks > 1``);
+    with ``cp > 1``: ``seq_len % (2·cp)`` (the zigzag split), sequence parallelism, attention dropout.
     Every rank raises the same error before any communication, so nothing hangs."""
-    who = f"hybrid GPT (rank {rank}, grid dp={dp} pp={pp} tp={tp} chunks={chunks})"
+    who = f"hybrid GPT (rank {rank}, grid dp={dp} pp={pp} tp={tp} chunks={chunks}" + (
+        f" cp={cp})" if cp > 1 else ")")
+    if cp > 1:
+        if sequence_parallel:
+            raise ValueError(f"{who}: sequence parallelism and context parallelism together are "
+                             "not supported; turn sequence_parallel off")
+        if cfg.attn_dropout:
+            raise ValueError(f"{who}: attention dropout ({cfg.attn_dropout}) is not supported "
+                             "with context parallelism; set attn_dropout=0")
+        if seq_len is not None and seq_len % (2 * cp):
+            raise ValueError(f"{who}: the zigzag split needs the sequence length ({seq_len}) "
+                             f"divisible by 2·cp = {2 * cp}")
     if cfg.n_layer < pp * chunks:
         raise ValueError(f"{who}: {cfg.n_layer} layers cannot fill pp x chunks = {pp * chunks} "
                          f"stages (each needs a block); use n_layer >= {pp * chunks} or fewer "
@@ -80,13 +102,36 @@ def check_grid(cfg: GPTConfig, dp: int, pp: int, tp: int, chunks: int = 1,
                          f"be a multiple of pp={pp}")
 
 
+class CPGPTStage(GPTStage):
+    """:class:`~minidist.tensor_parallel.gpt.GPTStage` on a context-parallel group: each block's
+    attention is :class:`~minidist.context_parallel.attention.ContextParallelSelfAttention` (ring
+    attention over ``cp_group``) and stage 0 embeds this rank's ``s/cp`` tokens at their global
+    zigzag positions. Same parameters (names, shapes) as the plain stage."""
+
+    def __init__(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group,
+                 sequence_parallel: bool, cp_group):
+        nn.Module.__init__(self)        # cp_group first: make_attention needs it during the build
+        self.cp_group = cp_group
+        self._build(cfg, index, n_stages, layers, group, sequence_parallel)
+
+    def make_attention(self, cfg: GPTConfig, group, sequence_parallel: bool) -> nn.Module:
+        return ContextParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout, cfg.dropout,
+                                            group, sequence_parallel, self.cp_group, "zigzag")
+
+    def positions(self, s: int, device) -> tuple[int, torch.Tensor]:
+        cp_rank, cp = group_rank_world(self.cp_group)   # this rank's zigzag positions of cp·s
+        return s * cp, cp_positions("zigzag", s * cp, cp, cp_rank).to(device)
+
+
 class HybridGPT:
     """This rank's stages of ``GPT(cfg)`` on a :class:`minidist.grid.ProcessGrid`.
 
-    Args: ``cfg``; ``grid`` (``ProcessGrid(dp, pp, tp)``); ``chunks`` = ``v`` model chunks per
-    rank (interleaved 1F1B); ``sequence_parallel``; ``seed`` for the full model's weights.
+    Args: ``cfg``; ``grid`` (``ProcessGrid(dp, pp, tp)``, or ``(..., cp=c)``: context
+    parallelism); ``chunks`` = ``v`` model chunks per rank (interleaved 1F1B);
+    ``sequence_parallel``; ``seed`` for the full model's weights.
 
-    Attributes: ``stages`` {stage index: :class:`GPTStage`} (this rank's), ``n_stages`` = pp·v,
+    Attributes: ``stages`` {stage index: :class:`GPTStage`, a :class:`CPGPTStage` with cp > 1}
+    (this rank's), ``n_stages`` = pp·v,
     ``bounds`` (block ranges per stage), ``tied`` (tied embeddings held as two copies).
 
     Raises ``ValueError`` from :func:`check_grid`.
@@ -94,8 +139,9 @@ class HybridGPT:
 
     def __init__(self, cfg: GPTConfig, grid, chunks: int = 1, sequence_parallel: bool = False,
                  seed: int = 0):
+        cp = getattr(grid, "cp_size", 1)
         check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, chunks, sequence_parallel,
-                   grid.rank)
+                   grid.rank, cp=cp)
         self.cfg, self.grid, self.chunks, self.sequence_parallel = cfg, grid, chunks, sequence_parallel
         self.n_stages = grid.pp_size * chunks
         self.bounds = stage_bounds(cfg.n_layer, self.n_stages)
@@ -104,8 +150,10 @@ class HybridGPT:
         self.stages = {}
         for c in range(chunks):
             s = c * grid.pp_size + grid.pp_rank
-            stage = GPTStage(cfg, s, self.n_stages, range(*self.bounds[s]), grid.tp_group,
-                             sequence_parallel)
+            layers = range(*self.bounds[s])
+            stage = (CPGPTStage(cfg, s, self.n_stages, layers, grid.tp_group, sequence_parallel,
+                                grid.cp_group) if cp > 1 else
+                     GPTStage(cfg, s, self.n_stages, layers, grid.tp_group, sequence_parallel))
             stage.load_state_dict(shard_state_dict(full, stage, grid.tp_group))
             self.stages[s] = stage
         last, first = self.n_stages - 1, 0

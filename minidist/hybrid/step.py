@@ -19,6 +19,12 @@
 With ``record=True`` steps 3-6 are Events on the engine's timeline too ("sp grads", "tied grads",
 "clip", "optimizer"), for :mod:`minidist.hybrid.timeline`.
 
+Context parallelism (``grid.cp_size > 1``): after the DP slice, each rank keeps its zigzag
+positions of every sample (:func:`minidist.context_parallel.sharding.shard`); the gradients and
+the loss are reduced over the DP×CP group (``grid.dp_cp_group``) where they were over DP: the
+parameters are replicated over both. ``"per_token"`` is exact for any ignored tokens; ``"mean"``
+averages equal-sized shards' means (exact without ignored tokens), as it does over DP replicas.
+
 Steps 2's DP average, 3 and 4 are linear and act on different groups, so their order does not
 change the result (beyond fp32 rounding). Returns a :class:`StepOutput` whose ``loss`` is the
 global batch's loss on every rank.
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import collectives as C
+from ..context_parallel.sharding import shard
 from ..pipeline_parallel.engine import StepResult
 from ..pipeline_parallel.catalog import make_schedule
 from ..trace import Event
@@ -82,7 +89,7 @@ def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> d
                          f"{DP_MODES}, got {dp_mode!r}")
     if dp_mode != "bucketed":
         return dict(model.stages)
-    return {s: PipelineBucketedDDP(m, group=model.grid.dp_group, bucket_cap_mb=bucket_cap_mb)
+    return {s: PipelineBucketedDDP(m, group=model.grid.dp_cp_group, bucket_cap_mb=bucket_cap_mb)
             for s, m in sorted(model.stages.items())}
 
 
@@ -111,8 +118,9 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     if any(wrapped) != (dp_mode == "bucketed") or len(set(wrapped)) > 1:
         raise ValueError(f"train_step (rank {grid.rank}): modules do not match dp_mode="
                          f"{dp_mode!r}; build them with wrap_stages(model, {dp_mode!r})")
+    cp = getattr(grid, "cp_size", 1)
     check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, model.chunks,
-               model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches)
+               model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches, cp)
     if model.chunks > 1 and schedule != "interleaved":
         schedule = "interleaved"
     sched = make_schedule(schedule, grid.pp_size, microbatches, v=model.chunks)
@@ -121,10 +129,12 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
         optimizer.zero_grad(set_to_none=True)
     x = ids.tensor_split(grid.dp_size)[grid.dp_rank]
     y = targets.tensor_split(grid.dp_size)[grid.dp_rank]
+    if cp > 1:   # this rank's positions of every sample
+        x, y = (shard(t, "zigzag", cp, grid.cp_rank, dim=1) for t in (x, y))
     bucketed, zero1 = dp_mode == "bucketed", dp_mode == "zero1" and optimizer is not None
     ctx = (lambda s, m, last: modules[s].backward_sync(last)) if bucketed else None
     result = dp_pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),
-                              grid.pp_group, grid.dp_group, loss_reduction=loss_reduction,
+                              grid.pp_group, grid.dp_cp_group, loss_reduction=loss_reduction,
                               average=not (bucketed or zero1), record=record,
                               backward_context=ctx, device=_device(model))
     with _timed(result, record, "sp grads", grid.pp_rank, model.sequence_parallel):
@@ -171,6 +181,6 @@ def _global_loss(model, result: StepResult, loss_reduction: str) -> float:
     t = torch.tensor([result.loss or 0.0], dtype=torch.float64, device=_device(model))
     if grid.pp_size > 1:
         C.all_reduce(t, "sum", group=grid.pp_group)
-    if grid.dp_size > 1:
-        C.all_reduce(t, "avg", group=grid.dp_group)
+    if len(grid.dp_cp_ranks) > 1:
+        C.all_reduce(t, "avg", group=grid.dp_cp_group)
     return float(t)

@@ -16,6 +16,11 @@ module                  what it holds
 ``sharding_demo``       the sharding rows of ``minidist demo`` (ZeRO-1/2/3, memory, traffic)
 ``hybrid_demo``         the 3-D rows of ``minidist demo`` ((dp, tp, pp) = (2, 2, 2) vs one process)
 ``hybrid_timeline``     one 3-D step's per-rank timeline for ch12's Gantt chart
+``ep_checks``           the expert-parallel checks the demo, ch15 and exercise 15 share: the
+                        MoE layer and MoEGPT on a dp x ep grid against one process
+``ep_demo``             the expert-parallel rows of ``minidist demo``
+``cp_demo``             the context-parallel rows of ``minidist demo`` (ring attention and
+                        Ulysses against full attention on one process; the ring's traffic)
 ``gpu_check``           the checks of ``tools/gpu-check.sh`` (CUDA/NCCL paths against references)
 ======================  ====================================================================
 
@@ -23,4 +28,5 @@ Nothing is imported here eagerly: ``import minidist.lessons.ddp_demo`` loads onl
 """
 
 __all__ = ["collectives_demo", "ddp_training", "ddp_plots", "ddp_demo", "tp_demo", "pp_demo",
-           "sharding_demo", "hybrid_demo", "hybrid_timeline", "gpu_check"]  # modules, imported on use
+           "sharding_demo", "hybrid_demo", "hybrid_timeline", "ep_checks", "ep_demo", "cp_demo",
+           "gpu_check"]  # modules, imported on use

@@ -29,6 +29,11 @@ gradients, ZeRO-1 reduce-scatters them and all-gathers the weights, ZeRO-2 reduc
 micro-batch, ZeRO-3 also all-gathers the weights twice per micro-batch. The gradient traffic
 overlaps ``overlap`` × the backward of the last micro-batch (every micro-batch's for ZeRO-2/3,
 whose gathers also hide behind the forward); the final weight all-gather of ZeRO-1/2 is exposed.
+
+Context parallelism (the sequence split over ``cp`` ranks): activation memory per rank divided by
+cp, the ring's K/V traffic and its overlap with the block compute, and the longest context that
+fits a device — :func:`activation_bytes`, :func:`ring_time`, :func:`longest_context` from
+:mod:`minidist.context_parallel.cost`, re-exported here.
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ import math
 from dataclasses import dataclass, field
 
 from . import calc
+from ..context_parallel.cost import activation_bytes, longest_context, ring_time  # noqa: F401
 from .published import LINKS, PRECISIONS
 
 __all__ = ["ModelSpec", "Link", "Links", "Config", "Prediction", "predict", "plan", "format_table",
-           "RECOMPUTE", "LEGEND"]
+           "RECOMPUTE", "LEGEND",
+           "activation_bytes", "ring_time", "longest_context"]
 
 RECOMPUTE = ("none", "selective", "full")
 

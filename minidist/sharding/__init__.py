@@ -1,7 +1,9 @@
 """Sharded data parallelism from scratch: ZeRO stages 1-3 and activation recomputation.
 
 * :class:`ShardedOptimizer` — ZeRO-1 (optimizer states) and ZeRO-2 (gradients too) (:mod:`.zero`);
-* :func:`fully_shard` — ZeRO-3 / FSDP units with a flat sharded parameter each (:mod:`.fsdp`);
+* :func:`fully_shard` — ZeRO-3 / FSDP units, each parameter sharded on dim 0 (:mod:`.fsdp`,
+  :mod:`.fsdp_param`; the flat-parameter first design with ``per_parameter=False``,
+  :mod:`.fsdp_flat`, whose unit hooks both layouts share);
   full and sharded checkpoints, global-norm clipping (:mod:`.fsdp_state`);
 * :func:`checkpoint` — activation recomputation, RNG replayed (:mod:`.recompute`);
 * :func:`account`, :class:`ActivationMeter`, :func:`zero_formula` — memory per rank
@@ -18,6 +20,7 @@ from .flat import FlatBuffer, padded_numel, plan_buckets
 from .zero import ShardedOptimizer
 from .fsdp import (FlatParamUnit, MixedPrecisionPolicy, fully_shard,
                    set_requires_gradient_sync, units)
+from .fsdp_param import ParamShardUnit
 from .fsdp_state import (clip_grad_norm_, full_optim_state_dict, full_state_dict,
                          load_full_optim_state_dict, load_full_state_dict, load_sharded,
                          save_sharded)
@@ -25,7 +28,8 @@ from .recompute import Checkpointed, checkpoint
 from .memory import ActivationMeter, account, zero_formula
 
 __all__ = ["FlatBuffer", "padded_numel", "plan_buckets", "ShardedOptimizer", "FlatParamUnit",
-           "MixedPrecisionPolicy", "fully_shard", "set_requires_gradient_sync", "units",
+           "ParamShardUnit", "MixedPrecisionPolicy", "fully_shard", "set_requires_gradient_sync",
+           "units",
            "clip_grad_norm_", "full_optim_state_dict", "full_state_dict",
            "load_full_optim_state_dict", "load_full_state_dict", "load_sharded", "save_sharded",
            "Checkpointed", "checkpoint", "ActivationMeter", "account", "zero_formula"]

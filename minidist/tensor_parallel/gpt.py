@@ -54,6 +54,20 @@ class GPTStage(nn.Module):
     def __init__(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group=None,
                  sequence_parallel: bool = False):
         super().__init__()
+        self._build(cfg, index, n_stages, layers, group, sequence_parallel)
+
+    def make_attention(self, cfg: GPTConfig, group, sequence_parallel: bool) -> nn.Module:
+        """Each block's attention (a subclass swaps it: context parallelism's ring attention)."""
+        return ParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout, cfg.dropout, group,
+                                     sequence_parallel)
+
+    def positions(self, s: int, device) -> tuple[int, torch.Tensor]:
+        """Stage 0: ``(full sequence length, position ids [s])`` of this rank's ``s`` tokens
+        (here ``0..s-1``; a subclass holding a slice of the sequence returns its global ones)."""
+        return s, torch.arange(s, device=device)
+
+    def _build(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group,
+               sequence_parallel: bool) -> None:
         sp = sequence_parallel
         self.cfg, self.index, self.group, self.sequence_parallel = cfg, index, group, sp
         self.is_first, self.is_last = index == 0, index == n_stages - 1
@@ -65,8 +79,7 @@ class GPTStage(nn.Module):
             self.drop = Dropout(cfg.dropout, "replicated", group, sp)
         self.blocks = LayerDict()
         for i in layers:
-            attn = ParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout, cfg.dropout,
-                                         group, sp)
+            attn = self.make_attention(cfg, group, sp)
             mlp = ParallelMLP(cfg.n_embd, 4 * cfg.n_embd, cfg.dropout, group, sp)
             self.blocks[str(i)] = block = Block(cfg, attn, mlp)
             if sp:
@@ -82,13 +95,13 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
-            s = x.shape[1]
+            s, pos_ids = self.positions(x.shape[1], x.device)
             if s > self.cfg.block_size:
                 raise ValueError(f"GPTStage 0 (TP rank {self.tp_rank}): sequence length {s} "
                                  f"exceeds block_size {self.cfg.block_size}")
             with accounting.scope("embed"):
                 tok = self.tok_emb(x)
-                pos = self.pos_emb(torch.arange(s, device=x.device))
+                pos = self.pos_emb(pos_ids)
                 if self.sequence_parallel:
                     pos = R.split_along(pos, 0, self.group, "GPTStage sequence split")
                 x = self.drop(tok + pos)
