@@ -29,14 +29,20 @@ factors), ``sampling.py`` (exercise 05: sampler and exact evaluation), ``launch_
 (exercise 08: launch variables and broken launch logs, against ``minidist.env``), ``cost.py``
 (exercise 13: GPUs for a deadline, spot wall time, Young's interval, against ``minidist.cost``),
 ``hybrid.py`` (exercise 12: the global gradient norm of a dp x tp x pp model, against
-``torch.nn.utils.clip_grad_norm_`` on one process; names the counting rule a wrong norm breaks).
+``torch.nn.utils.clip_grad_norm_`` on one process; names the counting rule a wrong norm breaks),
+``zero.py`` (exercise 09), ``spy.py`` (watches a learner's torch.distributed calls: bytes per
+rank, async or blocking, waited or not), ``state.py`` (optimizer state measured over every
+optimizer an object holds), ``rules.py`` (``RULES``: what each exercise part checks, one rule per
+check, printed in the exercise's introduction).
 """
 
 from .collectives import REFERENCES, grade_collective  # noqa: F401
 from . import composition, cost, hybrid, launch_env, sampling, walls  # noqa: F401  (exercises 02, 13, 12, 08, 05, 00)
 from .ddp import grade_bucket_layout, grade_ddp  # noqa: F401
-from .core import (Report, Result, check, check_on_ranks, compare,  # noqa: F401
-                   describe_exception)
+from .core import (Report, Result, check, check_on_ranks, check_rules, compare,  # noqa: F401
+                   describe_exception, rules_text)
+from . import rules, spy, state, zero  # noqa: F401,E402  (what each part checks; watchers)
 
 __all__ = ["Result", "Report", "check", "compare", "check_on_ranks", "grade_collective",
-           "REFERENCES", "describe_exception", "grade_bucket_layout", "grade_ddp"]
+           "REFERENCES", "describe_exception", "grade_bucket_layout", "grade_ddp", "check_rules",
+           "rules_text"]

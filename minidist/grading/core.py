@@ -8,7 +8,8 @@ import torch
 
 from ..launch import RankError, RankTimeoutError, run
 
-__all__ = ["Result", "Report", "check", "compare", "check_on_ranks", "describe_exception"]
+__all__ = ["Result", "Report", "check", "compare", "check_on_ranks", "describe_exception",
+           "check_rules", "rules_text"]
 
 
 @dataclass
@@ -21,6 +22,7 @@ class Result:
     max_points: float = 1.0
     message: str = ""
     stop: str = ""  # why later checks of the same code are not worth running ("timeout", ...)
+    rule: str = ""  # the id of the rule this check enforces (an exercise part's RULES key)
 
     def line(self) -> str:
         if self.passed:
@@ -118,11 +120,18 @@ class Report:
                 return "not run: the code raises NotImplementedError (not written yet)"
         return None
 
-    def check(self, name: str, fn, points: float = 1.0) -> Result:
+    def check(self, name: str, fn, points: float = 1.0, rule: str = "") -> Result:
         """Run :func:`check` and add its result (or a failed, unrun one when :attr:`blocked`)."""
         if (why := self.blocked) is not None:
-            return self.add(Result(name, False, 0.0, points, why))
-        return self.add(check(name, fn, points))
+            return self.add(Result(name, False, 0.0, points, why, rule=rule))
+        result = check(name, fn, points)
+        result.rule = rule
+        return self.add(result)
+
+    @property
+    def failed_rules(self) -> list:
+        """The rule ids of the failed checks, in order, each once."""
+        return list(dict.fromkeys(r.rule for r in self.failed if r.rule))
 
     @property
     def raw_score(self) -> float:
@@ -202,8 +211,64 @@ def compare(got, expected: torch.Tensor, rank: int | None = None, what: str = "r
 
 
 # --------------------------------------------------------------------------- generic multi-rank
+def _merge_rank_messages(msgs) -> str | None:
+    """Per-rank messages → one text; the same message on several ranks is shown once."""
+    by_text = {}
+    for r, m in enumerate(msgs):
+        if m not in (None, True):
+            m = str(m)
+            by_text.setdefault(m.split(": ", 1)[1] if m.startswith(f"rank {r}: ") else m,
+                               []).append(r)
+    return "\n".join((f"rank {rs[0]}: " if len(rs) == 1 else
+                      f"ranks {', '.join(map(str, rs))}: ") + m
+                     for m, rs in by_text.items()) or None
+
+
+def rules_text(rules: dict) -> str:
+    """The rules of an exercise part as the lines printed in its introduction."""
+    return "\n".join(f"  [{key}] {text}" for key, text in rules.items())
+
+
+def check_rules(report: Report, rules: dict, rank_fn, world_sizes, *args, timeout: float = 60.0,
+                points: float = 1.0) -> Report:
+    """One launch per world size, one result per rule: ``rank_fn(rank, W, *args)`` returns
+    ``{rule id: message}`` for the rules it found broken (a missing key: kept). Each rule becomes
+    a check named by its text and tagged with its id, failing with ``"W=w: ranks ...: message"``
+    for every world size that broke it. A launch that raises or times out fails every rule with
+    the reason; after a timeout the remaining world sizes are not launched (each would only wait
+    out the same timeout)."""
+    found: dict = {key: [] for key in rules}
+    stop = ""
+    for world in world_sizes:
+        if stop:
+            for key in rules:
+                found[key].append(f"W={world}: not run (W={stop} timed out: fix that first)")
+            continue
+        try:
+            per_rank = run(rank_fn, world, *args, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - the learner's failure, reported per rule
+            text = describe_exception(e)
+            for key in rules:
+                found[key].append(f"W={world}: {text}")
+            if _stop_kind(e):
+                stop = str(world)
+            continue
+        for key in rules:
+            merged = _merge_rank_messages([(d or {}).get(key) for d in per_rank])
+            if merged:
+                found[key].append(f"W={world}: {merged}")
+        unknown = {k for d in per_rank for k in (d or {})} - set(rules)
+        if unknown:
+            raise KeyError(f"grader bug: rank function returned unknown rules {sorted(unknown)}")
+    for key, text in rules.items():
+        msgs = found[key]
+        report.add(Result(text, not msgs, 0.0 if msgs else points, points, "\n".join(msgs),
+                          stop="timeout" if stop else "", rule=key))
+    return report
+
+
 def check_on_ranks(name: str, rank_fn, world_sizes=(1, 2, 3, 4), *args, timeout: float = 30.0,
-                   points: float = 1.0, report: Report | None = None) -> Report:
+                   points: float = 1.0, report: Report | None = None, rule: str = "") -> Report:
     """One check per world size W: ``rank_fn(rank, W, *args)`` runs on W ranks (via
     :func:`minidist.run`) and returns ``None`` (fine) or a message string, or raises.
 
@@ -214,17 +279,8 @@ def check_on_ranks(name: str, rank_fn, world_sizes=(1, 2, 3, 4), *args, timeout:
     report = report if report is not None else Report(name)
 
     def one(world):
-        msgs = run(rank_fn, world, *args, timeout=timeout)
-        by_text = {}  # the same message on several ranks is shown once: "ranks 0, 1: ..."
-        for r, m in enumerate(msgs):
-            if m not in (None, True):
-                m = str(m)
-                by_text.setdefault(m.split(": ", 1)[1] if m.startswith(f"rank {r}: ") else m,
-                                   []).append(r)
-        return "\n".join((f"rank {rs[0]}: " if len(rs) == 1 else
-                          f"ranks {', '.join(map(str, rs))}: ") + m
-                         for m, rs in by_text.items()) or None
+        return _merge_rank_messages(run(rank_fn, world, *args, timeout=timeout))
 
     for world in world_sizes:
-        report.check(f"{name} (world size {world})", lambda w=world: one(w), points)
+        report.check(f"{name} (world size {world})", lambda w=world: one(w), points, rule=rule)
     return report
