@@ -50,6 +50,124 @@ def mutate(m: Mutant) -> dict:
 
 M = Mutant
 MUTANTS = [
+    # ------------------------------------------------------------------ 00
+    M("00_memory_and_time", "bytes_per_param_grade", "fp32", "bytes_per_param",
+      (('"optimizer": 4 + 4}', '"optimizer": 4}'),), "one Adam moment in fp32"),
+    M("00_memory_and_time", "bytes_per_param_grade", "master", "bytes_per_param",
+      (('"optimizer": 4 + 4 + 4}', '"optimizer": 4 + 4}'),), "master weights forgotten"),
+    M("00_memory_and_time", "bytes_per_param_grade", "keys", "bytes_per_param",
+      (('{"weights": 4, "grads": 4,', '{"weight": 4, "grads": 4,'),), "a key misspelt"),
+    M("00_memory_and_time", "training_memory_grade", "total", "training_memory",
+      (("params * sum(bytes_per_param(mixed_precision).values())",
+        "params * (bytes_per_param(mixed_precision)['weights'] + "
+        "bytes_per_param(mixed_precision)['optimizer'])"),), "gradients left out"),
+    M("00_memory_and_time", "training_memory_grade", "master", "training_memory",
+      (("params * sum(bytes_per_param(mixed_precision).values())",
+        "params * (12 if mixed_precision else 16)"),), "12 bytes in mixed precision"),
+    M("00_memory_and_time", "training_memory_grade", "bytes", "training_memory",
+      (("params * sum(bytes_per_param(mixed_precision).values())",
+        "params * sum(bytes_per_param(mixed_precision).values()) / 1e9"),), "GB"),
+    M("00_memory_and_time", "flops_and_days_grade", "six", "flops_and_days",
+      (("return 6 * params * tokens", "return 2 * params * tokens"),), "forward only"),
+    M("00_memory_and_time", "flops_and_days_grade", "mfu", "flops_and_days",
+      (("(n_gpus * peak_flops * mfu)", "(n_gpus * peak_flops)"),), "MFU forgotten"),
+    M("00_memory_and_time", "flops_and_days_grade", "days", "flops_and_days",
+      (("(n_gpus * peak_flops * mfu) / 86400", "(n_gpus * peak_flops * mfu)"),), "seconds"),
+    # ------------------------------------------------------------------ 01 ring_sum
+    M("01_token_ring", "ring_sum_grade", "equal", "ring_sum",
+      (("for _ in range(world_size - 1):", "for _ in range(world_size - 2):"),), "one shift short"),
+    M("01_token_ring", "ring_sum_grade", "sizes", "ring_sum",
+      (("    passing = x.clone()\n", "    if x.numel() < world_size:\n        return x\n"
+        "    passing = x.clone()\n"),), "skips tensors smaller than W"),
+    # ------------------------------------------------------------------ 02
+    M("02_collectives_by_composition", "all_gather_by_broadcast_grade", "equal",
+      "all_gather_by_broadcast",
+      (("dist.broadcast(chunks[root], src=root)",
+        "dist.broadcast(chunks[(root + 1) % world_size], src=root)"),), "the wrong chunk"),
+    M("02_collectives_by_composition", "all_gather_by_broadcast_grade", "sizes",
+      "all_gather_by_broadcast",
+      (("        dist.broadcast(chunks[root], src=root)",
+        "        if chunks[root].numel() > 1:\n            dist.broadcast(chunks[root], src=root)"),),
+      "skips one-element chunks"),
+    M("02_collectives_by_composition", "all_gather_by_broadcast_grade", "compose",
+      "all_gather_by_broadcast",
+      (("for root in range(world_size):", "for root in list(range(world_size)) * 2:"),),
+      "every broadcast twice"),
+    M("02_collectives_by_composition", "reduce_scatter_by_reduce_grade", "equal",
+      "reduce_scatter_by_reduce",
+      (("dist.reduce(chunks[root], dst=root)",
+        "dist.reduce(chunks[(root + 1) % world_size], dst=root)"),), "the wrong chunk"),
+    M("02_collectives_by_composition", "reduce_scatter_by_reduce_grade", "sizes",
+      "reduce_scatter_by_reduce",
+      (("        dist.reduce(chunks[root], dst=root)",
+        "        if chunks[root].numel() > 1:\n            dist.reduce(chunks[root], dst=root)"),),
+      "skips one-element chunks"),
+    M("02_collectives_by_composition", "reduce_scatter_by_reduce_grade", "compose",
+      "reduce_scatter_by_reduce",
+      (("dist.reduce(chunks[root], dst=root)", "dist.all_reduce(chunks[root])"),),
+      "an all-reduce per chunk"),
+    M("02_collectives_by_composition", "busbw_factor_grade", "all_reduce", "busbw_factor",
+      (('{"all_reduce": 2 * (w - 1) / w', '{"all_reduce": (w - 1) / w'),), "all-reduce's 2 missing"),
+    M("02_collectives_by_composition", "busbw_factor_grade", "one_phase", "busbw_factor",
+      (('"all_gather": (w - 1) / w', '"all_gather": 1.0'),), "all-gather as 1"),
+    M("02_collectives_by_composition", "busbw_factor_grade", "rooted", "busbw_factor",
+      (('"broadcast": 1.0', '"broadcast": (w - 1) / w'),), "broadcast as (W-1)/W"),
+    # ------------------------------------------------------------------ 03
+    M("03_ring_allreduce", "ring_reduce_scatter_grade", "equal", "ring_reduce_scatter",
+      (("for step in range(world_size - 1):", "for step in range(world_size - 2):"),),
+      "one step short"),
+    M("03_ring_allreduce", "ring_reduce_scatter_grade", "sizes", "ring_reduce_scatter",
+      (("incoming = torch.empty_like(chunks[recv_idx])", "incoming = torch.empty_like(chunks[send_idx])"),),
+      "buffer shaped like the sent chunk"),
+    M("03_ring_allreduce", "ring_reduce_scatter_grade", "p2p", "ring_reduce_scatter",
+      (("    for step in range(world_size - 1):\n        send_idx",
+        "    for c in chunks:\n        torch.distributed.all_reduce(c)\n    for step in range(0):\n        send_idx"),),
+      "torch's all-reduce"),
+    M("03_ring_allreduce", "ring_reduce_scatter_grade", "ring", "ring_reduce_scatter",
+      (("    for step in range(world_size - 1):\n        send_idx",
+        "    full = torch.cat(chunks)\n    passing = full.clone()\n"
+        "    for _ in range(world_size - 1):\n        incoming = torch.empty_like(passing)\n"
+        "        p2p.exchange(passing, right, incoming, left)\n        passing = incoming\n"
+        "        full += incoming\n"
+        "    chunks[rank].copy_(full.tensor_split(world_size)[rank])\n"
+        "    for step in range(0):\n        send_idx"),), "the whole tensor passed around"),
+    M("03_ring_allreduce", "ring_reduce_scatter_grade", "pairing", "ring_reduce_scatter",
+      (("p2p.exchange(chunks[send_idx], right, incoming, left)",
+        "p2p.send(chunks[send_idx], right)\n        p2p.recv(incoming, left)"),),
+      "blocking send before receive (deadlock)"),
+    M("03_ring_allreduce", "ring_all_gather_grade", "equal", "ring_all_gather",
+      (("send_idx = (rank - step) % world_size", "send_idx = (rank - step - 1) % world_size"),),
+      "sends the chunk it is about to receive"),
+    M("03_ring_allreduce", "ring_all_gather_grade", "sizes", "ring_all_gather",
+      (("        p2p.exchange(chunks[send_idx], right, chunks[recv_idx], left)",
+        "        works = []\n        if chunks[recv_idx].numel() > 1:\n"
+        "            works.append(p2p.irecv(chunks[recv_idx], left))\n"
+        "        if chunks[send_idx].numel() > 1:\n"
+        "            works.append(p2p.isend(chunks[send_idx], right))\n        p2p.wait_all(works)"),),
+      "one-element chunks never sent"),
+    M("03_ring_allreduce", "ring_all_gather_grade", "p2p", "ring_all_gather",
+      (("    for step in range(world_size - 1):\n        send_idx",
+        "    for j in range(world_size):\n        torch.distributed.broadcast(chunks[j], src=j)\n"
+        "    for step in range(0):\n        send_idx"),), "torch broadcasts"),
+    M("03_ring_allreduce", "ring_all_gather_grade", "ring", "ring_all_gather",
+      (("        p2p.exchange(chunks[send_idx], right, chunks[recv_idx], left)",
+        "        works = [p2p.irecv(chunks[j], left) for j in range(world_size) if j != rank]\n"
+        "        works += [p2p.isend(chunks[j], right) for j in range(world_size) if j != right]\n"
+        "        p2p.wait_all(works)"),), "every chunk sent every step"),
+    M("03_ring_allreduce", "ring_all_reduce_grade", "equal", "ring_all_reduce",
+      (("    ring_all_gather(chunks, rank, world_size)\n", ""),), "no all-gather"),
+    M("03_ring_allreduce", "ring_all_reduce_grade", "sizes", "ring_all_reduce",
+      (("tensor.view(-1).tensor_split(world_size)", "tensor.view(-1).chunk(world_size)"),),
+      "chunk() instead of tensor_split()"),
+    M("03_ring_allreduce", "ring_all_reduce_grade", "p2p", "ring_all_reduce",
+      (("    ring_reduce_scatter(chunks, rank, world_size)\n    ring_all_gather(chunks, rank, world_size)\n",
+        "    torch.distributed.all_reduce(tensor)\n"),), "torch's all-reduce"),
+    M("03_ring_allreduce", "ring_all_reduce_grade", "ring", "ring_all_reduce",
+      (("    ring_reduce_scatter(chunks, rank, world_size)\n    ring_all_gather(chunks, rank, world_size)\n",
+        "    passing = tensor.clone()\n    for _ in range(world_size - 1):\n"
+        "        incoming = torch.empty_like(passing)\n"
+        "        p2p.exchange(passing, (rank + 1) % world_size, incoming, (rank - 1) % world_size)\n"
+        "        passing = incoming\n        tensor += incoming\n"),), "the whole tensor passed around"),
     # ------------------------------------------------------------------ 04 Part A
     M("04_bucketed_ddp", "build_buckets_grade", "reverse", "build_buckets",
       (("reversed(list(params))", "list(params)"),), "registration order, not reversed"),
@@ -174,6 +292,74 @@ MUTANTS = [
     M("09_zero", "zero2_grade", "reset", "zero2",
       (("        self.grad_flat = self.work = self.reduced = None\n", ""),),
       "per-backward state never reset"),
+    # ------------------------------------------------------------------ 12
+    M("12_global_grad_norm", "global_grad_norm_grade", "replicated", "global_grad_norm",
+      (("        if not getattr(p, \"tensor_model_parallel\", False) and grid.tp_rank != 0:\n"
+        "            continue", "        pass"),), "replicated counted on every TP rank"),
+    M("12_global_grad_norm", "global_grad_norm_grade", "tied", "global_grad_norm",
+      (("if p.grad is None or model.is_tied_copy(p):", "if p.grad is None:"),),
+      "the tied copy counted"),
+    M("12_global_grad_norm", "global_grad_norm_grade", "dp", "global_grad_norm",
+      (("    return float(total.sqrt())",
+        "    dist.all_reduce(total, group=grid.dp_group)\n    return float(total.sqrt())"),),
+      "summed over DP"),
+    M("12_global_grad_norm", "global_grad_norm_grade", "tp", "global_grad_norm",
+      (("    dist.all_reduce(total, group=grid.tp_group)", "    pass"),), "no TP sum"),
+    M("12_global_grad_norm", "global_grad_norm_grade", "pp", "global_grad_norm",
+      (("    dist.all_reduce(total, group=grid.pp_group)", "    pass"),), "no PP sum"),
+    M("12_global_grad_norm", "global_grad_norm_grade", "square", "global_grad_norm",
+      (("    return float(total.sqrt())", "    return float(total)"),), "no square root"),
+    M("12_global_grad_norm", "global_grad_norm_grade", "sqrt_last", "global_grad_norm",
+      (("    dist.all_reduce(total, group=grid.tp_group)",
+        "    total = total.sqrt()\n    dist.all_reduce(total, group=grid.tp_group)"),
+       ("    return float(total.sqrt())", "    return float(total)")), "root taken per rank"),
+    M("12_global_grad_norm", "global_grad_norm_grade", "measure", "global_grad_norm",
+      (("    return float(total.sqrt())",
+        "    for p in model.parameters():\n        if p.grad is not None:\n"
+        "            p.grad.mul_(min(1.0, 1.0 / float(total.sqrt())))\n"
+        "    return float(total.sqrt())"),), "clips while measuring"),
+    M("12_global_grad_norm", "global_grad_norm_grade", "equal", "global_grad_norm",
+      (("total = torch.zeros(1, dtype=torch.float64)", "total = torch.zeros(1, dtype=torch.float16)"),
+       ("total += p.grad.detach().double().pow(2).sum()", "total += p.grad.detach().half().pow(2).sum()")),
+      "squares summed in fp16"),
+    M("12_global_grad_norm", "global_grad_norm_grade", "collective", "global_grad_norm",
+      (("    dist.all_reduce(total, group=grid.pp_group)",
+        "    if grid.pp_rank == 0:\n        dist.all_reduce(total, group=grid.pp_group)"),),
+      "PP sum only on stage 0 (deadlock)"),
+    # ------------------------------------------------------------------ 13
+    M("13_cost", "gpus_for_deadline_grade", "enough", "gpus_for_deadline",
+      (("math.ceil(gpus / gpus_per_node * (1 - 1e-12))", "math.floor(gpus / gpus_per_node)"),),
+      "rounded down"),
+    M("13_cost", "gpus_for_deadline_grade", "nodes", "gpus_for_deadline",
+      (("    return nodes * gpus_per_node", "    return math.ceil(gpus)"),), "GPUs not in whole nodes"),
+    M("13_cost", "gpus_for_deadline_grade", "gpus", "gpus_for_deadline",
+      (("    return nodes * gpus_per_node", "    return nodes"),), "returns nodes"),
+    M("13_cost", "gpus_for_deadline_grade", "seconds", "gpus_for_deadline",
+      (("flops / (deadline * peak_flops * mfu)", "flops / (deadline / 3600 * peak_flops * mfu)"),),
+      "deadline converted to hours"),
+    M("13_cost", "gpus_for_deadline_grade", "errors", "gpus_for_deadline",
+      (("    if not 0 < mfu <= 1:\n        raise ValueError(f\"mfu must be in (0, 1], got {mfu!r}\")\n", ""),),
+      "no MFU validation"),
+    M("13_cost", "spot_wall_time_grade", "half", "spot_wall_time",
+      (("/ (1 - rate * checkpoint_interval / 2)", "/ (1 - rate * checkpoint_interval)"),),
+      "a whole interval lost"),
+    M("13_cost", "spot_wall_time_grade", "checkpoints", "spot_wall_time",
+      (("work_time * (1 + checkpoint_time / checkpoint_interval)", "work_time"),),
+      "checkpoint writes forgotten"),
+    M("13_cost", "spot_wall_time_grade", "restarts", "spot_wall_time",
+      (("    return running * (1 + rate * restart_time)", "    return running"),),
+      "restarts forgotten"),
+    M("13_cost", "spot_wall_time_grade", "per_hour", "spot_wall_time",
+      (("rate = interruptions_per_hour / 3600", "rate = interruptions_per_hour"),),
+      "rate taken per second"),
+    M("13_cost", "spot_wall_time_grade", "never", "spot_wall_time",
+      (("        raise ValueError(\"the run never finishes: checkpoint more often\")", "        pass"),),
+      "no error when it never finishes"),
+    M("13_cost", "spot_wall_time_grade", "formula", "spot_wall_time",
+      (("(1 + rate * restart_time)", "(1 + rate * restart_time / 2)"),), "half the restarts"),
+    M("13_cost", "young_interval_grade", "young", "young_interval",
+      (("math.sqrt(2 * checkpoint_time * mtbf)", "math.sqrt(checkpoint_time * mtbf)"),),
+      "the 2 missing"),
 ]
 
 
@@ -200,4 +386,6 @@ def test_grader_rejects_mutant_naming_its_rule(m):
     text, error = _solutions.grade(f"{m.notebook}.ipynb", m.grade_id, ns)
     assert error is not None, f"{m.id}: the grader accepted it:\n{text}"
     rule_text = RULES[m.notebook][m.grade_id][m.rule]
-    assert f"✗ {rule_text}" in text, f"{m.id}: rule [{m.rule}] not named as failed:\n{text}"
+    failed = [line for line in text.splitlines() if line.lstrip().startswith("✗")]
+    assert any(f"[{m.rule}] {rule_text}" in line for line in failed), \
+        f"{m.id}: rule [{m.rule}] not named by a failed check:\n{text}"

@@ -38,10 +38,7 @@ def describe_exception(e: BaseException, max_lines: int = 6) -> str:
         for rank, state, stack in e.failures:
             if rank < 0:
                 continue
-            frames = [s.strip() for s in stack.splitlines() if s.strip().startswith("File")]
-            user = [f for f in frames if "/minidist/" not in f and "/torch/" not in f]
-            where = (user or frames or [""])[0]
-            lines.append(f"rank {rank}: {state}" + (f" — at {where}" if where else ""))
+            lines.append(f"rank {rank}: {_where_waiting(stack, state)}")
         hint = ("(a deadlock? every send needs a matching receive posted at the same time, or a "
                 "collective that only some ranks of a group called)")
         return "\n".join(lines[:max_lines - 1] + [hint])   # the hint survives many ranks
@@ -61,6 +58,26 @@ def describe_exception(e: BaseException, max_lines: int = 6) -> str:
     return f"{type(e).__name__}: {e}"[:500]
 
 
+def _where_waiting(stack: str, state: str) -> str:
+    """Where a timed-out rank waits, in the learner's terms: their own line (and its source) when
+    the rank is inside their code; otherwise that their code had returned and the rank waits in
+    the grader's own collective — it skipped one that the other ranks are still in."""
+    import linecache
+    import re
+    m = re.search(r"your code: (.+), line (\d+), in (\S+)(?:\n\s{8}(\S.*))?", stack)
+    last = state.replace("idle after ", "")
+    if m:
+        path, line, func, src = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        src = src or linecache.getline(path, line).strip()
+        return (f"waiting at your line {line} in {func}" + (f": `{src}`" if src else "")
+                + f" (minidist's last message: {last})")
+    if "minidist/grading/" in stack:
+        return ("your function had returned on this rank, which waits in the grader's next "
+                "collective: it skipped a collective that the other ranks are still in")
+    frames = re.findall(r"(\S+:\d+ \S+)", stack.split("call stack (innermost first):")[-1])
+    return state + (f" — at {frames[0]}" if frames else "")
+
+
 def _stop_kind(e: BaseException) -> str:
     if isinstance(e, RankTimeoutError):
         return "timeout"
@@ -78,6 +95,8 @@ def check(name: str, fn, points: float = 1.0) -> Result:
         return Result(name, False, 0.0, points, describe_exception(e), stop=_stop_kind(e))
     if out is None or out is True:
         return Result(name, True, points, points)
+    if isinstance(out, tuple) and len(out) == 2:  # (rule id, message): the rule it breaks
+        return Result(name, False, 0.0, points, str(out[1]) or "failed", rule=str(out[0]))
     return Result(name, False, 0.0, points, out if isinstance(out, str) and out else "failed")
 
 
@@ -99,6 +118,9 @@ class Report:
     results: list = field(default_factory=list)
     total: float | None = None
     notes: list = field(default_factory=list)
+    rules: dict | None = None   # {rule id: text}: a failed check's message starts "[id] text: "
+    default_rule: str = ""      # the rule of a failed check that names none
+    timeout_rule: str = ""      # the rule of a check that timed out (a deadlock), if any
 
     def add(self, result: Result) -> Result:
         self.results.append(result)
@@ -125,8 +147,23 @@ class Report:
         if (why := self.blocked) is not None:
             return self.add(Result(name, False, 0.0, points, why, rule=rule))
         result = check(name, fn, points)
-        result.rule = rule
+        if result.stop == "timeout" and self.timeout_rule:
+            result.rule = self.timeout_rule
+        result.rule = result.rule or rule or ("" if result.passed else self.default_rule)
+        if (not result.passed and self.rules and result.rule in self.rules
+                and not name.startswith(f"[{result.rule}]")):
+            result.message = f"[{result.rule}] {self.rules[result.rule]}: {result.message}"
         return self.add(result)
+
+    def relabel(self, old: str, new: str) -> None:
+        """Failed checks of rule ``old`` become rule ``new`` (a grader that learns later that a
+        mistake is more general than the first check suggested)."""
+        for r in self.failed:
+            if r.rule == old:
+                r.rule = new
+                if self.rules and r.message.startswith(f"[{old}] {self.rules.get(old)}: "):
+                    r.message = (f"[{new}] {self.rules[new]}: "
+                                 + r.message[len(f"[{old}] {self.rules.get(old)}: "):])
 
     @property
     def failed_rules(self) -> list:
@@ -233,7 +270,7 @@ def check_rules(report: Report, rules: dict, rank_fn, world_sizes, *args, timeou
                 points: float = 1.0) -> Report:
     """One launch per world size, one result per rule: ``rank_fn(rank, W, *args)`` returns
     ``{rule id: message}`` for the rules it found broken (a missing key: kept). Each rule becomes
-    a check named by its text and tagged with its id, failing with ``"W=w: ranks ...: message"``
+    a check named ``"[id] text"`` and tagged with its id, failing with ``"W=w: ranks ...: message"``
     for every world size that broke it. A launch that raises or times out fails every rule with
     the reason; after a timeout the remaining world sizes are not launched (each would only wait
     out the same timeout)."""
@@ -262,7 +299,8 @@ def check_rules(report: Report, rules: dict, rank_fn, world_sizes, *args, timeou
             raise KeyError(f"grader bug: rank function returned unknown rules {sorted(unknown)}")
     for key, text in rules.items():
         msgs = found[key]
-        report.add(Result(text, not msgs, 0.0 if msgs else points, points, "\n".join(msgs),
+        report.add(Result(f"[{key}] {text}", not msgs, 0.0 if msgs else points, points,
+                          "\n".join(msgs),
                           stop="timeout" if stop else "", rule=key))
     return report
 

@@ -113,7 +113,7 @@ def grade_bucket_layout(build_buckets, total: float = 3) -> Report:
     report = Report("Part A: bucket layout", total=total)
     found = _layout_rank(build_buckets)
     for key, text in LAYOUT_RULES.items():
-        report.check(text, lambda k=key: found.get(k), rule=key)
+        report.check(f"[{key}] {text}", lambda k=key: found.get(k), rule=key)
     return report
 
 

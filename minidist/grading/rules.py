@@ -10,13 +10,28 @@ plausible wrong solution that the grader must reject by naming that rule
 
 from __future__ import annotations
 
-from . import ddp, zero
+from . import composition, cost, ddp, hybrid, walls, zero
+from .collectives import collective_rules
 
 __all__ = ["RULES", "show"]
 
 RULES: dict[str, dict[str, dict[str, str]]] = {
+    "00_memory_and_time": {"bytes_per_param_grade": walls.BYTES_RULES,
+                           "training_memory_grade": walls.MEMORY_RULES,
+                           "flops_and_days_grade": walls.FLOPS_RULES},
+    "01_token_ring": {"ring_sum_grade": collective_rules()},
+    "02_collectives_by_composition": {
+        "all_gather_by_broadcast_grade": composition.composed_rules("all_gather"),
+        "reduce_scatter_by_reduce_grade": composition.composed_rules("reduce_scatter"),
+        "busbw_factor_grade": composition.BUSBW_RULES},
+    "03_ring_allreduce": {"ring_reduce_scatter_grade": collective_rules("ring", pairing=True),
+                          "ring_all_gather_grade": collective_rules("ring"),
+                          "ring_all_reduce_grade": collective_rules("ring")},
     "04_bucketed_ddp": {"build_buckets_grade": ddp.LAYOUT_RULES, "my_ddp_grade": ddp.DDP_RULES},
     "09_zero": {"zero1_grade": zero.ZERO1_RULES, "zero2_grade": zero.ZERO2_RULES},
+    "12_global_grad_norm": {"global_grad_norm_grade": hybrid.NORM_RULES},
+    "13_cost": {"gpus_for_deadline_grade": cost.DEADLINE_RULES,
+                "spot_wall_time_grade": cost.SPOT_RULES, "young_interval_grade": cost.YOUNG_RULES},
 }
 
 
