@@ -9,7 +9,7 @@ import torch
 from ..launch import RankError, RankTimeoutError, run
 
 __all__ = ["Result", "Report", "check", "compare", "check_on_ranks", "describe_exception",
-           "check_rules", "rules_text"]
+           "check_rules", "rules_text", "tagged"]
 
 
 @dataclass
@@ -151,7 +151,8 @@ class Report:
             result.rule = self.timeout_rule
         result.rule = result.rule or rule or ("" if result.passed else self.default_rule)
         if (not result.passed and self.rules and result.rule in self.rules
-                and not name.startswith(f"[{result.rule}]")):
+                and not name.startswith(f"[{result.rule}]")
+                and not any(f"[{k}] " in result.message for k in self.rules)):
             result.message = f"[{result.rule}] {self.rules[result.rule]}: {result.message}"
         return self.add(result)
 
@@ -259,6 +260,12 @@ def _merge_rank_messages(msgs) -> str | None:
     return "\n".join((f"rank {rs[0]}: " if len(rs) == 1 else
                       f"ranks {', '.join(map(str, rs))}: ") + m
                      for m, rs in by_text.items()) or None
+
+
+def tagged(rules: dict, key: str, message: str) -> str:
+    """``"[key] rule text: message"``: a check's message naming the rule it breaks (for rank
+    functions, which return strings)."""
+    return f"[{key}] {rules[key]}: {message}"
 
 
 def rules_text(rules: dict) -> str:
