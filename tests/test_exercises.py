@@ -478,6 +478,6 @@ def place(local_rank, local_world_size, gpus, backend):
     if backend == "auto":
         backend = "nccl" if per_gpu == 1 else "gloo"
     return f"cuda:{local_rank}", backend, (1 / per_gpu if per_gpu > 1 else None)
-'''}, "local rank 5 of 8, 1 GPU(s), backend 'gloo': device: expected 'cuda:0', got 'cuda:5'",
-        "local_rank % gpus", "backend 'nccl': expected ValueError")
+'''}, "local rank 5 of 8, 1 GPU(s), backend 'gloo': [device]", "device: expected 'cuda:0', got 'cuda:5'",
+        "local_rank % gpus", "backend 'nccl': [nccl_error]", "expected ValueError")
     assert "✓ local rank 3 of 4, 4 GPU(s), backend 'nccl'" in text, text

@@ -292,8 +292,9 @@ def check_rules(report: Report, rules: dict, rank_fn, world_sizes, *args, timeou
             per_rank = run(rank_fn, world, *args, timeout=timeout)
         except Exception as e:  # noqa: BLE001 - the learner's failure, reported per rule
             text = describe_exception(e)
-            for key in rules:
-                found[key].append(f"W={world}: {text}")
+            for i, key in enumerate(rules):   # the whole story once, a pointer to it after
+                found[key].append(f"W={world}: {text}" if i == 0 else
+                                  f"W={world}: not checked: the run failed (see the first check)")
             if _stop_kind(e):
                 stop = str(world)
             continue

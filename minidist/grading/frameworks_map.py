@@ -204,4 +204,5 @@ def grade_clip_factor(fn, total: float = 3) -> Report:
     for norm in CLIP_NORMS:
         report.check(f"grad norm {norm:g}, max_norm 1.0", lambda n=norm: one(n, 1.0))
     report.check("grad norm 3, max_norm 5 (a config that sets 5.0)", lambda: one(3.0, 5.0))
+    report.check("grad norm 12, max_norm 5", lambda: one(12.0, 5.0))   # max_norm / norm, not 1 / norm
     return report
