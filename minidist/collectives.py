@@ -35,7 +35,7 @@ from .comm.ops import (check_exchange_sizes, check_same_across_ranks, check_size
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
            "ALGORITHMS"]
 
-ALGORITHMS = {
+ALGORITHMS: dict[str, dict] = {
     "all_reduce": {"ring": ring.all_reduce, "naive": naive.all_reduce,
                    "recursive_doubling": recursive_doubling.all_reduce},
     "reduce_scatter": {"ring": ring.reduce_scatter_chunks, "naive": naive.reduce_scatter_chunks},
@@ -199,7 +199,7 @@ def all_to_all(output: list, input: list, group=None, debug: bool | None = None)
         raise ValueError(f"all_to_all (rank {rank}): all tensors must be contiguous")
     if debug_enabled(debug):
         sizes = [(tuple(i.shape), str(i.dtype)) for i in input]
-        everyone = [None] * world
+        everyone: list = [None] * world
         dist.all_gather_object(everyone, sizes, group=group)
         for j in range(world):
             want = everyone[j][rank]

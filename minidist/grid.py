@@ -20,6 +20,8 @@ the output head (Megatron-LM's ``_allreduce_word_embedding_grads``). Rank 5 abov
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -61,6 +63,14 @@ class ProcessGrid:
     ``embedding_ranks`` / ``embedding_group``: the first and last stage of this rank's pipeline
     (``embedding_group`` is None on the stages between, and when ``pp == 1``).
     """
+
+    # set per dimension in __init__ (setattr over "dp", "pp", "tp")
+    dp_group: Any
+    pp_group: Any
+    tp_group: Any
+    dp_ranks: list[int]
+    pp_ranks: list[int]
+    tp_ranks: list[int]
 
     def __init__(self, dp: int, pp: int = 1, tp: int = 1):
         if not dist.is_initialized():

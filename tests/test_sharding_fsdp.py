@@ -1,20 +1,18 @@
 """ZeRO-3 (minidist.sharding.fully_shard) equals one process, torch's DDP and torch's own FSDP2.
 
 Tolerance 1e-6 in fp32: sums of the same gradients in a different order (ring vs torch vs one
-process). The model (minidist.lessons.sharding_reference) has tied weights, a frozen parameter,
+process). The model (minidist.references.sharding) has tied weights, a frozen parameter,
 a buffer and no parameter size divisible by W; units are its two blocks (auto-wrap) and the root.
 """
 
-import contextlib
 
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it)
-import torch.distributed as dist
 
 import minidist
 from minidist.sharding import fsdp, fsdp_state
-from minidist.lessons.sharding_reference import (OPTIMIZERS, Block, global_batch, local_batch,
+from minidist.references.sharding import (OPTIMIZERS, Block, global_batch, local_batch,
                                                  loss_fn, make_model, max_abs_diff, named_state,
                                                  train_single)
 

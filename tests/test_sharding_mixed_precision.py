@@ -17,7 +17,7 @@ import torch._dynamo  # noqa: F401
 
 import minidist
 from minidist.sharding import fsdp, fsdp_state
-from minidist.lessons.sharding_reference import (OPTIMIZERS, Block, local_batch, loss_fn,
+from minidist.references.sharding import (OPTIMIZERS, Block, local_batch, loss_fn,
                                                  make_model, max_abs_diff)
 
 STEPS = 5
@@ -34,7 +34,7 @@ def _train(model, name, rank, world):
 
 
 def _ours(rank, world, name, mp):
-    policy = fsdp.MixedPrecision(torch.bfloat16, torch.float32) if mp else None
+    policy = fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mp else None
     model = fsdp.fully_shard(make_model(frozen=False), auto_wrap=(Block,), mp_policy=policy)
     _train(model, name, rank, world)
     dtypes = {(str(u.full.dtype), str(u.flat_shard.dtype), str(u.flat_shard.grad.dtype))

@@ -97,7 +97,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict 
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     mine = rank_state(sampler)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        ranks = [None] * dist.get_world_size(group) if rank == 0 else None
+        ranks: list | None = [None] * dist.get_world_size(group) if rank == 0 else None
         dist.gather_object(mine, ranks, dst=dist.get_global_rank(group, 0) if group else 0,
                            group=group)
     else:

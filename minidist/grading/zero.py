@@ -68,7 +68,7 @@ def _clean(text: str) -> str:
 
 
 def _model():
-    from ..lessons.sharding_reference import make_model
+    from ..references.sharding import make_model
     return make_model(**MODEL)
 
 
@@ -87,7 +87,7 @@ class _Reference:
     def step(self, x, y, world):
         import torch.distributed as dist
 
-        from ..lessons.sharding_reference import loss_fn
+        from ..references.sharding import loss_fn
         self.opt.zero_grad()
         loss_fn(self.model(x), y).backward()
         for p in self.model.parameters():
@@ -108,7 +108,7 @@ def _differs(model, ref_model) -> tuple[str, float] | None:
 
 def _diagnose(rank, world, cls, klass, hyper, stage, bad_step) -> tuple[str, str] | None:
     """Retrain the learner's class and references with the gradient x W and / W: which matches?"""
-    from ..lessons.sharding_reference import local_batch, loss_fn
+    from ..references.sharding import local_batch, loss_fn
     if world == 1:
         return None
     for scale, rule, why in ((world, "average", "summed, not averaged: divide by W"),
@@ -133,7 +133,7 @@ def _diagnose(rank, world, cls, klass, hyper, stage, bad_step) -> tuple[str, str
 def _rank_check(rank, world, cls, stage):
     import torch.distributed as dist
 
-    from ..lessons.sharding_reference import local_batch, loss_fn
+    from ..references.sharding import local_batch, loss_fn
     broken: dict[str, str] = {}
 
     def fail(rule, msg):

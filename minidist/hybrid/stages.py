@@ -4,9 +4,10 @@ The tiny GPT (:class:`minidist.models.gpt.GPT`) is cut into ``P·v`` pipeline st
 pipeline size, ``v`` model chunks per rank for the interleaved schedule): its ``n_layer`` blocks
 are split as evenly as possible (:func:`minidist.pipeline_parallel.partition.balanced_bounds`),
 stage 0 also holds the token and position embeddings, the last stage ``ln_f`` and the head.
-Inside a stage every layer is tensor-parallel over the grid's TP group, as in
-:class:`minidist.tensor_parallel.gpt.TPGPT` (VocabParallelEmbedding, ParallelSelfAttention and
-ParallelMLP in the plain ``Block``, a vocabulary-parallel head; optionally sequence parallelism).
+Inside a stage every layer is tensor-parallel over the grid's TP group: each stage is a
+:class:`minidist.tensor_parallel.gpt.GPTStage` (VocabParallelEmbedding, ParallelSelfAttention and
+ParallelMLP in the plain ``Block``, a vocabulary-parallel head; optionally sequence parallelism),
+the same code :class:`~minidist.tensor_parallel.gpt.TPGPT` is (one stage holding every layer).
 Rank ``r`` holds stages ``r, r+P, ...`` (chunk order) of its pipeline. Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2-3.
 
@@ -31,15 +32,10 @@ import torch
 from torch import nn
 
 from .. import collectives as C
-from ..models.gpt import GPT, Block, GPTConfig
+from ..models.gpt import GPT, GPTConfig
 from ..pipeline_parallel.partition import balanced_bounds
-from ..tensor_parallel import accounting, regions as R
-from ..tensor_parallel.attention import ParallelSelfAttention
-from ..tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, mark_parameter,
-                                      pad_to_multiple)
-from ..tensor_parallel.mlp import ParallelMLP
-from ..tensor_parallel.random import Dropout
-from ..tensor_parallel.sequence import allreduce_sequence_parallel_grads, mark_sequence_parallel
+from ..tensor_parallel.gpt import GPTStage
+from ..tensor_parallel.sequence import allreduce_sequence_parallel_grads
 from ..tensor_parallel.sharding import gather_state_dict, shard_state_dict
 
 __all__ = ["GPTStage", "HybridGPT", "stage_bounds", "check_grid"]
@@ -84,60 +80,6 @@ def check_grid(cfg: GPTConfig, dp: int, pp: int, tp: int, chunks: int = 1,
                          f"be a multiple of pp={pp}")
 
 
-class GPTStage(nn.Module):
-    """Stage ``index`` of ``n_stages``: blocks ``layers`` (global indices), plus the embeddings on
-    the first stage and ``ln_f`` + head on the last, tensor-parallel over ``group``."""
-
-    def __init__(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group=None,
-                 sequence_parallel: bool = False):
-        super().__init__()
-        sp = sequence_parallel
-        self.cfg, self.index, self.group, self.sequence_parallel = cfg, index, group, sp
-        self.is_first, self.is_last = index == 0, index == n_stages - 1
-        self.tp_rank, self.tp_size = R.tp_rank_world(group)
-        if self.is_first:
-            self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, group, sp)
-            self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
-            mark_parameter(self.pos_emb.weight, sequence_parallel=sp)
-            self.drop = Dropout(cfg.dropout, "replicated", group, sp)
-        self.blocks = nn.ModuleDict()
-        for i in layers:
-            attn = ParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout, cfg.dropout,
-                                         group, sp)
-            mlp = ParallelMLP(cfg.n_embd, 4 * cfg.n_embd, cfg.dropout, group, sp)
-            self.blocks[str(i)] = block = Block(cfg, attn, mlp)
-            if sp:
-                mark_sequence_parallel(block.ln1), mark_sequence_parallel(block.ln2)
-        if self.is_last:
-            self.ln_f = nn.LayerNorm(cfg.n_embd)
-            self.head = ColumnParallelLinear(cfg.n_embd, cfg.vocab_size, bias=False, group=group,
-                                             sequence_parallel=sp,
-                                             padded_out_features=pad_to_multiple(cfg.vocab_size,
-                                                                                 self.tp_size))
-            if sp:
-                mark_sequence_parallel(self.ln_f)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            s = x.shape[1]
-            if s > self.cfg.block_size:
-                raise ValueError(f"GPTStage 0 (TP rank {self.tp_rank}): sequence length {s} "
-                                 f"exceeds block_size {self.cfg.block_size}")
-            with accounting.scope("embed"):
-                tok = self.tok_emb(x)
-                pos = self.pos_emb(torch.arange(s, device=x.device))
-                if self.sequence_parallel:
-                    pos = R.split_along(pos, 0, self.group, "GPTStage sequence split")
-                x = self.drop(tok + pos)
-        for i, block in self.blocks.items():
-            with accounting.scope(f"block{i}"):
-                x = block(x)
-        if self.is_last:
-            with accounting.scope("head"):
-                x = self.head(self.ln_f(x))
-        return x
-
-
 class HybridGPT:
     """This rank's stages of ``GPT(cfg)`` on a :class:`minidist.grid.ProcessGrid`.
 
@@ -180,7 +122,8 @@ class HybridGPT:
         for s in sorted(self.stages):
             for p in self.stages[s].parameters():
                 if id(p) not in seen:
-                    seen.add(id(p)), out.append(p)
+                    seen.add(id(p))
+                    out.append(p)
         return out
 
     def is_tied_copy(self, p: nn.Parameter) -> bool:

@@ -4,11 +4,12 @@
 
 1. zero the gradients;
 2. take this replica's shard of the global batch (``tensor_split`` over ``dp``) and run the
-   pipeline schedule (:func:`minidist.pipeline_parallel.engine.pipeline_step`: 1F1B, interleaved
-   1F1B, GPipe) over the PP group; the loss is the vocabulary-parallel cross-entropy on the TP
-   group, reduced as ``loss_reduction`` says; DP averaging by the engine (``"flat"``), by the
-   bucketed wrappers during each stage's last backward (``"bucketed"``), or by ZeRO-1's
-   reduce-scatter after step 4 (``"zero1"``: recorded as ``"dp_sync"``; see :mod:`.dp`);
+   pipeline schedule over the PP group composed with data parallelism over the DP group
+   (:func:`~.dp_pipeline.dp_pipeline_step` around the engine's 1F1B, interleaved 1F1B or GPipe);
+   the loss is the vocabulary-parallel cross-entropy on the TP group, reduced as
+   ``loss_reduction`` says; DP averaging as one flat buffer after the last backward
+   (``"flat"``), by the bucketed wrappers during each stage's last backward (``"bucketed"``), or
+   by ZeRO-1's reduce-scatter after step 4 (``"zero1"``: recorded as ``"dp_sync"``; see :mod:`.dp`);
 3. sum the sequence-parallel parameters' partial gradients over the TP group;
 4. sum the tied embedding's two copies' gradients over the embedding group;
 5. clip by the global norm (:mod:`.clip`; ZeRO-1: from its averaged slices) when ``max_norm`` is
@@ -32,12 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from .. import collectives as C
-from ..pipeline_parallel.engine import StepResult, pipeline_step
+from ..pipeline_parallel.engine import StepResult
 from ..pipeline_parallel.schedules import make_schedule
 from ..trace import Event
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from .clip import clip_grad_norm_
 from .dp import DP_MODES, PipelineBucketedDDP
+from .dp_pipeline import dp_pipeline_step
 from .stages import check_grid
 
 __all__ = ["StepOutput", "train_step", "wrap_stages", "make_loss_fn"]
@@ -92,7 +94,7 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
 
     ``model``: a :class:`~.stages.HybridGPT`; ``modules``: from :func:`wrap_stages` with the same
     ``dp_mode``; ``optimizer``: from :func:`~.dp.make_optimizer` (or None with ``step=False``: the
-    gradients are then averaged by the engine's all-reduce, also for ``"zero1"``, whose optimizer
+    gradients are then averaged by one flat all-reduce, also for ``"zero1"``, whose optimizer
     otherwise reduce-scatters them: ``p.grad`` then stays this replica's, and
     ``optimizer.full_gradients_()`` writes the averaged, clipped ones back);
     ``schedule``: ``"1f1b"`` (``"interleaved"`` when ``model.chunks > 1``) or ``"gpipe"``.
@@ -121,10 +123,10 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     y = targets.tensor_split(grid.dp_size)[grid.dp_rank]
     bucketed, zero1 = dp_mode == "bucketed", dp_mode == "zero1" and optimizer is not None
     ctx = (lambda s, m, last: modules[s].backward_sync(last)) if bucketed else None
-    result = pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),
-                           group=grid.pp_group, dp_group=grid.dp_group, record=record,
-                           loss_reduction=loss_reduction, sync_dp=not (bucketed or zero1),
-                           backward_context=ctx, device=_device(model))
+    result = dp_pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),
+                              grid.pp_group, grid.dp_group, loss_reduction=loss_reduction,
+                              average=not (bucketed or zero1), record=record,
+                              backward_context=ctx, device=_device(model))
     with _timed(result, record, "sp grads", grid.pp_rank, model.sequence_parallel):
         model.finish_sequence_parallel_grads()
     with _timed(result, record, "tied grads", grid.pp_rank, grid.embedding_group is not None
@@ -161,7 +163,7 @@ def _device(model):
 
 
 def _global_loss(model, result: StepResult, loss_reduction: str) -> float:
-    """"sum"/"per_token": the engine already reduced it. "mean": the last stage's replica mean,
+    """"sum"/"per_token": dp_pipeline_step already reduced it. "mean": the last stage's replica mean,
     sent to every stage (a sum where only the last stage is non-zero), averaged over replicas."""
     if result.global_loss is not None:
         return result.global_loss

@@ -30,18 +30,18 @@ import weakref
 import torch
 from torch import nn
 
-from .comms import Collectives, CommWorker
+from ..communicator import CommThread, Communicator
 from .flat import FlatBuffer
-from .mixed_precision import MixedPrecision, cast_floating
+from .mixed_precision import MixedPrecisionPolicy, cast_floating
 
-__all__ = ["fully_shard", "MixedPrecision", "FlatParamUnit", "units", "set_requires_gradient_sync"]
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "FlatParamUnit", "units", "set_requires_gradient_sync"]
 
 
 class _Context:
     """What the units under one root share: the comm thread, the order, pending reduce-scatters."""
 
-    def __init__(self, kind, group):
-        self.kind, self.group, self._worker = kind, group, None
+    def __init__(self, collectives, group):
+        self.collectives, self.group, self._worker = collectives, group, None
         self.order: list = []            # units in forward order (recorded in step 1)
         self.recording = True
         self.pending: list = []          # (unit, handle, reduced shard) of this backward
@@ -49,10 +49,10 @@ class _Context:
         self.prefetched = 0              # all-gathers that were started early on the comm thread
 
     @property
-    def worker(self) -> CommWorker:
+    def worker(self) -> CommThread:
         """Created at first use (the first forward, on every rank): only the root's is ever made."""
         if self._worker is None:
-            self._worker = CommWorker(self.kind, self.group)
+            self._worker = CommThread(self.collectives, self.group, name="fsdp-comm")
         return self._worker
 
     def close(self) -> None:
@@ -63,7 +63,7 @@ class _Context:
 class FlatParamUnit:
     """The state :func:`fully_shard` attaches to a module as ``module._fsdp``."""
 
-    def __init__(self, module: nn.Module, comm: Collectives, mp: MixedPrecision,
+    def __init__(self, module: nn.Module, comm: Communicator, mp: MixedPrecisionPolicy,
                  reshard_after_forward: bool, prefetch: bool):
         self.module, self.comm, self.mp = module, comm, mp
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
@@ -111,7 +111,7 @@ class FlatParamUnit:
         self.full.untyped_storage().resize_(0)
         self.state = "sharded"
 
-    def _gather_into(self, comm: Collectives) -> None:
+    def _gather_into(self, comm: Communicator) -> None:
         comm.all_gather(self.full.data, self.flat_shard.detach().to(self.compute_dtype))
 
     def gather(self, comm_thread: bool = False) -> None:
@@ -274,13 +274,13 @@ def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
 
 
 def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built",
-                auto_wrap: tuple = (), mp_policy: MixedPrecision | None = None,
+                auto_wrap: tuple = (), mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool = True, prefetch: bool = True) -> nn.Module:
     """Shard ``module`` as one unit (after sharding its submodules of the classes in
     ``auto_wrap`` as units of their own) and return it. Call on children first, then the root.
 
     Args: ``group`` (data-parallel process group, e.g. ``ProcessGrid.dp_group``), ``collectives``
-    (``"hand-built"`` or ``"torch"``), ``mp_policy`` (:class:`MixedPrecision`),
+    (``"hand-built"`` or ``"torch"``), ``mp_policy`` (:class:`MixedPrecisionPolicy`),
     ``reshard_after_forward`` (free after forward; False keeps it gathered until backward),
     ``prefetch`` (all-gather the next unit on the comm thread).
     Raises ``ValueError`` for a module sharded twice or a parameter tied across two units.
@@ -293,7 +293,7 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
         for sub in list(module.modules())[1:][::-1]:
             if isinstance(sub, tuple(auto_wrap)) and getattr(sub, "_fsdp", None) is None:
                 fully_shard(sub, **opts)
-    unit = FlatParamUnit(module, Collectives(collectives, group), mp_policy or MixedPrecision(),
+    unit = FlatParamUnit(module, Communicator(collectives, group), mp_policy or MixedPrecisionPolicy(),
                          reshard_after_forward, prefetch)
     module._fsdp = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)

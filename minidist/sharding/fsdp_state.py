@@ -21,6 +21,7 @@ import os
 import torch
 from torch import nn
 
+from ..data_parallel.clip import clip_by_global_norm_
 from .fsdp import units
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_optim_state_dict",
@@ -63,7 +64,7 @@ def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> N
     """Load an unsharded state dict (from any world size); no communication."""
     with torch.no_grad():
         for u, entries in _unit_entries(module):
-            first = {}
+            first: dict = {}
             for name, i in entries:
                 first.setdefault(i, state[name])
             flat = u.layout.pack([first[i] for i in range(len(first))],
@@ -78,7 +79,7 @@ def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> N
 
 def full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """``{"state": {param name: {key: tensor}}, "param_groups": [...]}`` unsharded. Collective."""
-    state = {}
+    state: dict = {}
     for u, entries in _unit_entries(module):
         own = optimizer.state.get(u.flat_shard, {})
         for key in sorted(own):
@@ -100,7 +101,7 @@ def load_full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimiz
     for mine, saved in zip(optimizer.param_groups, osd["param_groups"]):
         mine.update(saved)
     for u, entries in _unit_entries(module):
-        per = {}
+        per: dict = {}
         for name, i in entries:
             per.setdefault(i, osd["state"].get(name, {}))
         per = [per[i] for i in range(len(per))]
@@ -154,10 +155,5 @@ def clip_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
     for u in us:
         if u.flat_shard.grad is not None:
             sq += u.flat_shard.grad.float().pow(2).sum()
-    us[0].comm.all_reduce(sq, "sum")
-    norm = sq.sqrt()[0]
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for u in us:
-        if u.flat_shard.grad is not None:
-            u.flat_shard.grad.mul_(coef.to(u.flat_shard.grad.dtype))
-    return norm
+    grads = [u.flat_shard.grad for u in us if u.flat_shard.grad is not None]
+    return clip_by_global_norm_(sq, grads, max_norm, lambda t: us[0].comm.all_reduce(t, "sum"))

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MixedPrecision", "cast_floating"]
+__all__ = ["MixedPrecisionPolicy", "cast_floating"]
 
 
 @dataclass(frozen=True)
-class MixedPrecision:
+class MixedPrecisionPolicy:
     """``param_dtype``: dtype of the gathered parameters, i.e. of the compute (bf16/fp16);
     ``reduce_dtype``: dtype gradients are reduce-scattered in (fp32 keeps the sum exact-ish).
     The sharded master parameter and its gradient stay fp32 (torch's ``MixedPrecisionPolicy``)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .comms import Collectives, CommWorker
+from ..communicator import CommThread, Communicator
 from .flat import FlatBuffer, plan_buckets
 
 __all__ = ["ShardedOptimizer"]
@@ -71,7 +71,7 @@ class ShardedOptimizer:
         if grads not in ("averaged", "local"):
             raise ValueError("ShardedOptimizer: grads must be 'averaged' or 'local', "
                              f"got {grads!r}")
-        self.comm = Collectives(collectives, group)
+        self.comm = Communicator(collectives, group)
         self.rank, self.world_size, self.stage, self.grads = (self.comm.rank, self.comm.world_size,
                                                               stage, grads)
         groups = list(params)
@@ -108,7 +108,7 @@ class ShardedOptimizer:
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._handles, self._in_backward, self._next = [], False, 0
         if stage == 2:
-            self.worker = CommWorker(collectives, group)
+            self.worker = CommThread(collectives, group, name="zero-comm")
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
                              for p in self._where]
 
@@ -268,5 +268,5 @@ class ShardedOptimizer:
             self.optim.state[b.shard] = new
 
 
-def _reduce_scatter(comm: Collectives, out, flat, divisor) -> None:
+def _reduce_scatter(comm: Communicator, out, flat, divisor) -> None:
     comm.reduce_scatter(out, flat, divisor=divisor)

@@ -16,7 +16,7 @@ What the launcher guarantees (each point is a real trap; see docs/ARCHITECTURE.m
 * Results travel as cloudpickled bytes (never shared-memory tensor handles that die with the child),
   and the parent drains the queue while it waits, so large results cannot deadlock.
 * If a rank raises or dies, the others are stopped within seconds and one :class:`RankError` shows
-  the root-cause rank first (see ``launch_errors.py``).
+  the root-cause rank first (see ``errors.py``).
 * Every run has a timeout. When it fires, :class:`RankTimeoutError` shows every rank: the call it
   was in (op, peer, bytes, sequence number) and the learner's own line it was stuck on.
 * What ranks print appears in the caller's output prefixed with ``[rank r]``; with
@@ -42,10 +42,11 @@ import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
-from . import env as _env, rank_process
-from .launch_errors import (RankError, RankTimeoutError, StartupFailure, failure,
+from .. import env as _env
+from . import rank_process
+from .errors import (RankError, RankTimeoutError, StartupFailure, failure,
                             is_startup_failure, stack_of, timeout_error)
-from . import launch_errors as _errors
+from . import errors as _errors
 
 __all__ = ["run", "RankError", "RankTimeoutError"]
 
@@ -240,7 +241,9 @@ class _Output:
     """Prefixes each line a rank prints with ``[rank r]``; live, or grouped by rank at the end."""
 
     def __init__(self, ordered: bool):
-        self.ordered, self.held, self.at_line_start = ordered, [], {}
+        self.ordered = ordered
+        self.held: list = []
+        self.at_line_start: dict = {}
 
     def add(self, rank: int, stream: str, text: str) -> None:
         if self.ordered:
