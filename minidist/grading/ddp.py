@@ -210,6 +210,7 @@ def _pattern(rank, world, my_ddp, broken):
     torch.manual_seed(0)
     ddp = my_ddp(MLP(12, (16, 8), 5), bucket_cap_mb=1e-9)
     n = len(ddp.buckets)
+    first_launched = first_log = 0  # backward 1's launches and log entries
     with CollectiveSpy(ddp, world=world) as spy:
         for step in range(2):
             start = len(ddp.launch_log)

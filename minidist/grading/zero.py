@@ -152,6 +152,7 @@ def _rank_check(rank, world, cls, stage):
             fail("equal", f"{opt_name}: building your class raised {type(e).__name__}: {e}")
             continue
         first_bad = None
+        first_calls: list = []  # the calls of step 0 (did backward 0 launch a reduce-scatter?)
         with CollectiveSpy(opt, world=world) as spy:
             for step in range(STEPS):
                 x, y = local_batch(step, rank, world)
@@ -250,7 +251,7 @@ def _rank_check(rank, world, cls, stage):
                 msg += f" — {diag[1]}"
                 sgd_wrong_by_scale |= opt_name == "SGD+momentum" and diag[0] == "average"
             elif step > 0:
-                msg += (f" (step 0 matched: something from the previous step is reused — reset "
+                msg += (" (step 0 matched: something from the previous step is reused — reset "
                         "the per-step state; was the work waited?)")
                 if stage == 2:
                     fail("reset", f"{opt_name}: step 0 matched torch's, step {step} does not: "
