@@ -64,6 +64,9 @@ def test_wrong_value_names_rank_index_expected_got():
     report = grading.grade_collective(off_by_one, world_sizes=(3,), sizes=(1, 10))
     assert [r.passed for r in report.results] == [True, False]
     msg = report.results[1].message
+    # "[sizes] <the rule's text>: rank 2: ...": the rule it breaks first (10 elements on 3 ranks)
+    assert msg.startswith("[sizes] ") and report.results[1].rule == "sizes", msg
+    msg = msg[msg.index("rank 2: "):]
     assert msg.startswith("rank 2: result[2]: expected ") and ", got " in msg
     assert "(1 of 10 elements wrong)" in msg
     with pytest.raises(AssertionError, match="1 of 2 checks failed"):

@@ -31,8 +31,12 @@ factors), ``sampling.py`` (exercise 05: sampler and exact evaluation), ``launch_
 ``context_parallel.py`` (exercise 14: the log-sum-exp merge, the zigzag split, and a ring
 attention built from them, against full attention on one process), ``hybrid.py`` (exercise 12: the global gradient norm of a dp x tp x pp model, against
 ``torch.nn.utils.clip_grad_norm_`` on one process; names the counting rule a wrong norm breaks),
-``moe.py`` (exercise 15: capacity rule, aux loss, permute/un-permute, against
-``minidist.expert_parallel`` and the dense MoE; names the slip a wrong answer matches),
+``zero.py`` (exercise 09), ``moe.py`` (exercise 15: capacity rule, aux loss, permute/un-permute,
+against ``minidist.expert_parallel`` and the dense MoE; names the slip a wrong answer matches),
+``spy.py`` (watches a learner's torch.distributed calls: bytes per rank, async or blocking, waited
+or not), ``state.py`` (optimizer state measured over every optimizer an object holds), ``rules.py``
+(``RULES``: what each exercise part checks, one rule per check, printed in the exercise's
+introduction),
 ``zero_bubble.py`` (exercise 07 part C: ZB-H1 from 1F1B by placing W ops, by the simulator's
 memory and bubble against ``minidist.pipeline_parallel.zb_h1``; names the misplaced op).
 """
@@ -42,8 +46,10 @@ from . import composition, cost, hybrid, launch_env, moe, sampling, walls  # noq
 from . import context_parallel  # noqa: F401  (exercise 14)
 from . import zero_bubble  # noqa: F401  (exercise 07, part C)
 from .ddp import grade_bucket_layout, grade_ddp  # noqa: F401
-from .core import (Report, Result, check, check_on_ranks, compare,  # noqa: F401
-                   describe_exception)
+from .core import (Report, Result, check, check_on_ranks, check_rules, compare,  # noqa: F401
+                   describe_exception, rules_text)
+from . import rules, spy, state, zero  # noqa: F401,E402  (what each part checks; watchers)
 
 __all__ = ["Result", "Report", "check", "compare", "check_on_ranks", "grade_collective",
-           "REFERENCES", "describe_exception", "grade_bucket_layout", "grade_ddp"]
+           "REFERENCES", "describe_exception", "grade_bucket_layout", "grade_ddp", "check_rules",
+           "rules_text"]

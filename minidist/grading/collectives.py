@@ -19,9 +19,10 @@ import torch.distributed as dist
 from ..comm import p2p
 from ..launch import run
 from ..diagrams import ring_schedule
-from .core import Report, compare
+from ..launch import RankError, RankTimeoutError
+from .core import Report, compare, describe_exception
 
-__all__ = ["grade_collective", "REFERENCES"]
+__all__ = ["grade_collective", "REFERENCES", "collective_rules"]
 
 
 def _rank_data(rank: int, world: int, n: int, dtype) -> torch.Tensor:
@@ -226,11 +227,29 @@ def _diagnose_sum(fn, reference: str, world: int, n: int, timeout: float,
     return lines
 
 
+def collective_rules(traffic: str | None = None, pairing: bool = False) -> dict:
+    """The rules :func:`grade_collective` checks, as ``{id: text}`` (``traffic="ring"`` adds the
+    ring's traffic; ``pairing`` a rule for the exercises that teach send/receive pairing)."""
+    rules = {
+        "equal": "every rank's result equals torch.distributed's, exactly, on 1-4 ranks",
+        "sizes": "any size: empty, at most one element per rank, sizes W does not divide "
+                 "(uneven chunks)",
+    }
+    if traffic == "ring":
+        rules["p2p"] = "built on minidist.comm.p2p's sends and receives (not a torch collective)"
+        rules["ring"] = ("a ring's traffic: (W-1)·N elements in all per phase, at most "
+                         "(W-1)·ceil(N/W) per rank")
+    if pairing:
+        rules["pairing"] = ("every send meets a receive posted at the same time (isend/irecv or "
+                            "exchange): no deadlock")
+    return rules
+
+
 def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 2, 3, 4),
                      sizes=(0, 1, 3, 10, 1001), op: str = "sum", dtype=torch.float32,
                      timeout: float = 20.0, traffic: str | None = None, points: float = 1.0,
                      title: str | None = None, total: float | None = None,
-                     requires: dict | None = None) -> Report:
+                     requires: dict | None = None, pairing: bool = False) -> Report:
     """Grade a learner's collective against torch.distributed on every (world size, size) pair.
 
     Calling conventions (``REFERENCES``; the function runs inside each rank, process group set up):
@@ -267,19 +286,30 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
         raise ValueError(f"grade_collective: op must be one of {sorted(_TORCH_OPS)}, got {op!r}")
     name = getattr(learner_fn, "__name__", "learner function")
     what = reference if reference == "all_gather" else f"{reference}, op={op}"
-    report = Report(title or f"{name} graded against torch.distributed ({what})", total=total)
+    rules = collective_rules(traffic, pairing)
+    report = Report(title or f"{name} graded against torch.distributed ({what})", total=total,
+                    rules=rules, default_rule="equal",
+                    timeout_rule="pairing" if pairing else "")
     decoded = False
     for world in world_sizes:
         for n in sizes:
             def one(world=world, n=n):
-                outs = run(_collective_rank, world, learner_fn, reference, n, op, dtype, traffic,
-                           timeout=timeout)
+                awkward = n % world != 0 or n // world < 2
+                try:
+                    outs = run(_collective_rank, world, learner_fn, reference, n, op, dtype,
+                               traffic, timeout=timeout)
+                except RankError as e:   # a crash only on awkward sizes: the sizes rule
+                    if not isinstance(e, RankTimeoutError) and awkward and any(r.passed for r in report.results):
+                        return "sizes", describe_exception(e)
+                    raise
                 wrong = [m for r, (got, expected, _) in enumerate(outs)
                          if (m := compare(got, expected, r))]
                 if wrong:
-                    return "\n".join(wrong)
+                    return ("sizes" if awkward else "equal"), "\n".join(wrong)
                 if traffic == "ring":
-                    return _traffic_problem([o[2] for o in outs], reference, world, n)
+                    problem = _traffic_problem([o[2] for o in outs], reference, world, n)
+                    if problem:
+                        return ("p2p" if problem.startswith("no elements") else "ring"), problem
                 return None
 
             result = report.check(f"world size {world}, {n} element{'s' if n != 1 else ''}", one,
@@ -295,6 +325,8 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
                     extra = _diagnose_sum(learner_fn, reference, world, n, timeout, ring)
                 if extra:
                     result.message += "\n" + "\n".join(extra)
+    if any(r.rule == "equal" for r in report.failed):   # wrong on even sizes too: not the sizes
+        report.relabel("sizes", "equal")
     if report.failed and requires:
         for ref, fn in requires.items():
             sub = grade_collective(fn, ref, world_sizes=(2, 3), sizes=(10,), timeout=timeout)

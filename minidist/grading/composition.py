@@ -24,7 +24,8 @@ from ..launch import run
 from .collectives import grade_collective
 from .core import Report
 
-__all__ = ["grade_composed", "grade_busbw_factor", "BUSBW_FACTOR"]
+__all__ = ["grade_composed", "grade_busbw_factor", "BUSBW_FACTOR", "BUSBW_RULES",
+           "composed_rules"]
 
 BUSBW_FACTOR = {
     "all_reduce": lambda w: 2 * (w - 1) / w,
@@ -84,6 +85,23 @@ def _check_composition(fn, reference, world, n, timeout):
     return "\n".join(problems) or None
 
 
+BUSBW_RULES = {
+    "all_reduce": "all-reduce: 2(W-1)/W (a reduce-scatter and an all-gather)",
+    "one_phase": "all-gather, reduce-scatter, all-to-all: (W-1)/W",
+    "rooted": "broadcast and reduce: 1, whatever W",
+}
+_BUSBW_RULE = {"all_reduce": "all_reduce", "broadcast": "rooted", "reduce": "rooted"}
+
+
+def composed_rules(reference: str) -> dict:
+    """:func:`grade_composed`'s rules: grade_collective's, and the composition."""
+    from .collectives import collective_rules
+    primitive = _PRIMITIVE[reference]
+    return {**collective_rules(),
+            "compose": f"made of dist.{primitive} only: W calls, each rank the root once, no "
+                       f"torch {reference}"}
+
+
 def grade_composed(fn, reference: str, total: float, timeout: float = 20.0) -> Report:
     """Results against torch's collective (``grade_collective``), then the composition rule."""
     if reference not in _PRIMITIVE:
@@ -94,17 +112,18 @@ def grade_composed(fn, reference: str, total: float, timeout: float = 20.0) -> R
     report = grade_collective(fn, reference, world_sizes=(1, 2, 3, 4), sizes=(0, 1, 3, 10, 1001),
                               timeout=timeout,
                               title=f"{name}: {reference} from dist.{primitive}, against torch's")
+    report.rules = dict(report.rules or {}, **composed_rules(reference))
     for world in (2, 4):
         report.check(f"made of dist.{primitive}: one call per root (world size {world})",
                      lambda w=world: _check_composition(fn, reference, w, 10, timeout),
-                     points=2)
+                     points=2, rule="compose")
     report.total = total
     return report
 
 
 def grade_busbw_factor(fn, total: float = 2) -> Report:
     """``fn(op, world_size)`` against :data:`BUSBW_FACTOR` for every op, W = 1, 2, 3, 4, 8, 64."""
-    report = Report("Part C: busbw factors (nccl-tests)", total=total)
+    report = Report("Part C: busbw factors (nccl-tests)", total=total, rules=BUSBW_RULES)
     for op, formula in BUSBW_FACTOR.items():
         def one(op=op, formula=formula):
             for w in (1, 2, 3, 4, 8, 64):
@@ -116,5 +135,5 @@ def grade_busbw_factor(fn, total: float = 2) -> Report:
                         hint = " (multiplied by (W-1)/W once too often?)"
                     return f"{op}, W={w}: expected {want:.6g}, got {got!r}{hint}"
             return None
-        report.check(f"{op}", one)
+        report.check(f"{op}", one, rule=_BUSBW_RULE.get(op, "one_phase"))
     return report

@@ -8,7 +8,8 @@ import torch
 
 from ..launch import RankError, RankTimeoutError, run
 
-__all__ = ["Result", "Report", "check", "compare", "check_on_ranks", "describe_exception"]
+__all__ = ["Result", "Report", "check", "compare", "check_on_ranks", "describe_exception",
+           "check_rules", "rules_text", "tagged"]
 
 
 @dataclass
@@ -21,6 +22,7 @@ class Result:
     max_points: float = 1.0
     message: str = ""
     stop: str = ""  # why later checks of the same code are not worth running ("timeout", ...)
+    rule: str = ""  # the id of the rule this check enforces (an exercise part's RULES key)
 
     def line(self) -> str:
         if self.passed:
@@ -36,10 +38,7 @@ def describe_exception(e: BaseException, max_lines: int = 6) -> str:
         for rank, state, stack in e.failures:
             if rank < 0:
                 continue
-            frames = [s.strip() for s in stack.splitlines() if s.strip().startswith("File")]
-            user = [f for f in frames if "/minidist/" not in f and "/torch/" not in f]
-            where = (user or frames or [""])[0]
-            lines.append(f"rank {rank}: {state}" + (f" — at {where}" if where else ""))
+            lines.append(f"rank {rank}: {_where_waiting(stack, state)}")
         hint = ("(a deadlock? every send needs a matching receive posted at the same time, or a "
                 "collective that only some ranks of a group called)")
         return "\n".join(lines[:max_lines - 1] + [hint])   # the hint survives many ranks
@@ -59,6 +58,26 @@ def describe_exception(e: BaseException, max_lines: int = 6) -> str:
     return f"{type(e).__name__}: {e}"[:500]
 
 
+def _where_waiting(stack: str, state: str) -> str:
+    """Where a timed-out rank waits, in the learner's terms: their own line (and its source) when
+    the rank is inside their code; otherwise that their code had returned and the rank waits in
+    the grader's own collective — it skipped one that the other ranks are still in."""
+    import linecache
+    import re
+    m = re.search(r"your code: (.+), line (\d+), in (\S+)(?:\n\s{8}(\S.*))?", stack)
+    last = state.replace("idle after ", "")
+    if m:
+        path, line, func, src = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        src = src or linecache.getline(path, line).strip()
+        return (f"waiting at your line {line} in {func}" + (f": `{src}`" if src else "")
+                + f" (minidist's last message: {last})")
+    if "minidist/grading/" in stack:
+        return ("your function had returned on this rank, which waits in the grader's next "
+                "collective: it skipped a collective that the other ranks are still in")
+    frames = re.findall(r"(\S+:\d+ \S+)", stack.split("call stack (innermost first):")[-1])
+    return state + (f" — at {frames[0]}" if frames else "")
+
+
 def _stop_kind(e: BaseException) -> str:
     if isinstance(e, RankTimeoutError):
         return "timeout"
@@ -76,6 +95,8 @@ def check(name: str, fn, points: float = 1.0) -> Result:
         return Result(name, False, 0.0, points, describe_exception(e), stop=_stop_kind(e))
     if out is None or out is True:
         return Result(name, True, points, points)
+    if isinstance(out, tuple) and len(out) == 2:  # (rule id, message): the rule it breaks
+        return Result(name, False, 0.0, points, str(out[1]) or "failed", rule=str(out[0]))
     return Result(name, False, 0.0, points, out if isinstance(out, str) and out else "failed")
 
 
@@ -97,6 +118,9 @@ class Report:
     results: list = field(default_factory=list)
     total: float | None = None
     notes: list = field(default_factory=list)
+    rules: dict | None = None   # {rule id: text}: a failed check's message starts "[id] text: "
+    default_rule: str = ""      # the rule of a failed check that names none
+    timeout_rule: str = ""      # the rule of a check that timed out (a deadlock), if any
 
     def add(self, result: Result) -> Result:
         self.results.append(result)
@@ -118,11 +142,34 @@ class Report:
                 return "not run: the code raises NotImplementedError (not written yet)"
         return None
 
-    def check(self, name: str, fn, points: float = 1.0) -> Result:
+    def check(self, name: str, fn, points: float = 1.0, rule: str = "") -> Result:
         """Run :func:`check` and add its result (or a failed, unrun one when :attr:`blocked`)."""
         if (why := self.blocked) is not None:
-            return self.add(Result(name, False, 0.0, points, why))
-        return self.add(check(name, fn, points))
+            return self.add(Result(name, False, 0.0, points, why, rule=rule))
+        result = check(name, fn, points)
+        if result.stop == "timeout" and self.timeout_rule:
+            result.rule = self.timeout_rule
+        result.rule = result.rule or rule or ("" if result.passed else self.default_rule)
+        if (not result.passed and self.rules and result.rule in self.rules
+                and not name.startswith(f"[{result.rule}]")
+                and not any(f"[{k}] " in result.message for k in self.rules)):
+            result.message = f"[{result.rule}] {self.rules[result.rule]}: {result.message}"
+        return self.add(result)
+
+    def relabel(self, old: str, new: str) -> None:
+        """Failed checks of rule ``old`` become rule ``new`` (a grader that learns later that a
+        mistake is more general than the first check suggested)."""
+        for r in self.failed:
+            if r.rule == old:
+                r.rule = new
+                if self.rules and r.message.startswith(f"[{old}] {self.rules.get(old)}: "):
+                    r.message = (f"[{new}] {self.rules[new]}: "
+                                 + r.message[len(f"[{old}] {self.rules.get(old)}: "):])
+
+    @property
+    def failed_rules(self) -> list:
+        """The rule ids of the failed checks, in order, each once."""
+        return list(dict.fromkeys(r.rule for r in self.failed if r.rule))
 
     @property
     def raw_score(self) -> float:
@@ -202,8 +249,72 @@ def compare(got, expected: torch.Tensor, rank: int | None = None, what: str = "r
 
 
 # --------------------------------------------------------------------------- generic multi-rank
+def _merge_rank_messages(msgs) -> str | None:
+    """Per-rank messages → one text; the same message on several ranks is shown once."""
+    by_text = {}
+    for r, m in enumerate(msgs):
+        if m not in (None, True):
+            m = str(m)
+            by_text.setdefault(m.split(": ", 1)[1] if m.startswith(f"rank {r}: ") else m,
+                               []).append(r)
+    return "\n".join((f"rank {rs[0]}: " if len(rs) == 1 else
+                      f"ranks {', '.join(map(str, rs))}: ") + m
+                     for m, rs in by_text.items()) or None
+
+
+def tagged(rules: dict, key: str, message: str) -> str:
+    """``"[key] rule text: message"``: a check's message naming the rule it breaks (for rank
+    functions, which return strings)."""
+    return f"[{key}] {rules[key]}: {message}"
+
+
+def rules_text(rules: dict) -> str:
+    """The rules of an exercise part as the lines printed in its introduction."""
+    return "\n".join(f"  [{key}] {text}" for key, text in rules.items())
+
+
+def check_rules(report: Report, rules: dict, rank_fn, world_sizes, *args, timeout: float = 60.0,
+                points: float = 1.0) -> Report:
+    """One launch per world size, one result per rule: ``rank_fn(rank, W, *args)`` returns
+    ``{rule id: message}`` for the rules it found broken (a missing key: kept). Each rule becomes
+    a check named ``"[id] text"`` and tagged with its id, failing with ``"W=w: ranks ...: message"``
+    for every world size that broke it. A launch that raises or times out fails every rule with
+    the reason; after a timeout the remaining world sizes are not launched (each would only wait
+    out the same timeout)."""
+    found: dict = {key: [] for key in rules}
+    stop = ""
+    for world in world_sizes:
+        if stop:
+            for key in rules:
+                found[key].append(f"W={world}: not run (W={stop} timed out: fix that first)")
+            continue
+        try:
+            per_rank = run(rank_fn, world, *args, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - the learner's failure, reported per rule
+            text = describe_exception(e)
+            for i, key in enumerate(rules):   # the whole story once, a pointer to it after
+                found[key].append(f"W={world}: {text}" if i == 0 else
+                                  f"W={world}: not checked: the run failed (see the first check)")
+            if _stop_kind(e):
+                stop = str(world)
+            continue
+        for key in rules:
+            merged = _merge_rank_messages([(d or {}).get(key) for d in per_rank])
+            if merged:
+                found[key].append(f"W={world}: {merged}")
+        unknown = {k for d in per_rank for k in (d or {})} - set(rules)
+        if unknown:
+            raise KeyError(f"grader bug: rank function returned unknown rules {sorted(unknown)}")
+    for key, text in rules.items():
+        msgs = found[key]
+        report.add(Result(f"[{key}] {text}", not msgs, 0.0 if msgs else points, points,
+                          "\n".join(msgs),
+                          stop="timeout" if stop else "", rule=key))
+    return report
+
+
 def check_on_ranks(name: str, rank_fn, world_sizes=(1, 2, 3, 4), *args, timeout: float = 30.0,
-                   points: float = 1.0, report: Report | None = None) -> Report:
+                   points: float = 1.0, report: Report | None = None, rule: str = "") -> Report:
     """One check per world size W: ``rank_fn(rank, W, *args)`` runs on W ranks (via
     :func:`minidist.run`) and returns ``None`` (fine) or a message string, or raises.
 
@@ -214,17 +325,8 @@ def check_on_ranks(name: str, rank_fn, world_sizes=(1, 2, 3, 4), *args, timeout:
     report = report if report is not None else Report(name)
 
     def one(world):
-        msgs = run(rank_fn, world, *args, timeout=timeout)
-        by_text = {}  # the same message on several ranks is shown once: "ranks 0, 1: ..."
-        for r, m in enumerate(msgs):
-            if m not in (None, True):
-                m = str(m)
-                by_text.setdefault(m.split(": ", 1)[1] if m.startswith(f"rank {r}: ") else m,
-                                   []).append(r)
-        return "\n".join((f"rank {rs[0]}: " if len(rs) == 1 else
-                          f"ranks {', '.join(map(str, rs))}: ") + m
-                         for m, rs in by_text.items()) or None
+        return _merge_rank_messages(run(rank_fn, world, *args, timeout=timeout))
 
     for world in world_sizes:
-        report.check(f"{name} (world size {world})", lambda w=world: one(w), points)
+        report.check(f"{name} (world size {world})", lambda w=world: one(w), points, rule=rule)
     return report

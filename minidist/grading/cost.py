@@ -26,7 +26,27 @@ from ..planner import cost as reference
 from .core import Report
 
 __all__ = ["DEADLINE_CASES", "SPOT_CASES", "YOUNG_CASES", "grade_gpus_for_deadline",
-           "grade_spot_wall_time", "grade_young_interval"]
+           "grade_spot_wall_time", "grade_young_interval", "DEADLINE_RULES", "SPOT_RULES",
+           "YOUNG_RULES"]
+
+DEADLINE_RULES = {
+    "enough": "enough GPUs to finish by the deadline: round up, never down",
+    "nodes": "whole nodes: a multiple of gpus_per_node, at least one node, no more than needed",
+    "gpus": "the answer counts GPUs, not nodes",
+    "seconds": "the deadline is in seconds and the peak in FLOP/s: no unit conversion",
+    "errors": "ValueError for a deadline <= 0 or an MFU outside (0, 1] (50 is not 50 %)",
+}
+SPOT_RULES = {
+    "half": "each interruption loses half a checkpoint interval of work on average",
+    "checkpoints": "the checkpoint writes take time: work · (1 + checkpoint_time / interval)",
+    "restarts": "each interruption also waits restart_time",
+    "per_hour": "interruptions_per_hour is a rate per hour (/ 3600 for a rate per second)",
+    "never": "ValueError when the run loses work as fast as it makes it",
+    "formula": "Young's first-order expected wall time, within 1e-6",
+}
+YOUNG_RULES = {"young": "the interval is sqrt(2 · C · MTBF) (Young 1974), in seconds"}
+_SLIP_RULE = {"whole interval": "half", "no checkpoints": "checkpoints", "no restarts": "restarts",
+              "per second": "per_hour"}
 
 _DAY = 86400.0
 _H100 = calc.GPUS["H100-80GB"]["peak_flops"]
@@ -68,12 +88,14 @@ def _ratio_text(got, want) -> str:
         f"expected {want:.6g}, got {got:.6g}"
 
 
-def _expect_error(fn, args, what):
+def _expect_error(fn, args, what, rule="errors"):
     try:
         got = fn(*args)
     except ValueError:
         return None
-    return f"expected ValueError ({what}), got {got!r}"
+    except Exception as e:  # noqa: BLE001
+        return rule, f"expected ValueError ({what}), got {type(e).__name__}: {e}"
+    return rule, f"expected ValueError ({what}), got {got!r}"
 
 
 def _deadline_check(fn, case):
@@ -81,21 +103,40 @@ def _deadline_check(fn, case):
         want = reference.gpus_for_deadline(*case)
     except ValueError as e:
         return _expect_error(fn, case, str(e).split(":")[0])
-    got = fn(*case)
+    try:
+        got = fn(*case)
+    except ValueError as e:
+        return "errors", f"raised ValueError ({e}) for valid arguments: expected {want} GPUs"
     if isinstance(got, bool) or not isinstance(got, int):
-        return f"expected a whole number of GPUs ({want}), got {type(got).__name__} {got!r}"
+        return "gpus", f"expected a whole number of GPUs ({want}), got {type(got).__name__} {got!r}"
     if got == want:
         return None
     flops, deadline, peak, mfu, per_node = case
     exact = flops / (deadline * peak * mfu)
     text = f"expected {want} GPUs, got {got}"
+    for factor, unit in ((3600, "hours"), (86400, "days"), (1 / 3600, "hours"),
+                         (1 / 86400, "days")):
+        if exact / factor > per_node and got == reference.gpus_for_deadline(
+                flops, deadline * factor, peak, mfu, per_node):
+            how = "multiplied" if factor > 1 else "divided"
+            return "seconds", (f"{text}: that is the answer for the deadline {how} by "
+                               f"{max(factor, 1 / factor):g}: the deadline is already in seconds "
+                               f"(did you treat it as {unit}?)")
+    if got == math.ceil(exact) and per_node > 1 and got % per_node:
+        return "nodes", f"{text}: round up to whole nodes of {per_node} GPUs"
+    if per_node > 1 and got * per_node == want:
+        return "gpus", f"{text}: {got} is the number of nodes; return GPUs (nodes x {per_node})"
+    if 10 * got < exact:
+        return "seconds", (f"{text}: {exact:.4g} GPUs are needed, more than 10x yours: is the "
+                           "deadline taken in seconds and the peak in FLOP/s?")
+    if got < exact:
+        return "enough", (f"{text}: {exact:.4g} GPUs are needed, so {got} miss the deadline "
+                          "(round up, not down)")
     if got == math.ceil(exact) and per_node > 1:
-        text += f": round up to whole nodes of {per_node} GPUs"
-    elif got < exact:
-        text += f": {exact:.4g} GPUs are needed, so {got} miss the deadline (round up, not down)"
-    elif got == want // per_node:
-        text += ": that is the number of nodes; return GPUs"
-    return text
+        return "nodes", f"{text}: round up to whole nodes of {per_node} GPUs"
+    if got % per_node:
+        return "nodes", f"{text}: not a whole number of nodes of {per_node} GPUs"
+    return "nodes", f"{text}: more GPUs than the fewest whole nodes that make the deadline"
 
 
 def _spot_variants(work, per_hour, tau, c, r):
@@ -114,37 +155,40 @@ def _spot_check(fn, case):
         want = reference.spot_wall_time(*case)
     except ValueError:
         return _expect_error(fn, case, "the run never finishes: interruptions_per_hour/3600 · "
-                                       "checkpoint_interval/2 >= 1")
+                                       "checkpoint_interval/2 >= 1", rule="never")
     try:
         got = fn(*case)
     except ValueError as e:
         text = f"raised ValueError ({e}) but the run finishes: expected {want:.6g} s"
         if case[1] * case[2] / 2 >= 1:
-            text += f": {_SLIPS['per second']}"
-        return text
+            return "per_hour", f"{text}: {_SLIPS['per second']}"
+        return "never", text
     if not _number(got):
-        return f"expected a number of seconds ({want:.6g}), got {got!r}"
+        return "formula", f"expected a number of seconds ({want:.6g}), got {got!r}"
     if abs(got - want) <= 1e-6 * want:
         return None
     text = _ratio_text(got, want)
-    slips = [_SLIPS[name] for name, value in _spot_variants(*case).items()
+    slips = [name for name, value in _spot_variants(*case).items()
              if value > 0 and abs(got - value) <= 1e-6 * value and abs(value - want) > 1e-6 * want]
     if len(slips) > 1:  # two slips give the same number here: name both, the learner knows which
-        return f"{text}: this case cannot tell which of these it is:\n- " + "\n- ".join(slips)
-    return f"{text}: {slips[0]}" if slips else text
+        return _SLIP_RULE[slips[0]], (f"{text}: this case cannot tell which of these it is "
+                                      f"(the other cases can):\n- "
+                                      + "\n- ".join(f"[{_SLIP_RULE[n]}] {_SLIPS[n]}"
+                                                     for n in slips))
+    return (_SLIP_RULE[slips[0]], f"{text}: {_SLIPS[slips[0]]}") if slips else ("formula", text)
 
 
 def _young_check(fn, case):
     want = reference.young_interval(*case)
     got = fn(*case)
     if not _number(got):
-        return f"expected a number of seconds ({want:.6g}), got {got!r}"
+        return "young", f"expected a number of seconds ({want:.6g}), got {got!r}"
     if abs(got - want) <= 1e-9 * want:
         return None
     text = _ratio_text(got, want)
     if abs(got - math.sqrt(case[0] * case[1])) <= 1e-9 * want:
         text += ": the 2 is missing: sqrt(2 · C · MTBF)"
-    return text
+    return "young", text
 
 
 def _raises(reference_fn, case) -> bool:
@@ -173,7 +217,7 @@ def _spot_name(case) -> str:
 
 def grade_gpus_for_deadline(fn, total: float = 2) -> Report:
     """``fn(flops, deadline, peak_flops, mfu, gpus_per_node)`` against ``cost.gpus_for_deadline``."""
-    report = Report("Part A: GPUs for a deadline", total=total)
+    report = Report("Part A: GPUs for a deadline", total=total, rules=DEADLINE_RULES)
     for case in DEADLINE_CASES:
         report.check(_deadline_name(case), lambda c=case: _deadline_check(fn, c))
     return report
@@ -182,7 +226,8 @@ def grade_gpus_for_deadline(fn, total: float = 2) -> Report:
 def grade_spot_wall_time(fn, total: float = 3) -> Report:
     """``fn(work_time, interruptions_per_hour, checkpoint_interval, checkpoint_time,
     restart_time)`` against ``cost.spot_wall_time``."""
-    report = Report("Part B: the wall time of a run on spot machines", total=total)
+    report = Report("Part B: the wall time of a run on spot machines", total=total,
+                    rules=SPOT_RULES)
     for case in SPOT_CASES:
         report.check(_spot_name(case), lambda c=case: _spot_check(fn, c))
     return report
@@ -190,7 +235,7 @@ def grade_spot_wall_time(fn, total: float = 3) -> Report:
 
 def grade_young_interval(fn, total: float = 1) -> Report:
     """``fn(checkpoint_time, mtbf)`` against ``cost.young_interval``."""
-    report = Report("Part C: Young's checkpoint interval", total=total)
+    report = Report("Part C: Young's checkpoint interval", total=total, rules=YOUNG_RULES)
     for case in YOUNG_CASES:
         report.check(f"C = {case[0]:g} s, MTBF = {case[1]:.6g} s", lambda c=case: _young_check(fn, c))
     return report

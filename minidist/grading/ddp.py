@@ -12,8 +12,14 @@ Every rule the exercise text teaches has a check that fails when it is broken:
   each bucket as soon as it is full (readiness order) launches ``[2, 3, 0, 1]`` there, an order
   that on real models can differ between ranks and deadlock or mix buckets up.
 
+* the communication pattern, watched call by call (:mod:`.spy`): each bucket's all-reduce is
+  launched **during backward** with ``async_op=True`` and not waited there (a blocking all-reduce in
+  the hook gives the same numbers and no overlap), every work is waited in ``sync_gradients``, and
+  the second backward launches every bucket again (the per-step state was reset).
+
 When parameters differ, the grader compares one step's gradients with torch's and names the first
-parameter and bucket that differ and the ratio yours/torch's (≈ W: the average is missing).
+parameter and bucket that differ and the ratio yours/torch's (≈ W: the average is missing). When
+the learner's ``build_buckets`` (Part A) fails its own checks, Part B's report says so first.
 
 Conventions: ``MyDDP(module, bucket_cap_mb=...)`` has ``buckets`` (lists of parameters),
 ``launch_log`` (``(bucket index, gradients ready so far, counting the one that completed the
@@ -29,9 +35,10 @@ from torch import nn
 from ..references.ddp import global_batch, make_model, max_abs_diff, shard, torch_ddp
 from ..references.ddp import train_ddp, train_single
 from ..models import MLP
-from .core import Report, check_on_ranks
+from .core import Report, check_rules
+from .spy import CollectiveSpy
 
-__all__ = ["grade_bucket_layout", "grade_ddp", "HeadFirst", "TOL"]
+__all__ = ["grade_bucket_layout", "grade_ddp", "HeadFirst", "TOL", "LAYOUT_RULES", "DDP_RULES"]
 
 TOL = 1e-6  # fp32, sums in a different order than torch's
 
@@ -54,35 +61,77 @@ class HeadFirst(nn.Module):
 
 
 # --------------------------------------------------------------------------- Part A
-_LAYOUT_CASES = [
-    ("cap 600: reverse order, closed before overflowing", 600, [[20, 160, 32], [512, 64], [768]]),
-    ("cap 1 byte: every parameter alone (no parameter is split)", 1,
-     [[20], [160], [32], [512], [64], [768]]),
-    ("cap 1 MiB: one bucket", 2**20, [[20, 160, 32, 512, 64, 768]]),
-]
+LAYOUT_RULES = {
+    "reverse": "parameters go into buckets in reverse registration order",
+    "cap": "a bucket is closed before a parameter would take it over the cap",
+    "whole": "no parameter is split, dropped or repeated, and no bucket is empty (one bigger than "
+             "the cap gets a bucket of its own)",
+}
+_SIZES = [768, 64, 512, 32, 160, 20]   # the MLP's fp32 bytes per parameter, registration order
+_LAYOUT_CASES = [(600, [[20, 160, 32], [512, 64], [768]]), (1, [[s] for s in _SIZES[::-1]]),
+                 (2**20, [_SIZES[::-1]])]
 
 
-def _check_layout(build_buckets, cap, expected):
-    model = MLP(12, (16, 8), 5)  # fp32 bytes per parameter: 768, 64, 512, 32, 160, 20
-    got = build_buckets(list(model.parameters()), cap)
-    if not isinstance(got, list) or not all(isinstance(b, list) for b in got):
-        return f"build_buckets should return a list of lists, got {type(got).__name__}"
-    sizes = [[4 * p.numel() for p in b] for b in got]
-    if sizes != expected:
-        return f"cap {cap} bytes: bucket sizes {sizes}, expected {expected}"
-    return None
+def _layout_rank(build_buckets) -> dict:
+    """Every rule of :data:`LAYOUT_RULES` on caps 600, 1 and 1 MiB; ``{rule: message}``."""
+    broken = {}
+    for cap, expected in _LAYOUT_CASES:
+        model = MLP(12, (16, 8), 5)
+        params = list(model.parameters())
+        try:
+            got = build_buckets(list(params), cap)
+        except Exception as e:  # noqa: BLE001
+            broken.setdefault("whole", f"cap {cap}: build_buckets raised {type(e).__name__}: {e}")
+            continue
+        if not isinstance(got, list) or not all(isinstance(b, list) for b in got):
+            broken.setdefault("whole", f"build_buckets should return a list of lists, got "
+                                       f"{type(got).__name__}")
+            continue
+        sizes = [[4 * p.numel() for p in b] for b in got]
+        flat = [id(p) for b in got for p in b]
+        if sizes == expected:
+            continue
+        said = f"cap {cap} bytes: bucket sizes {sizes}, expected {expected}"
+        if sorted(flat) != sorted(id(p) for p in params) or any(not b for b in got):
+            broken.setdefault("whole", said + (": an empty bucket (close a bucket only when it is "
+                                               "not empty)" if any(not b for b in got) else
+                                               ": every parameter exactly once, whole"))
+        elif flat != [id(p) for p in reversed(params)]:
+            broken.setdefault("reverse", said + ": walk the parameters in reverse (backward "
+                                                "produces the last layer's gradients first)")
+        elif any(sum(b) > cap and len(b) > 1 for b in sizes):
+            broken.setdefault("cap", said + ": a bucket went over the cap (close it *before* "
+                                            "adding the parameter that would overflow it)")
+        else:
+            broken.setdefault("cap", said + ": buckets closed too early")
+    return broken
 
 
 def grade_bucket_layout(build_buckets, total: float = 3) -> Report:
     """``build_buckets(params, cap_bytes)`` on the MLP's parameters (768, 64, 512, 32, 160, 20
-    bytes) with caps 600, 1 and 1 MiB."""
+    bytes) with caps 600, 1 and 1 MiB; one check per rule of :data:`LAYOUT_RULES`."""
     report = Report("Part A: bucket layout", total=total)
-    for name, cap, expected in _LAYOUT_CASES:
-        report.check(name, lambda c=cap, e=expected: _check_layout(build_buckets, c, e))
+    found = _layout_rank(build_buckets)
+    for key, text in LAYOUT_RULES.items():
+        report.check(f"[{key}] {text}", lambda k=key: found.get(k), rule=key)
     return report
 
 
 # --------------------------------------------------------------------------- Part B
+DDP_RULES = {
+    "average": "each bucket's sum is divided by W (an average)",
+    "equal": "the same parameters as torch's DDP after 3 SGD steps (4 buckets on 1-4 ranks, one "
+             "bucket on 2 and 3)",
+    "order": "buckets are launched strictly in bucket order, also on a model registered head "
+             "before body",
+    "overlap": "each bucket is launched during backward, as soon as it is complete",
+    "async": "the all-reduce is launched with async_op=True and not waited in the hook (backward "
+             "goes on while it runs)",
+    "wait": "sync_gradients() waits for every bucket's work before reading its buffer",
+    "reset": "per-step state is reset: the next backward launches every bucket again",
+}
+
+
 def _grads_after_one_step(rank, world, wrap, model_fn):
     model = model_fn(rank)
     ddp = wrap(model)
@@ -102,8 +151,9 @@ def _grads_after_one_step(rank, world, wrap, model_fn):
     return names, grads, where
 
 
-def _explain_gradients(rank, world, my_ddp, cap_mb, model_fn) -> str:
-    """The first parameter whose one-step gradient differs from torch DDP's, its bucket, the ratio."""
+def _explain_gradients(rank, world, my_ddp, cap_mb, model_fn) -> tuple[str, str]:
+    """(rule, text): the first parameter whose one-step gradient differs from torch DDP's, its
+    bucket and the ratio yours/torch's."""
     names, mine, where = _grads_after_one_step(
         rank, world, lambda m: my_ddp(m, bucket_cap_mb=cap_mb), model_fn)
     _, ref, _ = _grads_after_one_step(rank, world, torch_ddp, model_fn)
@@ -111,32 +161,42 @@ def _explain_gradients(rank, world, my_ddp, cap_mb, model_fn) -> str:
         if (g - r).abs().max().item() <= TOL:
             continue
         ratio = float((g * r).sum() / (r * r).sum()) if float((r * r).sum()) else float("nan")
-        why = ""
+        why, rule = "", "equal"
         if world > 1 and abs(ratio - world) < 0.01 * world:
-            why = f" (= W: the sum is not divided by the world size {world})"
+            why, rule = f" (= W: the sum is not divided by the world size {world})", "average"
         elif world > 1 and abs(ratio - 1 / world) < 0.01:
-            why = " (= 1/W: divided twice?)"
+            why, rule = " (= 1/W: divided twice?)", "average"
         elif abs(ratio) < 0.01:
             why = " (the average never reached p.grad?)"
         bucket = f" (bucket {where[name]})" if name in where else ""
-        return (f"first gradient that differs after one backward: {name}{bucket}: yours / torch "
-                f"DDP's ≈ {ratio:.3f}{why}")
-    return "one step's gradients match torch DDP's: the difference comes from a later step " \
-           "(is the per-step state reset in sync_gradients?)"
+        return rule, (f"first gradient that differs after one backward: {name}{bucket}: yours / "
+                      f"torch DDP's ≈ {ratio:.3f}{why}")
+    return "reset", ("one step's gradients match torch DDP's, a later step's do not: state from "
+                     "the previous step was reused (reset it in sync_gradients)")
 
 
-def _check_against_torch(rank, world, my_ddp, cap_mb):
-    ours = train_ddp(rank, world, lambda m: my_ddp(m, bucket_cap_mb=cap_mb))
+def _against_torch(rank, world, my_ddp, cap_mb, broken):
+    with CollectiveSpy(my_ddp, world=world) as spy:
+        ours = train_ddp(rank, world, lambda m: my_ddp(m, bucket_cap_mb=cap_mb))
+    reduces = [c for c in spy.calls if c.name == "all_reduce"]
+    unwaited = sum(1 for c in reduces if c.async_op and not c.waited)
     ref = train_ddp(rank, world, torch_ddp)
     if (d := max_abs_diff(ours, ref)) > TOL:
-        return (f"parameters differ from torch DDP's by {d:.2e} after 3 steps (cap {cap_mb} MiB); "
-                + _explain_gradients(rank, world, my_ddp, cap_mb, make_model))
-    if (d := max_abs_diff(ours, train_single())) > TOL:
-        return f"parameters differ from one process on the global batch by {d:.2e}"
-    return None
+        rule, why = _explain_gradients(rank, world, my_ddp, cap_mb, make_model)
+        if unwaited:
+            rule, why = "wait", (f"{unwaited} of {len(reduces)} all-reduces were never waited, "
+                                 "so sync_gradients read buffers still being reduced: call "
+                                 "work.wait() on each before dividing")
+        broken.setdefault("equal", f"cap {cap_mb} MiB: parameters differ from torch DDP's by "
+                                   f"{d:.2e} after 3 steps; {why}")
+        if rule != "equal":
+            broken.setdefault(rule, f"cap {cap_mb} MiB: {why}")
+    elif (d := max_abs_diff(ours, train_single())) > TOL:
+        broken.setdefault("equal", f"parameters differ from one process on the global batch by "
+                                   f"{d:.2e}")
 
 
-def _launch_problem(log, n_buckets, what) -> str | None:
+def _order_problem(log, n_buckets, what) -> str | None:
     order = [i for i, _ in log]
     if order != list(range(n_buckets)):
         return (f"{what}: buckets launched in order {order}, expected {list(range(n_buckets))}: "
@@ -145,18 +205,59 @@ def _launch_problem(log, n_buckets, what) -> str | None:
     return None
 
 
-def _check_overlap(rank, world, my_ddp):
+def _pattern(rank, world, my_ddp, broken):
+    """Two backwards of the MLP, one parameter per bucket, every all-reduce watched."""
     torch.manual_seed(0)
-    ddp = my_ddp(MLP(12, (16, 8), 5), bucket_cap_mb=1e-9)  # one parameter per bucket
-    F.cross_entropy(ddp(torch.randn(4, 12)), torch.arange(4)).backward()
-    ddp.sync_gradients()
-    log = list(ddp.launch_log)
-    if problem := _launch_problem(log, 6, "MLP"):
-        return problem
-    if log[0][1] != 1:
-        return (f"bucket 0 launched after {log[0][1]} gradients were ready (counting the one that "
-                "completed it): launch it as soon as it is full, during backward")
-    return None
+    ddp = my_ddp(MLP(12, (16, 8), 5), bucket_cap_mb=1e-9)
+    n = len(ddp.buckets)
+    first_launched = first_log = 0  # backward 1's launches and log entries
+    with CollectiveSpy(ddp, world=world) as spy:
+        for step in range(2):
+            start = len(ddp.launch_log)
+            spy.phase = "backward"
+            F.cross_entropy(ddp(torch.randn(4, 12)), torch.arange(4)).backward()
+            launched = [c for c in spy.calls if c.name == "all_reduce"]
+            spy.phase = "sync"
+            ddp.sync_gradients()
+            log = list(ddp.launch_log)[start:]
+            if step == 1:
+                if len(launched) < n and first_launched == n:
+                    broken.setdefault("reset", f"backward 2 launched {len(launched)} of {n} "
+                                               f"buckets (backward 1 launched {n}): reset the "
+                                               "per-step state at the end of sync_gradients")
+                elif len(log) < n and first_log == n:
+                    broken.setdefault("reset", f"backward 2 logged {len(log)} of {n} launches: "
+                                               "reset the per-step state in sync_gradients")
+                break
+            first_launched, first_log = len(launched), len(log)
+            if (problem := _order_problem(log, n, "MLP")) and log:
+                broken.setdefault("order", problem)
+            if not launched:
+                late = [c for c in spy.calls if c.name == "all_reduce"]
+                broken.setdefault("overlap", f"no all-reduce was launched during backward ("
+                                             f"{len(late)} in sync_gradients): launch each bucket "
+                                             "from the hook as soon as it is full")
+            elif log and log[0][1] != 1:
+                broken.setdefault("overlap", f"bucket 0 launched after {log[0][1]} gradients were "
+                                             "ready (counting the one that completed it): launch "
+                                             "it as soon as it is full, during backward")
+            for c in launched:
+                if not c.async_op:
+                    broken.setdefault("async", "a blocking all-reduce in the hook: backward stops "
+                                               "until each bucket's communication is done, so "
+                                               "nothing overlaps; pass async_op=True, keep the "
+                                               "work and wait in sync_gradients()")
+                elif c.waited == "backward":
+                    broken.setdefault("async", "the all-reduce's work is waited inside the hook: "
+                                               "backward stops there; wait in sync_gradients()")
+            unwaited = [i for i, c in enumerate(spy.calls) if c.async_op and not c.waited]
+            if unwaited:
+                broken.setdefault("wait", f"sync_gradients() returned without work.wait() on "
+                                          f"{len(unwaited)} of {len(spy.calls)} all-reduces: the "
+                                          "buffer may still be in flight when you read it")
+            spy.clear()
+    if hasattr(ddp, "close"):
+        ddp.close()
 
 
 def _head_first(rank):
@@ -164,29 +265,39 @@ def _head_first(rank):
     return HeadFirst()
 
 
-def _check_head_first(rank, world, my_ddp):
+def _head_first_order(rank, world, my_ddp, broken):
     ddp = my_ddp(_head_first(rank), bucket_cap_mb=1e-9)  # buckets: body.b, body.w, head.b, head.w
     x, y = global_batch(0, 12)
     F.cross_entropy(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
     ddp.sync_gradients()
-    if problem := _launch_problem(list(ddp.launch_log), 4, "model registered head before body"):
-        return problem
-    explain = _explain_gradients(rank, world, my_ddp, 1e-9, _head_first)
-    if not explain.startswith("one step's gradients match"):
-        return f"model registered head before body: {explain}"
-    return None
+    if problem := _order_problem(list(ddp.launch_log), 4, "model registered head before body"):
+        broken.setdefault("order", problem)
+        return
+    rule, explain = _explain_gradients(rank, world, my_ddp, 1e-9, _head_first)
+    if rule != "reset":
+        broken.setdefault("equal", f"model registered head before body: {explain}")
 
 
-def grade_ddp(my_ddp, total: float = 7, timeout: float = 60.0, only=None) -> Report:
-    """Grade ``MyDDP`` (see the module docstring). ``only``: names of checks to run (tests)."""
+def _ddp_rank(rank, world, my_ddp):
+    broken: dict[str, str] = {}
+    _against_torch(rank, world, my_ddp, 0.0005, broken)      # 4 buckets
+    if world in (2, 3):
+        _against_torch(rank, world, my_ddp, 25.0, broken)    # 1 bucket
+    if world == 2:
+        _pattern(rank, world, my_ddp, broken)
+        _head_first_order(rank, world, my_ddp, broken)
+    return broken
+
+
+def grade_ddp(my_ddp, total: float = 7, timeout: float = 60.0, build_buckets=None) -> Report:
+    """Grade ``MyDDP`` (see the module docstring): one launch per world size 1-4, one check per
+    rule of :data:`DDP_RULES`. ``build_buckets``: Part A's function (default: the one ``MyDDP``
+    calls); when it breaks a layout rule, the report says first that Part B fails because of it."""
     report = Report("Part B: MyDDP against torch's DDP", total=total)
-    checks = [
-        ("same parameters as torch DDP, 4 buckets", _check_against_torch, (1, 2, 3, 4), (0.0005,)),
-        ("same parameters as torch DDP, 1 bucket", _check_against_torch, (2, 3), (25.0,)),
-        ("buckets launched in bucket order, during backward", _check_overlap, (2,), ()),
-        ("bucket order on a model registered head before body", _check_head_first, (2,), ()),
-    ]
-    for name, fn, worlds, extra in checks:
-        if only is None or name in only:
-            check_on_ranks(name, fn, worlds, my_ddp, *extra, timeout=timeout, report=report)
-    return report
+    if build_buckets is None:
+        build_buckets = getattr(my_ddp.__init__, "__globals__", {}).get("build_buckets")
+    if callable(build_buckets) and (layout := _layout_rank(build_buckets)):
+        report.notes.append("fails because build_buckets (Part A) fails: "
+                            + "; ".join(f"[{k}] {v}" for k, v in layout.items())
+                            + " — fix Part A first")
+    return check_rules(report, DDP_RULES, _ddp_rank, (1, 2, 3, 4), my_ddp, timeout=timeout)

@@ -68,9 +68,44 @@ CONSTRUCTS = {
 }
 
 
+MAP_RULES = {
+    "dp": "DDP under every name (torch DDP, Horovod's optimizer, Fleet's model, ZeRO stage 0) is "
+          "BucketedDDP",
+    "zero": "ZeRO stages 1 and 2 shard the optimizer (and gradients); stage 3 and FSDP2 shard the "
+            "parameters too (fully_shard)",
+    "collective": "a broadcast of the parameters and a replica's all-reduce are collectives",
+    "launch": "launchers start one process per rank (minidist.run); TF_CONFIG is the launch "
+              "environment (env.detect)",
+    "grid": "Paddle's hybrid topology is a process grid, one group per dimension",
+}
+_MAP_RULE = {}
+LOSS_RULES = {
+    "times_w": "the loss a worker logs is W x the true global loss (each worker divides its loss "
+               "by the global batch, then the sum is logged)",
+    "mean": "the true global loss is the mean of the workers' losses (equal shares)",
+}
+CLIP_RULES = {
+    "shrink": "clipping only shrinks: below max_norm the factor is 1",
+    "factor": "above max_norm the factor is max_norm / norm (torch.nn.utils.clip_grad_norm_)",
+    "changes": "changes is True exactly when the factor is below 1",
+}
+
+
+def _map_rule(want: str) -> str:
+    if want in ("BucketedDDP",):
+        return "dp"
+    if want.startswith(("ShardedOptimizer", "fully_shard")):
+        return "zero"
+    if want in ("minidist.run", "env.detect"):
+        return "launch"
+    if want == "ProcessGrid":
+        return "grid"
+    return "collective"
+
+
 def grade_framework_map(fn, total: float = 6) -> Report:
     """``fn()`` → ``{construct: choice}`` against :data:`CONSTRUCTS`."""
-    report = Report("Part A: the same ideas under other names", total=total)
+    report = Report("Part A: the same ideas under other names", total=total, rules=MAP_RULES)
 
     def one(construct):
         got = fn()
@@ -87,7 +122,7 @@ def grade_framework_map(fn, total: float = 6) -> Report:
         return None
 
     for construct in CONSTRUCTS:
-        report.check(construct, lambda c=construct: one(c))
+        report.check(construct, lambda c=construct: one(c), rule=_map_rule(CONSTRUCTS[construct][0]))
     return report
 
 
@@ -100,7 +135,8 @@ def _number(x) -> bool:
 
 def grade_logged_loss(fn, total: float = 2) -> Report:
     """``fn(worker_losses)`` against the global mean times the number of workers."""
-    report = Report("Part B: the loss a worker logs", total=total)
+    report = Report("Part B: the loss a worker logs", total=total, rules=LOSS_RULES,
+                    default_rule="mean")
 
     def one(losses):
         w = len(losses)
@@ -114,9 +150,11 @@ def grade_logged_loss(fn, total: float = 2) -> Report:
         text = f"workers' losses {losses}: expected {want:g}, got {got:g}"
         if w > 1 and abs(got - true) <= 1e-9 * max(1.0, true):
             text += f" — that is the true global loss; the logged one is {w}x it (W = {w} workers)"
+            return "times_w", text
         elif w > 1 and abs(got - true / w) <= 1e-9:
             text += " — divided by W instead of multiplied"
-        return text
+            return "times_w", text
+        return "mean", text
 
     for losses in LOSS_CASES:
         report.check(f"{len(losses)} worker(s): {losses}", lambda ls=losses: one(ls))
@@ -138,7 +176,8 @@ def _torch_factor(norm: float, max_norm: float) -> float:
 
 def grade_clip_factor(fn, total: float = 3) -> Report:
     """``fn(grad_norm, max_norm)`` → ``(changes, factor)`` against ``clip_grad_norm_``."""
-    report = Report("Part C: does default clipping change the update?", total=total)
+    report = Report("Part C: does default clipping change the update?", total=total,
+                    rules=CLIP_RULES, default_rule="factor")
 
     def one(norm, max_norm):
         want = _torch_factor(norm, max_norm)
@@ -154,14 +193,16 @@ def grade_clip_factor(fn, total: float = 3) -> Report:
             if norm and norm < max_norm and abs(got_factor - max_norm / norm) < 1e-9:
                 hint = (" — below max_norm the gradient is left alone: clipping only shrinks "
                         "(factor min(1, max_norm / norm))")
-            return (f"grad norm {norm:g}, max_norm {max_norm:g}: factor expected {want:.6g} "
-                    f"(torch.nn.utils.clip_grad_norm_), got {got_factor:.6g}{hint}")
+            return ("shrink" if norm <= max_norm else "factor"), (
+                f"grad norm {norm:g}, max_norm {max_norm:g}: factor expected {want:.6g} "
+                f"(torch.nn.utils.clip_grad_norm_), got {got_factor:.6g}{hint}")
         if bool(got_changes) != changes or not isinstance(got_changes, bool):
-            return (f"grad norm {norm:g}, max_norm {max_norm:g}: changes expected {changes}, "
-                    f"got {got_changes!r}")
+            return "changes", (f"grad norm {norm:g}, max_norm {max_norm:g}: changes expected "
+                               f"{changes}, got {got_changes!r}")
         return None
 
     for norm in CLIP_NORMS:
         report.check(f"grad norm {norm:g}, max_norm 1.0", lambda n=norm: one(n, 1.0))
     report.check("grad norm 3, max_norm 5 (a config that sets 5.0)", lambda: one(3.0, 5.0))
+    report.check("grad norm 12, max_norm 5", lambda: one(12.0, 5.0))   # max_norm / norm, not 1 / norm
     return report

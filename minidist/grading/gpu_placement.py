@@ -19,7 +19,18 @@ from __future__ import annotations
 from ..env import plan_devices
 from .core import Report
 
-__all__ = ["CASES", "expected", "grade_place"]
+__all__ = ["CASES", "expected", "grade_place", "PLACE_RULES"]
+
+PLACE_RULES = {
+    "cpu": "no GPU: the CPU and gloo, no memory share",
+    "device": "every rank computes on cuda:{local_rank % gpus} (ranks share GPUs)",
+    "share": "ceil(ranks / gpus) ranks share a GPU and each may use 1 / that of its memory "
+             "(None with a GPU of its own)",
+    "backend": "auto is nccl when every rank has a GPU of its own, else gloo (NCCL refuses two "
+               "ranks on one GPU)",
+    "nccl_error": "backend nccl raises ValueError without a GPU per rank",
+}
+_WHAT_RULE = {"device": "device", "backend": "backend", "memory fraction": "share"}
 
 CASES = [(lr, lws, gpus, backend)
          for gpus, lws, lr in [(0, 1, 0), (0, 4, 3), (1, 1, 0), (1, 2, 1), (1, 8, 5), (2, 2, 1),
@@ -47,10 +58,11 @@ def _check(fn, case):
             got = fn(*case)
         except ValueError:
             return None
-        return (f"expected ValueError ({str(e).split('. ')[0]}), got {got!r}")
+        return "nccl_error", (f"expected ValueError ({str(e).split('. ')[0]}), got {got!r}")
     got = fn(*case)
     if not (isinstance(got, tuple) and len(got) == 3):
-        return f"expected a tuple (device, backend, memory_fraction) {want!r}, got {got!r}"
+        return ("cpu" if not case[2] else "device"), (
+            f"expected a tuple (device, backend, memory_fraction) {want!r}, got {got!r}")
     for what, w, g in zip(("device", "backend", "memory fraction"), want, got):
         same = (g is None and w is None) if (w is None or g is None) else \
             (abs(g - w) <= 1e-9 if what == "memory fraction" else g == w)
@@ -63,13 +75,14 @@ def _check(fn, case):
                         f"{case[1]}")
             elif what == "backend" and w == "gloo" and g == "nccl":
                 hint = " — NCCL refuses two ranks on one GPU: shared GPUs go over gloo"
-            return f"{what}: expected {w!r}, got {g!r}{hint} (expected {want!r})"
+            rule = "cpu" if not case[2] else _WHAT_RULE[what]
+            return rule, f"{what}: expected {w!r}, got {g!r}{hint} (expected {want!r})"
     return None
 
 
 def grade_place(fn, total: float = 4) -> Report:
     """``fn(local_rank, local_world_size, gpus, backend)`` on :data:`CASES`."""
-    report = Report("Who computes where, over what", total=total)
+    report = Report("Who computes where, over what", total=total, rules=PLACE_RULES)
     for case in CASES:
         report.check(_name(case), lambda c=case: _check(fn, c))
     return report

@@ -18,7 +18,24 @@ from __future__ import annotations
 from ..env import detect
 from .core import Report
 
-__all__ = ["ENV_CASES", "LOGS", "FIXES", "grade_who_am_i", "grade_diagnosis"]
+__all__ = ["ENV_CASES", "LOGS", "FIXES", "grade_who_am_i", "grade_diagnosis", "WHO_RULES",
+           "DIAGNOSIS_RULES"]
+
+WHO_RULES = {
+    "ids": "rank, local rank and world size from the launcher's variables (RANK or SLURM_PROCID, "
+           "LOCAL_RANK or SLURM_LOCALID, WORLD_SIZE or SLURM_NTASKS), as ints",
+    "torchrun_first": "under srun + torchrun, torchrun's variables win over Slurm's",
+    "local_world": "local_world_size is this node's entry of SLURM_TASKS_PER_NODE ('2(x2),1')",
+    "node_rank": "node_rank is GROUP_RANK or SLURM_NODEID, not rank // tasks per node",
+    "master": "MASTER_ADDR, else the first host of SLURM_JOB_NODELIST ('gpu[07-08]' is gpu07)",
+}
+DIAGNOSIS_RULES = {
+    "interface": "log_1: the advertised address is docker0's: choose the interface (C)",
+    "port": "log_2: EADDRINUSE: the port is taken (B)",
+    "counts": "log_3: the nodes disagree on the processes per node (D)",
+}
+_FIELD_RULE = {"local_world_size": "local_world", "node_rank": "node_rank",
+               "master_addr": "master"}
 
 _TR = {"TORCHELASTIC_RUN_ID": "job42", "MASTER_PORT": "29500"}
 
@@ -46,6 +63,10 @@ ENV_CASES = [
                                            SLURM_TASKS_PER_NODE="2(x2),1",
                                            SLURM_JOB_NODELIST="a[01-03]"),
      dict(rank=4, local_rank=0, world_size=5, local_world_size=1, node_rank=2, master_addr="a01")),
+    ("srun, uneven: 1 + 3 tasks", dict(SLURM_PROCID="3", SLURM_LOCALID="2", SLURM_NTASKS="4",
+                                       SLURM_NODEID="1", SLURM_NNODES="2",
+                                       SLURM_TASKS_PER_NODE="1,3", SLURM_JOB_NODELIST="n[1-2]"),
+     dict(rank=3, local_rank=2, world_size=4, local_world_size=3, node_rank=1, master_addr="n1")),
     ("srun starts one torchrun per node (2 nodes x 2)",
      dict(_TR, RANK="3", LOCAL_RANK="1", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", GROUP_RANK="1",
           MASTER_ADDR="node03", SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_NTASKS="2",
@@ -69,7 +90,7 @@ _HINTS = {
 def _check_env(fn, environ, want):
     got = fn(dict(environ))
     if not isinstance(got, dict):
-        return f"who_am_i should return a dict, got {type(got).__name__}"
+        return "ids", f"who_am_i should return a dict, got {type(got).__name__}"
     d = detect(dict(environ))
     library = dict(rank=d.rank, local_rank=d.local_rank, world_size=d.world_size,
                    local_world_size=d.local_world_size, node_rank=d.node_rank)
@@ -78,13 +99,16 @@ def _check_env(fn, environ, want):
             raise AssertionError(f"grader: minidist.env.detect gives {key}={library[key]}, "
                                  f"the answer key {value}: report this")
         if got.get(key) != value:
-            return f"{key}: expected {value!r}, got {got.get(key)!r} — {_HINTS.get(key, '')}"
+            rule = _FIELD_RULE.get(key, "ids")
+            if rule == "ids" and "RANK" in environ and "SLURM_PROCID" in environ:
+                rule = "torchrun_first"
+            return rule, f"{key}: expected {value!r}, got {got.get(key)!r} — {_HINTS.get(key, '')}"
     return None
 
 
 def grade_who_am_i(fn, total: float = 6) -> Report:
     """``fn(environ)`` on :data:`ENV_CASES`."""
-    report = Report("Part A: who am I?", total=total)
+    report = Report("Part A: who am I?", total=total, rules=WHO_RULES, default_rule="ids")
     for name, environ, want in ENV_CASES:
         report.check(name, lambda e=environ, w=want: _check_env(fn, e, w))
     return report
@@ -135,7 +159,7 @@ _ANSWERS = {
 
 def grade_diagnosis(fn, total: float = 3) -> Report:
     """``fn()`` → ``{"log_1": letter, ...}`` against the known fixes."""
-    report = Report("Part B: diagnose the launch logs", total=total)
+    report = Report("Part B: diagnose the launch logs", total=total, rules=DIAGNOSIS_RULES)
 
     def one(log):
         got = fn()
@@ -148,6 +172,6 @@ def grade_diagnosis(fn, total: float = 3) -> Report:
             return f"{log}: you chose {choice or 'nothing'!r}{picked}; the log shows {why}"
         return None
 
-    for log in LOGS:
-        report.check(log, lambda lg=log: one(lg))
+    for log, rule in zip(LOGS, DIAGNOSIS_RULES):
+        report.check(log, lambda lg=log: one(lg), rule=rule)
     return report

@@ -19,9 +19,23 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DistributedSampler as TorchSampler
 
-from .core import Report, check_on_ranks
+from .core import Report, check_on_ranks, tagged
 
-__all__ = ["grade_sampler", "grade_evaluation", "eval_model", "eval_data"]
+__all__ = ["grade_sampler", "grade_evaluation", "eval_model", "eval_data", "SAMPLER_RULES",
+           "EVAL_RULES"]
+
+SAMPLER_RULES = {
+    "pad": "pad by wrapping around to a multiple of W: ceil(n / W) indices on every rank",
+    "epoch": "shuffle with a generator seeded seed + epoch: set_epoch changes the order",
+    "order": "shuffle first, then pad, then rank r takes every W-th index from r",
+    "equal": "the indices of torch's DistributedSampler (drop_last=False), in its order",
+}
+EVAL_RULES = {
+    "once": "every sample counted exactly once (no padded training sampler)",
+    "reduce": "counts and sums all-reduced: the whole data set's numbers on every rank",
+    "join": "a rank with no samples still joins the all-reduce",
+    "loss": "loss_sum is the sum of the per-sample losses (not a mean)",
+}
 
 _CASES = [(10, 4), (12, 3), (10, 1), (3, 4), (1, 2)]
 
@@ -40,26 +54,34 @@ def _check_sampler(cls, n, w, shuffle):
             got = [int(i) for i in s]
             want = _torch_indices(n, w, r, shuffle, epoch)
             if len(s) != len(want):
-                return (f"n={n}, W={w}, rank {r}: len() is {len(s)}, expected {len(want)} "
-                        f"(ceil(n / W): every rank takes the same number of steps)")
+                return "pad", (f"n={n}, W={w}, rank {r}: len() is {len(s)}, expected {len(want)} "
+                               f"(ceil(n / W): every rank takes the same number of steps)")
             if got != want:
+                rule = "equal"
                 if epoch and got == _torch_indices(n, w, r, shuffle, 0):
-                    why = " (epoch 0's order again: seed the shuffle with seed + epoch)"
+                    why, rule = " (epoch 0's order again: seed the shuffle with seed + epoch)", \
+                        "epoch"
                 elif sorted(got) == sorted(want):
-                    why = " (same indices, another order: shuffle before padding and splitting?)"
+                    why, rule = (" (same indices, another order: shuffle before padding and "
+                                 "splitting?)"), "order"
                 elif len(got) != len(want):
                     why = (f" ({len(got)} indices, expected {len(want)}: pad by wrapping around "
                            "to a multiple of W)")
+                    rule = "pad"
+                elif not shuffle and got == sorted(got) and len(set(got)) == len(got):
+                    why, rule = " (contiguous blocks? rank r takes every W-th index from r)", \
+                        "order"
                 else:
                     why = ""
-                return (f"n={n}, W={w}, rank {r}, epoch {epoch}, shuffle={shuffle}: indices {got}, "
-                        f"torch's DistributedSampler gives {want}{why}")
+                return rule, (f"n={n}, W={w}, rank {r}, epoch {epoch}, shuffle={shuffle}: indices "
+                              f"{got}, torch's DistributedSampler gives {want}{why}")
     return None
 
 
 def grade_sampler(cls, total: float = 4) -> Report:
     """``cls(n, num_replicas, rank, shuffle, seed)`` against torch's DistributedSampler."""
-    report = Report("Part A: MySampler against torch's DistributedSampler", total=total)
+    report = Report("Part A: MySampler against torch's DistributedSampler", total=total,
+                    rules=SAMPLER_RULES)
     for shuffle in (False, True):
         for n, w in _CASES:
             note = " (fewer samples than ranks)" if n < w else ""
@@ -93,24 +115,32 @@ def _check_eval(rank, world, fn, n):
     x, y = eval_data(n)
     got = fn(eval_model(), x, y, rank, world)
     if not isinstance(got, (tuple, list)) or len(got) != 3:
-        return f"evaluate_exact should return (correct, count, loss_sum), got {got!r}"
+        return tagged(EVAL_RULES, "reduce", "evaluate_exact should return (correct, count, "
+                                            f"loss_sum), got {got!r}")
     correct, count, loss_sum = (float(v) for v in got)
     want_c, want_n, want_l = _one_process(n)
     if count != want_n:
-        why = (" (samples counted twice: a padded training sampler?)" if count > want_n else
-               " (the other ranks' counts are missing: all-reduce them)")
-        return f"count {count:g}, expected {want_n} = every sample once{why}"
+        if count > want_n:
+            return tagged(EVAL_RULES, "once", f"count {count:g}, expected {want_n} = every sample "
+                                              "once (samples counted twice: a padded training "
+                                              "sampler?)")
+        return tagged(EVAL_RULES, "reduce", f"count {count:g}, expected {want_n} = every sample "
+                                            "once (the other ranks' counts are missing: "
+                                            "all-reduce them)")
     if correct != want_c:
-        return f"correct {correct:g}, one process on all {n} samples gives {want_c}"
+        return tagged(EVAL_RULES, "reduce", f"correct {correct:g}, one process on all {n} samples "
+                                            f"gives {want_c}")
     if abs(loss_sum - want_l) > 1e-4 * max(1.0, abs(want_l)):
-        return f"loss_sum {loss_sum:.6f}, one process gives {want_l:.6f} (sum of per-sample losses)"
+        return tagged(EVAL_RULES, "loss", f"loss_sum {loss_sum:.6f}, one process gives "
+                                          f"{want_l:.6f} (sum of per-sample losses)")
     return None
 
 
 def grade_evaluation(fn, total: float = 4, timeout: float = 20.0) -> Report:
     """``fn(model, x, y, rank, world_size)`` on W ranks against one process on all samples."""
-    report = Report("Part B: exact distributed evaluation", total=total)
-    check_on_ranks("10 samples", _check_eval, (1, 2, 3, 4), fn, 10, timeout=timeout, report=report)
+    report = Report("Part B: exact distributed evaluation", total=total, rules=EVAL_RULES)
+    check_on_ranks("10 samples", _check_eval, (1, 2, 3, 4), fn, 10, timeout=timeout, report=report,
+                   rule="reduce")
     check_on_ranks("3 samples (fewer than ranks)", _check_eval, (4,), fn, 3, timeout=timeout,
-                   report=report)
+                   report=report, rule="join")
     return report

@@ -21,7 +21,26 @@ from ..planner import calc
 from .core import Report
 
 __all__ = ["grade_bytes_per_param", "grade_training_memory", "grade_flops_and_days",
-           "PRIMER_MODEL"]
+           "PRIMER_MODEL", "BYTES_RULES", "MEMORY_RULES", "FLOPS_RULES"]
+
+BYTES_RULES = {
+    "fp32": "fp32 with Adam: 4 bytes of weights, 4 of gradients, 8 of optimizer state (two moments)",
+    "master": "mixed precision: 2 + 2, and the optimizer state holds the fp32 master weights too: "
+              "4 + 4 + 4",
+    "keys": "a dict with the keys weights, grads and optimizer",
+}
+MEMORY_RULES = {
+    "total": "weights + gradients + optimizer state, for every parameter",
+    "master": "mixed precision keeps the fp32 master copy: 16 bytes per parameter, as fp32",
+    "bytes": "in bytes (not GB)",
+}
+FLOPS_RULES = {
+    "six": "training FLOPs ≈ 6·N·D (forward 2·N·D, backward 4·N·D)",
+    "mfu": "the GPUs deliver MFU x their peak, not the peak",
+    "days": "the answer is in days: seconds / 86400",
+}
+_HINT_RULE = {86400.0: "days", 24.0: "days", 1 / 86400: "days", 1 / 3: "six", 0.75: "master",
+              1e9: "bytes", 1e-9: "bytes"}
 
 PRIMER_MODEL = 100e9  # chapter 00's model: 100 billion parameters
 
@@ -42,9 +61,13 @@ def _close(got, want, rel=1e-9) -> bool:
     return isinstance(got, (int, float)) and abs(got - want) <= rel * abs(want)
 
 
-def _wrong(what: str, got, want) -> str:
+def _wrong(what: str, got, want, default: str = "", mfu: float | None = None):
+    """The message for a wrong number; with ``default`` (a rule id), ``(rule, message)``: the
+    rule a typical slip breaks (from its ratio yours/expected), else ``default``."""
+    rule = default
     if not isinstance(got, (int, float)) or isinstance(got, bool):
-        return f"{what}: expected a number, got {type(got).__name__} {got!r}"
+        text = f"{what}: expected a number, got {type(got).__name__} {got!r}"
+        return (rule, text) if default else text
     text = f"{what}: expected {want:.6g}, got {got:.6g}"
     if want and got:
         ratio = got / want
@@ -52,12 +75,16 @@ def _wrong(what: str, got, want) -> str:
         for r, hint in _HINTS:
             if abs(ratio / r - 1) < 1e-3:
                 text += f": {hint}"
+                rule = _HINT_RULE.get(r, rule)
                 break
         else:
+            if mfu is not None and abs(ratio / mfu - 1) < 1e-3:
+                text += f": the MFU ({mfu:g}) is missing: the GPUs deliver MFU x peak"
+                rule = "mfu"
             for k in (1000, 1e-3, 8, 1 / 8):
                 if abs(ratio / k - 1) < 1e-3:
                     text += f": off by a factor {k:g}"
-    return text
+    return (rule, text) if default else text
 
 
 def _expected_split(mixed: bool) -> dict:
@@ -69,17 +96,17 @@ def _check_split(fn, mixed: bool):
     got = fn(mixed)
     want = _expected_split(mixed)
     if not isinstance(got, dict) or set(got) != set(want):
-        return f"expected a dict with keys {sorted(want)}, got {got!r}"
+        return "keys", f"expected a dict with keys {sorted(want)}, got {got!r}"
     label = "mixed precision" if mixed else "fp32"
     bad = [_wrong(f"{label} {k}", got[k], v) for k, v in want.items() if not _close(got[k], v)]
     if bad:
-        return "; ".join(bad)
+        return ("master" if mixed else "fp32"), "; ".join(bad)
     return None
 
 
 def grade_bytes_per_param(fn, total: float = 2) -> Report:
     """``fn(mixed_precision)`` against ``calc.training_memory(1, dtype, "adam")``."""
-    report = Report("Part A: bytes per parameter, Adam", total=total)
+    report = Report("Part A: bytes per parameter, Adam", total=total, rules=BYTES_RULES)
     report.check("fp32: 4 + 4 + 8", lambda: _check_split(fn, False))
     report.check("mixed precision: 2 + 2 + 12 (fp32 master weights and two moments)",
                  lambda: _check_split(fn, True))
@@ -88,13 +115,13 @@ def grade_bytes_per_param(fn, total: float = 2) -> Report:
 
 def grade_training_memory(fn, total: float = 2) -> Report:
     """``fn(params, mixed_precision)`` against ``calc.training_memory(...).total``."""
-    report = Report("Part B: training memory", total=total)
+    report = Report("Part B: training memory", total=total, rules=MEMORY_RULES)
     for params, mixed in [(PRIMER_MODEL, True), (PRIMER_MODEL, False), (7e9, True), (1, True)]:
         want = calc.training_memory(params, "bf16" if mixed else "fp32", "adam").total
         label = f"{params:g} parameters, {'mixed precision' if mixed else 'fp32'}"
         report.check(f"{label}: {calc.human_bytes(want)}",
                      lambda p=params, m=mixed, w=want, lb=label:
-                     None if _close(fn(p, m), w) else _wrong(lb, fn(p, m), w))
+                     None if _close(fn(p, m), w) else _wrong(lb, fn(p, m), w, "total"))
     return report
 
 
@@ -105,13 +132,13 @@ def _days(params, tokens, n_gpus, peak, mfu):
 def grade_flops_and_days(flops_fn, days_fn, total: float = 4) -> Report:
     """``flops_fn(params, tokens)`` against ``calc.training_flops``; ``days_fn(params, tokens,
     n_gpus, peak_flops, mfu)`` against ``calc.training_time(...) / 86400``."""
-    report = Report("Part C: FLOPs and days", total=total)
+    report = Report("Part C: FLOPs and days", total=total, rules=FLOPS_RULES)
     a100, h100 = calc.GPUS["A100-80GB"]["peak_flops"], calc.GPUS["H100-80GB"]["peak_flops"]
     for params, tokens in [(PRIMER_MODEL, 2e12), (175e9, 300e9), (7e9, 2e12)]:
         want = calc.training_flops(params, tokens)
         label = f"training FLOPs, N={params:g}, D={tokens:g}"
         report.check(f"{label}: {want:.3g}", lambda p=params, t=tokens, w=want, lb=label:
-                     None if _close(flops_fn(p, t), w) else _wrong(lb, flops_fn(p, t), w))
+                     None if _close(flops_fn(p, t), w) else _wrong(lb, flops_fn(p, t), w, "six"))
     for params, tokens, n, peak, mfu in [(PRIMER_MODEL, 2e12, 1024, a100, 0.4),
                                          (7e9, 2e12, 1, a100, 0.4),
                                          (175e9, 300e9, 1024, h100, 0.5)]:
@@ -119,5 +146,6 @@ def grade_flops_and_days(flops_fn, days_fn, total: float = 4) -> Report:
         label = f"days, N={params:g}, D={tokens:g}, {n} GPUs at {peak:.3g} FLOP/s, MFU {mfu:g}"
         report.check(f"{label}: {want:.4g}",
                      lambda a=(params, tokens, n, peak, mfu), w=want, lb=label:
-                     None if _close(days_fn(*a), w, 1e-6) else _wrong(lb, days_fn(*a), w))
+                     None if _close(days_fn(*a), w, 1e-6) else _wrong(lb, days_fn(*a), w, "days",
+                                                                      mfu=a[4]))
     return report

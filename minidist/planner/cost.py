@@ -37,7 +37,8 @@ MONTH = 730 * 3600.0  # seconds in a billing month (730 hours)
 PRICES = {
     "as_of": "2026-11",
     "currency": "USD",
-    "source": ("illustrative round numbers of the order of large clouds' public list prices; "
+    "source": ("illustrative round numbers of the kind specialised GPU clouds list per GPU-hour "
+               "(a large cloud's on-demand 8-GPU instance lists at several times these per GPU); "
                "not fetched, not a quote: edit these"),
     "gpu_hour": {   # per GPU-hour; reserved = a 1-3 year commitment, spot = can be interrupted
         "V100-32GB": {"on_demand": 1.50, "reserved": 1.00, "spot": 0.60},
