@@ -539,11 +539,15 @@ def test_every_exercise_prints_its_rules():
             f"{nb}: the introduction does not print grading.rules.show({nb!r})"
 
 
-_DEADLOCKS = ("pairing", "collective")   # these wait out a grader's timeout (20-60 s)
+# These wait out a grader's timeout (20-60 s each, minutes together): the integration tier runs
+# them (`pytest -m integration`); tests/test_exercises.py keeps a deadlock case per launching
+# exercise in the default tier.
+_DEADLOCKS = ("pairing", "collective")
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("m", [pytest.param(m, marks=pytest.mark.slow) if m.rule in _DEADLOCKS
+@pytest.mark.parametrize("m", [pytest.param(m, marks=[pytest.mark.slow, pytest.mark.exhaustive])
+                               if m.rule in _DEADLOCKS
                                else m for m in MUTANTS], ids=lambda m: m.id)
 def test_grader_rejects_mutant_naming_its_rule(m):
     ns = _solutions.load(f"{m.notebook}.ipynb", mutate(m))
