@@ -644,6 +644,15 @@ def merge(out_a, lse_a, out_b, lse_b):
              "overflow: the merge is not finite", "max + log1p(exp(-|a - b|))",
              "block a saw no key (lse -inf): nan or inf")
     _rejects("14_context_parallel.ipynb", "ring_grade", {"merge": naive}, "non-finite output")
+    # stable, but nan where neither block saw a key (a learner's attempt that scored 2/2 once)
+    no_both = '''
+def merge(out_a, lse_a, out_b, lse_b):
+    m = torch.maximum(lse_a, lse_b)
+    lse = m + torch.log1p(torch.exp(-(lse_a - lse_b).abs()))
+    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse
+'''
+    _rejects("14_context_parallel.ipynb", "merge_grade", {"merge": no_both},
+             "with both lse -inf (no key in either block)")
     plain = '''
 def merge(out_a, lse_a, out_b, lse_b):
     return out_a + out_b, torch.logaddexp(lse_a, lse_b)

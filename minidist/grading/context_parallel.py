@@ -34,6 +34,7 @@ MERGE_CASES = [  # (name, seed, scale, dtype, empty)
     ("scores of order 1e4 (fp32)", 3, 70.0, torch.float32, None),
     ("block b saw no key (lse -inf)", 4, 1.0, torch.float64, "b"),
     ("block a saw no key (lse -inf)", 5, 1.0, torch.float64, "a"),
+    ("neither block saw a key (both lse -inf)", 6, 1.0, torch.float64, "both"),
 ]
 ZIGZAG_CASES = [(16, 4), (8, 1), (12, 2), (40, 4), (13, 3), (7, 4), (3, 2)]
 
@@ -50,9 +51,9 @@ def _partials(seed, scale, dtype, empty):
     ob, lb = blocks.block_forward(q, k2, v2, pos, pos, "full", 0.5)
     if scale == "0/100":
         la, lb = torch.zeros_like(la), torch.full_like(lb, 100.0)
-    if empty == "a":
+    if empty in ("a", "both"):
         oa, la = torch.zeros_like(oa), torch.full_like(la, -math.inf)
-    if empty == "b":
+    if empty in ("b", "both"):
         ob, lb = torch.zeros_like(ob), torch.full_like(lb, -math.inf)
     return oa, la, ob, lb
 
@@ -68,11 +69,17 @@ def _merge_check(fn, case):
     if out.shape != oa.shape or lse.shape != la.shape:
         return (f"expected out {tuple(oa.shape)} and lse {tuple(la.shape)}, got "
                 f"{tuple(out.shape)} and {tuple(lse.shape)}")
+    if empty == "both" and not (bool((lse == -math.inf).all()) and bool((out == 0).all())):
+        return ("with both lse -inf (no key in either block) the merge must give lse = -inf and "
+                "out = 0, got " + ("nan" if bool(torch.isnan(lse).any() | torch.isnan(out).any())
+                                   else "something else") +
+                ": -inf - (-inf) is nan, so take the max first and handle a max of -inf")
     if not (torch.isfinite(out).all() and (torch.isfinite(lse) | torch.isinf(want_l)).all()):
         if empty is not None:
-            return ("nan or inf where one block saw no key: with lse_b = -inf, exp(lse_b - lse) "
-                    "must be 0 and lse = lse_a (log-add-exp with -inf is the identity; "
-                    "-inf - (-inf) is nan, so handle it)")
+            other = "b" if empty == "a" else "a"
+            return (f"nan or inf where one block saw no key: with lse_{empty} = -inf, "
+                    f"exp(lse_{empty} - lse) must be 0 and lse = lse_{other} (log-add-exp with -inf "
+                    "is the identity; -inf - (-inf) is nan, so handle it)")
         return ("overflow: the merge is not finite for large log-sum-exps — "
                 "log(1 + exp(lse_b - lse_a)) overflows once the difference passes ~88 in fp32; "
                 "write log-add-exp as max + log1p(exp(-|a - b|))")
