@@ -413,6 +413,17 @@ def test_ex07_zb_h1_rejects_misplaced_w_ops_naming_the_op():
         ops.append(tuple(row))
     return Schedule("my zb-h1", P, M, 1, tuple(ops))
 """}, "no W0@s0: every backward is split")
+    # the newest waiting W first (a learner's attempt that scored 3/3: same time and count)
+    _rejects("07_one_f_one_b.ipynb", "zb_h1_grade", {"zb_h1": _ZB_HEAD + """
+            row.append(op)
+            if op.kind == "B":
+                n_b += 1
+                waiting.append(Op("W", op.mb, op.stage))
+                if n_b > r:
+                    row.append(waiting.pop(0))
+        ops.append(tuple(row + waiting[::-1]))
+    return Schedule("my zb-h1", P, M, 1, tuple(ops))
+"""}, "the W ops run oldest first")
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.name)

@@ -69,6 +69,10 @@ def check_zb_h1(fn, P: int, M: int) -> str | None:
             elif op.kind == "B":
                 pending.append(Op("W", op.mb, op.stage))
             else:
+                if op != pending[0]:
+                    return (f"P={P}, M={M}, rank {r}: {op!r} runs before {pending[0]!r}: the W ops "
+                            f"run oldest first, in the order of their B (ZB-H1's W of micro-batch "
+                            f"i frees i's activations; a newer W first keeps the oldest alive)")
                 live -= 1
                 pending.remove(op)
     try:
