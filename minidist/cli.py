@@ -19,8 +19,8 @@ _SECTIONS = {"data_parallel": "ddp_demo", "tensor_parallel": "tp_demo", "pipelin
 
 def demo(argv=None) -> int:
     p = argparse.ArgumentParser(prog="minidist demo", description="Run every hand-built collective "
-                                "(and the DDP/TP/PP sections) against torch's reference; exit 1 if "
-                                "any result is wrong.")
+                                "against torch's, then each strategy section (--sections) against "
+                                "its one-process or torch reference; exit 1 if any result is wrong.")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="where the collectives section's ranks compute; cuda: every rank shares "
