@@ -4,8 +4,8 @@ Every module of the package is parsed (``ast``), every import counted — at the
 function, or relative — and compared with the floor of the module it imports from:
 
 * floor 0, the ground: ``env`` (and ``devices``), ``comm``, ``trace``, ``grid``, ``models``, ``data``, ``text``
-* floor 1, the launcher and the public collectives: ``collectives``, ``launch``, ``launch_errors``,
-  ``rank_process``
+* floor 1, the launcher, the public collectives and checkpoint generations: ``collectives``,
+  ``launch``, ``launch_errors``, ``rank_process``, ``checkpoint_io``
 * floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``, ``sharding``,
   ``hybrid``
 * floor 3, what reads or drives them: ``lessons``, ``bench``, ``grading``, ``exercises``, ``cli``,
@@ -27,7 +27,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "minidist"
 
 FLOORS = {
     0: ("env", "devices", "comm", "trace", "grid", "models", "data", "text"),
-    1: ("collectives", "launch", "launch_errors", "rank_process"),
+    1: ("collectives", "launch", "launch_errors", "rank_process", "checkpoint_io"),
     2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding", "hybrid"),
     3: ("lessons", "bench", "grading", "exercises", "cli", "doctor", "calc", "cost", "diagrams",
         "plan", "plan_reference", "plan_machine", "__main__"),

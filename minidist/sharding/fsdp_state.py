@@ -7,8 +7,9 @@
   a dict at *any* world size and keeps this rank's slices.
 * :func:`full_optim_state_dict` / :func:`load_full_optim_state_dict` — the same for an optimizer
   built on the shards, keyed by parameter name (so it reloads at another world size).
-* :func:`save_sharded` / :func:`load_sharded` — one file per rank with its slices only (no
-  communication); reloads at the same world size only (else ``ValueError``).
+* :func:`save_sharded` / :func:`load_sharded` — one file per rank with its slices only, as a new
+  generation of a checkpoint folder (:mod:`.checkpoint`); reloads at the same world size only
+  (else ``ValueError``).
 * :func:`clip_grad_norm_` — the global L2 norm of all gradients is sqrt(all-reduce of every
   rank's sum of squares of its slices) (the zero padding adds nothing); every rank scales its
   slices by ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``.
@@ -115,35 +116,20 @@ def load_full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimiz
             optimizer.state[u.flat_shard] = new
 
 
-def _path(prefix: str, rank: int) -> str:
-    return f"{prefix}.rank{rank}.pt"
-
-
 def save_sharded(module: nn.Module, prefix: str, optimizer=None) -> str:
-    """Write this rank's slices (and optimizer state) to ``{prefix}.rank{r}.pt``; returns it."""
-    us = units(module)
-    rank, world = us[0].rank, us[0].world_size
-    blob = {"world_size": world, "model": {k: v.detach().clone()
-                                          for k, v in module.state_dict().items()}}
-    if optimizer is not None:
-        blob["optim"] = optimizer.state_dict()
-    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    torch.save(blob, _path(prefix, rank))
-    return _path(prefix, rank)
+    """Write this rank's slices (and optimizer state) as a new generation of the checkpoint
+    folder ``prefix`` (:func:`~.checkpoint.save_sharded_checkpoint`: the previous one survives a
+    crash or a full disk); collective. Returns this rank's file."""
+    from .checkpoint import save_sharded_checkpoint, shard_name
+    folder = save_sharded_checkpoint(prefix, module, optimizer)
+    return os.path.join(folder, shard_name(units(module)[0].rank))
 
 
 def load_sharded(module: nn.Module, prefix: str, optimizer=None) -> None:
-    """Read ``{prefix}.rank{r}.pt``. Raises ``ValueError`` if saved at another world size."""
-    us = units(module)
-    rank, world = us[0].rank, us[0].world_size
-    blob = torch.load(_path(prefix, rank), weights_only=False)
-    if blob["world_size"] != world:
-        raise ValueError(f"load_sharded (rank {rank}): checkpoint was written by "
-                         f"{blob['world_size']} ranks, this run has {world}; a sharded checkpoint "
-                         "reloads at the same world size (use full_state_dict to change it)")
-    module.load_state_dict(blob["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(blob["optim"])
+    """Read this rank's part of the newest generation of ``prefix``; collective. Raises
+    ``ValueError`` if saved at another world size (or truncated, corrupted, another shape)."""
+    from .checkpoint import load_sharded_checkpoint
+    load_sharded_checkpoint(prefix, module, optimizer)
 
 
 @torch.no_grad()
