@@ -36,10 +36,12 @@ def normalize_op(op, dtype: torch.dtype, where: str) -> str:
     if name == "avg" and not dtype.is_floating_point:
         raise TypeError(f"{where}: op='avg' on {dtype} would truncate; use op='sum' and divide, "
                         "or convert to a floating dtype first")
-    if dtype == torch.bool and name in ("sum", "avg"):
-        raise TypeError(f"{where}: op={name!r} is undefined for bool; use 'max' (any) or 'min' (all)")
-    if dtype.is_complex:
-        raise TypeError(f"{where}: complex tensors are not supported; use torch.view_as_real")
+    if dtype.is_complex and name in ("max", "min"):
+        raise TypeError(f"{where}: op={name!r} is undefined for complex tensors ({dtype}; "
+                        "torch.distributed refuses it too); reduce .abs() or "
+                        "torch.view_as_real(t) instead")
+    if dtype == torch.bool and name == "sum":
+        return "max"   # torch.distributed's SUM of bools is a logical or (any), i.e. max
     return name
 
 
