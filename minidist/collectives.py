@@ -136,6 +136,8 @@ def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring
     rank, world = _setup("reduce_scatter", algorithm, output, group)
     op = normalize_op(op, output.dtype, f"reduce_scatter (rank {rank})")
     input = _data(input)
+    if isinstance(input, list):                   # scratch space: contiguous copies are fine
+        input = [c if c.is_contiguous() else c.contiguous() for c in input]
     with contiguous(_data(output)) as out:
         chunks = _as_chunks(input, out, rank, world, "reduce_scatter", "input")
         if debug_enabled(debug):
@@ -161,6 +163,9 @@ def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
     """
     rank, world = _setup("all_gather", algorithm, input, group)
     result, output, input = output, _data(output), _data(input)
+    strided = isinstance(output, list) and any(not o.is_contiguous() for o in output)
+    if strided:                                   # gather into contiguous copies, copy back
+        targets, output = output, [o.contiguous() for o in output]
     chunks = _as_chunks(output, input, rank, world, "all_gather", "output")
     if debug_enabled(debug):
         check_same_across_ranks("all_gather", group, sizes=[c.numel() for c in chunks],
@@ -171,6 +176,9 @@ def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
     chunks[rank].copy_(input.reshape(-1))
     with p2p.collective(f"all_gather/{algorithm}"):
         ALGORITHMS["all_gather"][algorithm](chunks, rank, world, group)
+    if strided:
+        for target, work in zip(targets, output):
+            target.copy_(work)
     return result
 
 

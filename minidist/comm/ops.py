@@ -33,7 +33,7 @@ def normalize_op(op, dtype: torch.dtype, where: str) -> str:
     name = name.lower()
     if name not in OPS:
         raise ValueError(f"{where}: op must be one of {OPS}, got {op!r}")
-    if name == "avg" and not dtype.is_floating_point:
+    if name == "avg" and not (dtype.is_floating_point or dtype.is_complex):
         raise TypeError(f"{where}: op='avg' on {dtype} would truncate; use op='sum' and divide, "
                         "or convert to a floating dtype first")
     if dtype.is_complex and name in ("max", "min"):
