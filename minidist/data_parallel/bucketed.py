@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm import threads
 from ..trace import Timeline
 from .base import Communicator, DataParallelBase
 from .buckets import Bucket, build_buckets, pack_by_size  # noqa: F401  (re-exported)
@@ -94,6 +95,7 @@ class BucketedDDP(DataParallelBase):
                          for p in self.params]
         # when the wrapper is closed or garbage-collected: hooks removed, thread stopped
         self._finalizer = weakref.finalize(self, _shutdown, self._handles, self._queue)
+        threads.register(self._thread, self._finalizer)   # stopped before the group goes
         self._in_backward = False
         self._next_launch = 0
         self.ready_order: list[str] = []  # names, in the order the last backward produced them

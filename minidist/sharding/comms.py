@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives as C
+from ..comm import threads
 
 __all__ = ["Collectives", "CommWorker", "Handle", "KINDS"]
 
@@ -139,6 +140,7 @@ class CommWorker:
                                         name="sharding-comm")
         self._thread.start()
         self._finalizer = weakref.finalize(self, self._queue.put, None)
+        threads.register(self._thread, self._finalizer)   # stopped before the group goes
 
     def submit(self, what: str, fn, *args) -> Handle:
         """Run ``fn(self.comm, *args)`` on the thread; returns a :class:`Handle`."""
