@@ -67,3 +67,31 @@ def test_stop_all_stops_and_joins_every_library_thread():
 def test_exit_with_live_communication_threads_20_times():
     for i in range(20):
         assert minidist.run(_owners_alive_at_the_end, 2, False, timeout=40) == [True, True], i
+
+
+def _scaled_zero(rank, world, stage):
+    """Rank 1's gradient of ``b`` is inf in step 0: only the rank owning b's slice would see it."""
+    a, b = nn.Parameter(torch.zeros(8)), nn.Parameter(torch.zeros(8))
+    opt = ShardedOptimizer([a, b], torch.optim.SGD, stage=stage, grads="local", lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    out = []
+    for step in range(2):
+        cb = torch.ones(8)
+        if rank == 1 and step == 0:
+            cb[3] = float("inf")
+        opt.zero_grad()
+        scaler.scale(a.sum() + (b * cb).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        out.append((torch.cat([a, b]).detach().clone(), scaler.get_scale()))
+    opt.close()
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_grad_scaler_inf_on_one_rank_skips_the_zero_step_on_every_rank(stage):
+    """As torch's GradScaler does for DDP: skip on every rank, halve the scale, then step."""
+    for rank, ((p0, s0), (p1, s1)) in enumerate(minidist.run(_scaled_zero, 2, stage, timeout=30)):
+        assert torch.equal(p0, torch.zeros(16)) and s0 == 8.0, (rank, p0, s0)
+        assert torch.equal(p1, torch.full((16,), -0.1)) and s1 == 8.0, (rank, p1, s1)
