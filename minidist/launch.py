@@ -181,6 +181,7 @@ def _launch(fn, world_size, args, backend, timeout, ordered_output, method, plac
 def _supervise(procs, q, out, shms, dumps, timeout, world_size):
     __tracebackhide__ = True
     deadline = time.monotonic() + timeout
+    oom_at_start = _errors.oom_kill_count()   # a SIGKILL with this count risen: out of memory
     results, have = [None] * world_size, set()
     errors = {}  # rank -> (time, summary, traceback)
     exited = {}  # rank -> (time, exitcode) for ranks seen dead without a result
@@ -216,7 +217,9 @@ def _supervise(procs, q, out, shms, dumps, timeout, world_size):
                 first_failure = first_failure or t
     if len(have) == world_size:
         return results
-    error = failure(world_size, errors, exited, have)
+    oom_now = _errors.oom_kill_count()
+    error = failure(world_size, errors, exited, have,
+                    oom_killed=None not in (oom_at_start, oom_now) and oom_now > oom_at_start)
     if is_startup_failure(error, started=any(shm.raw.split(b"\0", 1)[0] for shm in shms)):
         raise StartupFailure(error)
     raise error

@@ -46,3 +46,32 @@ def test_a_rank_killed_mid_step_is_named_first_and_the_run_ends(strategy):
     first = str(info.value).splitlines()[0]
     assert first == "rank 1 failed: rank 1 killed by SIGKILL", first
     assert took < 20, f"{strategy}: {took:.1f} s until the dead rank was reported"
+
+
+def _killed(rank, world):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    C.all_reduce(torch.ones(10))
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_the_oom_killer_ended_is_reported_as_out_of_memory(monkeypatch):
+    """The cgroup's oom_kill counter rising during the run turns 'killed by SIGKILL' into 'out of
+    memory' with what to try (the counter is faked here: really exhausting memory would hurt the
+    other users of this machine); without the rise it stays a plain SIGKILL."""
+    from minidist import launch_errors
+    counts = iter([0, 1])
+    monkeypatch.setattr(launch_errors, "oom_kill_count", lambda: next(counts))
+    with pytest.raises(minidist.RankError) as info:
+        minidist.run(_killed, 2, timeout=30)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("rank 1 failed: rank 1 killed by SIGKILL: out of memory: the "
+                            "kernel's OOM killer ended it"), first
+    assert "smaller batch" in first and "minidist plan" in first
+    monkeypatch.setattr(launch_errors, "oom_kill_count", lambda: 3)
+    with pytest.raises(minidist.RankError) as info:
+        minidist.run(_killed, 2, timeout=30)
+    assert str(info.value).splitlines()[0] == "rank 1 failed: rank 1 killed by SIGKILL"
+    monkeypatch.undo()
+    count = launch_errors.oom_kill_count()       # this machine's real counter, where readable
+    assert count is None or count >= 0
