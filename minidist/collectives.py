@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import naive, p2p, recursive_doubling, ring, tree
-from .comm.ops import (check_exchange_sizes, check_same_across_ranks, check_sizes_agree,
+from .comm.ops import (check_exchange_sizes, check_group, check_same_across_ranks, check_sizes_agree,
                        contiguous, debug_enabled, finish_avg_, normalize_op)
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
@@ -55,6 +55,7 @@ def _setup(opname: str, algorithm: str, tensor, group):
                            "minidist.run(...) or call minidist.init() first")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{opname}: expected a torch.Tensor, got {type(tensor).__name__}")
+    check_group(opname, group)
     table = ALGORITHMS.get(opname)
     if opname == "all_reduce" and algorithm == "tree":
         raise ValueError("all_reduce: algorithm 'tree' is now called 'recursive_doubling' (log2 W "

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["normalize_op", "combine_", "finish_avg_", "contiguous", "check_same_across_ranks",
+__all__ = ["check_group", "normalize_op", "combine_", "finish_avg_", "contiguous", "check_same_across_ranks",
            "CollectiveMismatchError", "debug_enabled", "check_sizes_agree",
            "check_exchange_sizes"]
 
@@ -25,6 +25,19 @@ OPS = ("sum", "avg", "max", "min")
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks called a collective with different shapes, dtypes or arguments (debug mode)."""
+
+
+def check_group(where: str, group) -> None:
+    """``group`` must be None (the world) or a process group this rank belongs to."""
+    if group is None:
+        return
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{where}: group must be None (the world) or a process group from "
+                        f"torch.distributed.new_group / ProcessGrid, got {type(group).__name__} "
+                        f"{group!r}")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{where}: this rank (global rank {dist.get_rank()}) is not a member of "
+                         f"the group {dist.get_process_group_ranks(group)}")
 
 
 def normalize_op(op, dtype: torch.dtype, where: str) -> str:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.ops import check_group
 from .replicas import all_reduce_, broadcast_module, check_collectives, check_same_structure
 
 __all__ = ["DataParallelBase", "UnusedParametersError", "SyncDecisionError", "Communicator"]
@@ -50,6 +51,7 @@ class Communicator:
     """
 
     def __init__(self, collectives: str, group=None):
+        check_group("data parallel", group)
         self.collectives, self.group = check_collectives(collectives), group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)

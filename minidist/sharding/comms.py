@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .. import collectives as C
 from ..comm import threads
+from ..comm.ops import check_group
 
 __all__ = ["Collectives", "CommWorker", "Handle", "KINDS"]
 
@@ -47,6 +48,7 @@ class Collectives:
         if not dist.is_initialized():
             raise RuntimeError("sharding: the process group is not initialised; run inside "
                                "minidist.run(...) or call minidist.init() first")
+        check_group("sharding", group)
         self.kind, self.group = kind, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
 

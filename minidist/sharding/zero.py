@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from ..data_parallel.buckets import check_bucket_cap
 from .comms import Collectives, CommWorker
 from .flat import FlatBuffer, plan_buckets
 
@@ -79,6 +80,10 @@ class ShardedOptimizer:
             raise ValueError("ShardedOptimizer got an empty parameter list")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
+        check_bucket_cap("ShardedOptimizer", "bucket_cap_mb", bucket_cap_mb, allow_none=True)
+        if not callable(optimizer_class):
+            raise TypeError("ShardedOptimizer: optimizer_class must be a torch.optim class such as "
+                            f"torch.optim.AdamW, got {optimizer_class!r}")
         if stage == 2 and bucket_cap_mb is None:
             bucket_cap_mb = 25.0
         cap = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
