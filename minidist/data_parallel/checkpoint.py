@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 import warnings
 
 import torch
@@ -40,7 +39,7 @@ from ..checkpoint_io import agree, check_tensors, open_newest, read_part, save_g
 from .replicas import unwrap
 
 __all__ = ["save_checkpoint", "load_checkpoint", "strip_prefix", "rank_state",
-           "restore_rank_state", "atomic_save", "FILE"]
+           "restore_rank_state", "FILE"]
 
 FILE = "checkpoint.pt"   # rank 0's file in each generation folder
 
@@ -75,25 +74,6 @@ def restore_rank_state(state: dict, sampler=None, rng: bool = True) -> None:
             raise KeyError("load_checkpoint: the checkpoint holds no sampler state (save it with "
                            "save_checkpoint(..., sampler=sampler))")
         sampler.load_state_dict(state["sampler"])
-
-
-def atomic_save(obj, path: str | os.PathLike) -> None:
-    """``torch.save(obj)`` into a temporary file next to ``path``, fsync'ed, then ``os.replace``:
-    ``path`` holds the old file or the whole new one, never half of one (creates the folder)."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _sharded_model(model) -> bool:
