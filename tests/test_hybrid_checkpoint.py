@@ -6,6 +6,7 @@ re-seeding) gives other losses, so the test sees the RNG state. Other grids, an 
 and a mix of two saves are clear errors."""
 
 import os
+import re
 import shutil
 
 import pytest
@@ -135,14 +136,15 @@ def test_other_grid_unfinished_save_and_mixed_files_are_clear_errors(tmp_path):
                 "dp=1 pp=2 tp=2 chunks=1") in msg, msg
     shutil.copy(rank_file(b, 1), rank_file(a, 1))          # a file of another save
     errors = minidist.run(_load_only, 4, (2, 2, 1), a, timeout=120)
-    changed = "rank00001.pt is truncated or was changed"   # its size differs from the manifest's
-    assert errors[1][0] == "ValueError" and changed in errors[1][1], errors[1]
+    # its size or (same size) its SHA-256 differs from the manifest's
+    changed = re.compile(r"rank00001\.pt is (truncated or was changed|corrupted: its SHA-256)")
+    assert errors[1][0] == "ValueError" and changed.search(errors[1][1]), errors[1]
     for r in (0, 2, 3):   # the ranks that could load refuse too (else they would hang later)
         kind, msg = errors[r]
         assert kind == "RuntimeError" and msg.startswith(
             f"load_hybrid_checkpoint (rank {r}, {a!r}): rank(s) [1] could not load their part of "
             "the checkpoint (rank 1: ValueError: "), errors[r]
-        assert changed in msg and msg.endswith("no rank resumes"), msg
+        assert changed.search(msg) and msg.endswith("no rank resumes"), msg
     os.remove(os.path.join(newest(b), "manifest.json"))     # a save that did not finish
     for kind, msg in minidist.run(_load_only, 4, (2, 2, 1), b, timeout=120):
         assert kind == "FileNotFoundError" and "no complete checkpoint" in msg, msg
