@@ -1,21 +1,23 @@
 """Property-based differential test: minidist's collectives against torch.distributed (gloo).
 
-Hypothesis generates cases — collective, algorithm (every one in ``collectives.ALGORITHMS``), op,
-root, dtype (bool, int8, uint8, int16, int32, int64, float16, bfloat16, float32, float64,
-complex64, complex128), shape (0-dim, empty, 1-3 dims), layout (contiguous, transposed, a strided
-or offset view), requires_grad (leaf and non-leaf) — *inside* every rank, derandomized and without
-shrinking, so every rank draws the same sequence of cases. For each case every rank runs
-``torch.distributed``'s collective and minidist's on the same inputs; then (the property that
-matters most) one valid all-reduce, which hangs if an error left some rank inside the collective.
+Hypothesis generates cases (once, in the test process; every rank runs the same list) —
+collective, algorithm (every one in ``collectives.ALGORITHMS``), op, root, dtype (bool, int8,
+uint8, int16, int32, int64, float16, bfloat16, float32, float64, complex64, complex128), shape
+(0-dim, empty, 1-3 dims), layout (contiguous, transposed, a strided or offset view),
+requires_grad (leaf and non-leaf) — derandomized and without shrinking (a fixed list). For each
+case every rank runs ``torch.distributed``'s collective and minidist's on the same inputs; then
+(the property that matters most) one valid all-reduce, which hangs if an error left some rank
+inside the collective.
 
 Property: torch gives a result => minidist gives the same (``torch.testing.assert_close``: exact
 for integers; the inputs are small integers, so float sums are exact in any order); torch raises
 => minidist raises on every rank, naming the op and the rank. Each rank returns its mismatches; the
 test fails listing them. Inputs where gloo itself fails asynchronously (``avg`` on integers
-breaks its connection) are not given to torch; minidist must refuse them on every rank. Found
-cases are kept as plain tests below.
+breaks its connection; ``reduce`` of complex with max/min raises in the *next* collective) are
+not given to torch; minidist must refuse them on every rank. Found cases are kept as plain
+tests below.
 
-Budget: a fixed number of examples at W = 1, 2, 3, 4 (one launch each), about a minute in all.
+Budget: a fixed number of examples at W = 1, 2, 3, 4 (one launch each), under a minute in all.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.distributed as dist
 import minidist
 from minidist import collectives as C
 
-EXAMPLES = {1: 40, 2: 60, 3: 50, 4: 40}
+EXAMPLES = {1: 80, 2: 150, 3: 120, 4: 100}
 DTYPES = [torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
           torch.complex128]
@@ -80,6 +82,9 @@ def _skip(case) -> bool:
     minidist must raise."""
     dtype, red = case["dtype"], case["red"]
     reducing = case["op"] in ("all_reduce", "reduce", "reduce_scatter")
+    if reducing and dtype.is_complex and red in ("max", "min"):
+        return True   # gloo's reduce raises "reduce does not supporton complex tensors" in the
+        #               *next* collective (found by this test), breaking the group
     return reducing and red == "avg" and not (dtype.is_floating_point or dtype.is_complex)
 
 
@@ -94,7 +99,7 @@ def _torch(case, t, rank, world):
     result is cast back."""
     dtype = t.dtype
     if _skip(case):                               # gloo would fail asynchronously: expect an error
-        raise TypeError("avg of integers (torch: gloo fails)")
+        raise TypeError("gloo fails asynchronously on this input")
     work = t.detach().contiguous().to(GLOO_UPCAST.get(dtype, dtype))
     avg = case["red"] == "avg"
     out = _torch_call(dict(case, red="sum") if avg else case, work, rank, world)
@@ -150,54 +155,65 @@ def _outcome(fn, case, t, rank, world):
         return "error", f"{type(e).__name__}: {e}"
 
 
-def _differential_rank(rank, world, examples):
+def generated_cases(world, examples):
+    """Hypothesis draws the cases once, here in the test process (derandomized: the same list
+    every run), so every rank runs the same sequence whatever its timing."""
     from hypothesis import HealthCheck, Phase, given, settings
-    found = []
+    cases = []
 
     @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(_strategy(world))
-    def check(case):
-        try:                                      # never raise: every rank must draw on
-            _one(case)
-        except Exception as e:                    # noqa: BLE001
+    def draw(case):
+        cases.append(case)
+
+    draw()
+    return cases
+
+
+def _differential_rank(rank, world, cases):
+    found = []
+    for case in cases:
+        try:
+            _one(case, rank, world, found)
+        except Exception:                         # noqa: BLE001 (reported, not raised)
             import traceback
             found.append((case, "the test itself failed", traceback.format_exc()[-1500:]))
-
-    def _one(case):
-        theirs = _outcome(_torch, case, _make(case["shape"], case["dtype"], case["layout"],
-                                              case["grad"], rank, case["seed"]), rank, world)
-        dist.barrier()
-        mine = _outcome(_mine, case, _make(case["shape"], case["dtype"], case["layout"],
-                                           case["grad"], rank, case["seed"]), rank, world)
-        desc = {k: (str(v) if k == "dtype" else v) for k, v in case.items()}
-        if theirs[0] == "ok" and mine[0] == "ok":
-            if theirs[1] is not None:
-                try:
-                    torch.testing.assert_close(mine[1].detach(), theirs[1].detach(),
-                                               equal_nan=True)
-                except AssertionError as e:
-                    found.append((desc, "different result", str(e)[:300]))
-        elif theirs[0] == "ok":
-            found.append((desc, "minidist raised where torch did not", mine[1][:300]))
-        elif mine[0] == "ok":
-            found.append((desc, "torch raised, minidist did not", theirs[1][:300]))
-        elif case["op"] not in mine[1] or f"rank {rank}" not in mine[1]:
-            found.append((desc, "error does not name the op and the rank", mine[1][:300]))
-        probe = torch.ones(2)                     # the group must still work
-        C.all_reduce(probe)
-        if probe.tolist() != [float(world)] * 2:
-            found.append((desc, "the next valid all_reduce gave", probe.tolist()))
-
-    check()
     return found
+
+
+def _one(case, rank, world, found):
+    theirs = _outcome(_torch, case, _make(case["shape"], case["dtype"], case["layout"],
+                                          case["grad"], rank, case["seed"]), rank, world)
+    dist.barrier()
+    mine = _outcome(_mine, case, _make(case["shape"], case["dtype"], case["layout"],
+                                       case["grad"], rank, case["seed"]), rank, world)
+    desc = {k: (str(v) if k == "dtype" else v) for k, v in case.items()}
+    if theirs[0] == "ok" and mine[0] == "ok":
+        if theirs[1] is not None:
+            try:
+                torch.testing.assert_close(mine[1].detach(), theirs[1].detach(), equal_nan=True)
+            except AssertionError as e:
+                found.append((desc, "different result", str(e)[:300]))
+    elif theirs[0] == "ok":
+        found.append((desc, "minidist raised where torch did not", mine[1][:300]))
+    elif mine[0] == "ok":
+        found.append((desc, "torch raised, minidist did not", theirs[1][:300]))
+    elif case["op"] not in mine[1] or f"rank {rank}" not in mine[1]:
+        found.append((desc, "error does not name the op and the rank", mine[1][:300]))
+    probe = torch.ones(2)                         # the group must still work
+    C.all_reduce(probe)
+    if probe.tolist() != [float(world)] * 2:
+        found.append((desc, "the next valid all_reduce gave", probe.tolist()))
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_collectives_equal_torch_on_generated_inputs(world):
     pytest.importorskip("hypothesis")
-    found = minidist.run(_differential_rank, world, EXAMPLES[world], timeout=180)
+    cases = generated_cases(world, EXAMPLES[world])
+    assert len(cases) == EXAMPLES[world]
+    found = minidist.run(_differential_rank, world, cases, timeout=180)
     assert found == [[]] * world, "\n".join(f"rank {r}: {f}" for r, fs in enumerate(found)
                                             for f in fs[:5])
 
