@@ -14,6 +14,11 @@ The strategies are one attribute away, imported on first use (``import minidist`
     minidist.pipeline_parallel.make_schedule         # GPipe / 1F1B / interleaved, engine, simulator
     minidist.sharding                                # ZeRO-style sharding (when installed)
     minidist.hybrid.HybridGPT                        # DP x TP x PP: the GPT on a ProcessGrid
+    minidist.expert_parallel.MoEGPT                  # mixture of experts, EP x DP on an EPGrid
+    minidist.context_parallel.ring_attention         # long context: ring attention, Ulysses
+
+and what drives them: ``minidist.planner`` (``minidist plan``, calculators), ``minidist.references``
+(the one-process oracles), ``minidist.bench``, ``minidist.lessons``, ``minidist.grading``.
 """
 
 import importlib
@@ -26,9 +31,10 @@ from .launch import RankError, RankTimeoutError, run  # noqa: F401
 __version__ = "0.1.0"
 
 # subpackages and modules reachable as minidist.<name>, imported when first touched (PEP 562)
-_LAZY = ("collectives", "comm", "data_parallel", "tensor_parallel", "pipeline_parallel",
-         "sharding", "grid", "models", "data", "trace", "lessons", "bench", "calc", "diagrams",
-         "grading", "hybrid")
+_LAZY = ("collectives", "communicator", "comm", "data_parallel", "tensor_parallel",
+         "pipeline_parallel", "sharding", "grid", "models", "data", "trace", "references", "lessons",
+         "bench", "planner", "diagrams", "grading", "hybrid", "expert_parallel",
+         "context_parallel")
 
 __all__ = ["run", "init", "RankError", "RankTimeoutError", "env", *_LAZY]
 

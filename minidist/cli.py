@@ -1,6 +1,6 @@
 """The ``minidist`` command: ``demo`` (the tour, exits non-zero on any wrong result), ``bench``
 (nccl-tests-style tables; ``bench ddp`` and ``bench pp`` for the strategies), ``doctor`` and
-``plan`` (3-D parallel configurations, :mod:`minidist.plan`)."""
+``plan`` (3-D parallel configurations, :mod:`minidist.planner`)."""
 
 from __future__ import annotations
 
@@ -11,95 +11,10 @@ import time
 
 __all__ = ["main"]
 
-_DEMO_SIZES = (0, 3, 10, 100_003)  # elements: empty, fewer than ranks, uneven, large-ish
 # section of `minidist demo` -> the module of minidist.lessons that gives its rows
 _SECTIONS = {"data_parallel": "ddp_demo", "tensor_parallel": "tp_demo", "pipeline_parallel": "pp_demo",
-             "sharding": "sharding_demo", "hybrid": "hybrid_demo"}
-
-
-def _demo_ops(C) -> dict:
-    """(op, algorithms) the demo checks against torch's built-in: every entry of the library's table."""
-    return {**{op: tuple(algs) for op, algs in C.ALGORITHMS.items()}, "all_to_all": ("naive",)}
-
-
-def _demo_rank(rank, world):
-    import torch
-    import torch.distributed as dist
-
-    from . import bench, env
-    from . import collectives as C
-
-    dev = env.device()  # the CPU, or the GPU the ranks share with ``--device cuda``
-
-    gen = torch.Generator().manual_seed(1234 + rank)
-    rows = []
-    for op, algs in _demo_ops(C).items():
-        for alg in algs:
-            worst, timing_elems, t_ours, t_torch = 0.0, _DEMO_SIZES[-1], None, None
-            for n in _DEMO_SIZES:
-                x = torch.randn(n * world if op in ("reduce_scatter", "all_to_all") else n,
-                                generator=gen)
-                ours, ref, t_ours, t_torch = _demo_pair(op, alg, x, rank, world, C, dist, dev)
-                if ours.numel():
-                    worst = max(worst, (ours.cpu() - ref).abs().max().item())
-            bytes_ = timing_elems * 4 * (world if op in ("reduce_scatter", "all_to_all") else 1)
-            factor = bench.busbw_factor(op if op in bench.OPS else "broadcast", world) \
-                if op != "all_to_all" else (world - 1) / world
-            t = torch.tensor([worst, t_ours, t_torch], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            rows.append(dict(section="collectives", check=f"{op}/{alg}", world_size=world,
-                             max_error=t[0].item(), ok=t[0].item() <= 1e-4,
-                             busbw=bytes_ / t[1].item() / 1e9 * factor,
-                             ratio=t[2].item() / t[1].item(), size=timing_elems))
-    return rows
-
-
-def _demo_pair(op, alg, x, rank, world, C, dist, dev=None):
-    """Run ``op`` with minidist (algorithm ``alg``) on ``dev`` and with torch (gloo) on a CPU copy of
-    the same input; time both."""
-    import torch
-
-    def mine(t):  # the hand-built collectives run on the rank's device; torch's reference on the CPU
-        return t.to(dev) if dev is not None else t
-
-    def timed(f):
-        dist.barrier()
-        t0 = time.perf_counter()
-        out = f()
-        return out, time.perf_counter() - t0
-
-    if op == "all_reduce":
-        ours, t1 = timed(lambda: C.all_reduce(mine(x.clone()), algorithm=alg))
-        ref, t2 = timed(lambda: (lambda y: (dist.all_reduce(y), y)[1])(x.clone()))
-    elif op == "reduce_scatter":
-        n = x.numel() // world
-        ours, t1 = timed(lambda: C.reduce_scatter(mine(torch.empty(n)), mine(x.clone()), algorithm=alg))
-        ref = torch.empty(n)
-        _, t2 = timed(lambda: dist.reduce_scatter(ref, list(x.clone().split(n))) if n else None)
-        if n == 0:
-            ref = ours.cpu()
-    elif op == "all_gather":
-        ours, t1 = timed(lambda: C.all_gather(mine(torch.empty(x.numel() * world)), mine(x), algorithm=alg))
-        parts = [torch.empty_like(x) for _ in range(world)]
-        _, t2 = timed(lambda: dist.all_gather(parts, x))
-        ref = torch.cat(parts)
-    elif op == "broadcast":
-        ours, t1 = timed(lambda: C.broadcast(mine(x.clone()), src=world - 1, algorithm=alg))
-        ref, t2 = timed(lambda: (lambda y: (dist.broadcast(y, world - 1), y)[1])(x.clone()))
-    elif op == "reduce":
-        ours, t1 = timed(lambda: C.reduce(mine(x.clone()), dst=0, algorithm=alg))
-        ref, t2 = timed(lambda: (lambda y: (dist.reduce(y, 0), y)[1])(x.clone()))
-        if rank != 0:  # only the destination's result is defined
-            ours = ref
-    else:  # all_to_all
-        n = x.numel() // world
-        outs = [mine(torch.empty(n)) for _ in range(world)]
-        _, t1 = timed(lambda: C.all_to_all(outs, list(mine(x).tensor_split(world))))
-        refs = [torch.empty(n) for _ in range(world)]
-        _, t2 = timed(lambda: dist.all_to_all(refs, [p.clone() for p in x.tensor_split(world)]) if n else None)
-        ours = torch.cat(outs).cpu()
-        ref = torch.cat(refs) if n else ours
-    return ours, ref, t1, t2
+             "sharding": "sharding_demo", "hybrid": "hybrid_demo", "expert_parallel": "ep_demo",
+             "context_parallel": "cp_demo"}
 
 
 def demo(argv=None) -> int:
@@ -114,22 +29,22 @@ def demo(argv=None) -> int:
     p.add_argument("--sections", nargs="*", default=["collectives", *_SECTIONS],
                    choices=["collectives", *_SECTIONS], help="which sections to run (default: all)")
     args = p.parse_args(argv)
-    from . import launch
+    from .lessons import collectives_demo
 
     start = time.perf_counter()
     rows = []
     if "collectives" in args.sections:
         print(f"minidist demo: hand-built collectives against torch.distributed, "
               f"world size {args.world_size} (gloo on CPU unless GPUs are available)\n")
-        rows = launch.run(_demo_rank, args.world_size, timeout=300,
-                          device=args.device if args.device == "cuda" else None)[0]
+        rows = collectives_demo.demo_rows(args.world_size,
+                                          device=args.device if args.device == "cuda" else None)
         head = f"{'op/algorithm':<24}{'W':>3}{'max error':>12}{'busbw GB/s':>12}{'vs torch':>10}  ok"
         print(head + "\n" + "-" * len(head))
         for r in rows:
             print(f"{r['check']:<24}{r['world_size']:>3}{r['max_error']:>12.2e}{r['busbw']:>12.3f}"
                   f"{r['ratio']:>9.2f}x  {'✓' if r['ok'] else '✗ WRONG'}")
-        print(f"(sizes checked: {', '.join(map(str, _DEMO_SIZES))} elements per rank; busbw and "
-              f"ratio measured at {_DEMO_SIZES[-1]} elements, one call each: see `minidist bench`)")
+        print(f"(sizes checked: {', '.join(map(str, collectives_demo.SIZES))} elements per rank; busbw and "
+              f"ratio measured at {collectives_demo.SIZES[-1]} elements, one call each: see `minidist bench`)")
     for section, module in _SECTIONS.items():
         if section not in args.sections:
             continue
@@ -149,7 +64,7 @@ def demo(argv=None) -> int:
 
 
 # `minidist bench X` subcommands with their own parser: X -> module of minidist.bench with main(argv)
-_BENCH_MAINS = {"alpha-beta": "alpha_beta_bench", "flops": "flops", "3d": "hybrid"}
+_BENCH_MAINS = {"alpha-beta": "alpha_beta_bench", "flops": "flops", "3d": "hybrid", "cp": "cp"}
 
 
 def bench(argv=None) -> int:
@@ -219,8 +134,8 @@ def _number_or_json(text: str) -> float:
 
 def plan(argv=None) -> int:
     """``minidist plan``: every valid dp x tp x pp (+ ZeRO, recomputation) configuration, best first."""
-    from . import calc
-    from . import plan as P
+    from . import planner as P
+    from .planner import calc
 
     p = argparse.ArgumentParser(prog="minidist plan", description="List every valid (dp, tp, pp, "
                                 "micro-batches, ZeRO, recomputation) configuration of a GPT with its "
@@ -302,7 +217,7 @@ def _plan_assumptions(a, rate, links, gpu) -> str:
     """The header's second line: the FLOP rate and memory per device and the links assumed."""
     import os
 
-    from .calc import human_bytes
+    from .planner.calc import human_bytes
 
     def said(name, lk):  # "nvlink3 (alpha 5 µs, 300 GB/s)"
         return f"{os.path.basename(name)} (alpha {lk.alpha * 1e6:.3g} µs, {1 / lk.beta / 1e9:.3g} GB/s)"

@@ -39,7 +39,7 @@ from .comm.ops import (check_exchange_sizes, check_group, check_same_across_rank
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
            "ALGORITHMS"]
 
-ALGORITHMS = {
+ALGORITHMS: dict[str, dict] = {
     "all_reduce": {"ring": ring.all_reduce, "naive": naive.all_reduce,
                    "recursive_doubling": recursive_doubling.all_reduce},
     "reduce_scatter": {"ring": ring.reduce_scatter_chunks, "naive": naive.reduce_scatter_chunks},
@@ -136,11 +136,11 @@ def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring
     """
     rank, world = _setup("reduce_scatter", algorithm, output, group)
     op = normalize_op(op, output.dtype, f"reduce_scatter (rank {rank})")
-    input = _data(input)
-    if isinstance(input, list):                   # scratch space: contiguous copies are fine
-        input = [c if c.is_contiguous() else c.contiguous() for c in input]
+    pieces = _data(input)
+    if isinstance(pieces, list):                  # scratch space: contiguous copies are fine
+        pieces = [c if c.is_contiguous() else c.contiguous() for c in pieces]
     with contiguous(_data(output)) as out:
-        chunks = _as_chunks(input, out, rank, world, "reduce_scatter", "input")
+        chunks = _as_chunks(pieces, out, rank, world, "reduce_scatter", "input")
         if debug_enabled(debug):
             check_same_across_ranks("reduce_scatter", group, sizes=[c.numel() for c in chunks],
                                     dtype=out.dtype, op=op, algorithm=algorithm)
@@ -163,18 +163,18 @@ def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
     Traffic per rank (ring): (W-1) · input.numel() elements sent.
     """
     rank, world = _setup("all_gather", algorithm, input, group)
-    result, output, input = output, _data(output), _data(input)
+    result, output, mine = output, _data(output), _data(input)
     strided = isinstance(output, list) and any(not o.is_contiguous() for o in output)
     if strided:                                   # gather into contiguous copies, copy back
         targets, output = output, [o.contiguous() for o in output]
-    chunks = _as_chunks(output, input, rank, world, "all_gather", "output")
+    chunks = _as_chunks(output, mine, rank, world, "all_gather", "output")
     if debug_enabled(debug):
         check_same_across_ranks("all_gather", group, sizes=[c.numel() for c in chunks],
-                                dtype=input.dtype, algorithm=algorithm)
+                                dtype=mine.dtype, algorithm=algorithm)
     else:  # always on: cheap, and a disagreement would leave a stale element (ops.py)
-        check_sizes_agree("all_gather", group, [c.numel() for c in chunks], input.device)
+        check_sizes_agree("all_gather", group, [c.numel() for c in chunks], mine.device)
     chunks = [c.view(-1) for c in chunks]
-    chunks[rank].copy_(input.reshape(-1))
+    chunks[rank].copy_(mine.reshape(-1))
     with p2p.collective(f"all_gather/{algorithm}"):
         ALGORITHMS["all_gather"][algorithm](chunks, rank, world, group)
     if strided:
@@ -226,7 +226,7 @@ def all_to_all(output: list, input: list, group=None, debug: bool | None = None)
         raise ValueError(f"all_to_all (rank {rank}): all tensors must be contiguous")
     if debug_enabled(debug):
         sizes = [(tuple(i.shape), str(i.dtype)) for i in input]
-        everyone = [None] * world
+        everyone: list = [None] * world
         dist.all_gather_object(everyone, sizes, group=group)
         for j in range(world):
             want = everyone[j][rank]

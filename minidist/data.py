@@ -56,10 +56,10 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0, image: bool = False
         n_test = int(round(len(idx) * test_fraction))
         test_idx.append(idx[:n_test])
         train_idx.append(idx[n_test:])
-    train_idx, test_idx = torch.cat(train_idx).sort().values, torch.cat(test_idx).sort().values
+    train, test = torch.cat(train_idx).sort().values, torch.cat(test_idx).sort().values
     if image:
         x = x.view(-1, 1, 8, 8)
-    return TensorDataset(x[train_idx], y[train_idx]), TensorDataset(x[test_idx], y[test_idx])
+    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,7 +72,8 @@ def _digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
     if spec is None:
         raise DatasetUnavailable("load_digits needs scikit-learn (pip install scikit-learn), which "
                                  "ships the 8x8 digits file")
-    path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+    path = os.path.join(list(spec.submodule_search_locations or [""])[0], "datasets", "data",
+                        "digits.csv.gz")
     if os.path.exists(path):
         with gzip.open(path, "rt") as f:
             rows = [[int(v) for v in line.split(",")] for line in f if line.strip()]

@@ -24,8 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .devices import DevicePlan, oom_hint, plan_devices  # re-exported: env is where devices are chosen
-
 __all__ = ["DistEnv", "detect", "choose_backend", "device_for", "set_device", "init", "EnvError",
            "DevicePlan", "plan_devices", "oom_hint",
            "parse_tasks_per_node", "check_socket_ifnames", "interfaces"]
@@ -219,7 +217,7 @@ def init(backend: str = "auto", timeout: float = 300.0, check_hosts: bool = True
                                dist.is_nccl_available()).backend
     set_device(backend, info.local_rank, device if device != "auto" else None,
                info.local_world_size, memory_fraction)
-    kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+    kwargs: dict = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
     if info.launcher == "single":
         store = dist.HashStore()
         dist.init_process_group(store=store, rank=0, world_size=1, **kwargs)
@@ -230,13 +228,88 @@ def init(backend: str = "auto", timeout: float = 300.0, check_hosts: bool = True
     dist.init_process_group(init_method="env://", rank=info.rank, world_size=info.world_size,
                             **kwargs)
     if check_hosts:
-        hosts = [None] * info.world_size
+        hosts: list = [None] * info.world_size
         dist.all_gather_object(hosts, (socket.gethostname(), info.local_rank))
         dup = {h for h in hosts if hosts.count(h) > 1}
         if dup:
             raise EnvError(f"rank {info.rank}: (hostname, local_rank) pairs {sorted(dup)} appear "
                            "more than once: two processes share a device. Check LOCAL_RANK.")
     return info
+
+
+# --------------------------------------------------------------------------- shared GPUs
+# Several ranks may share one GPU: each rank is its own process with its own CUDA context, gloo
+# carries the messages (CUDA tensors staged through pinned CPU buffers, minidist.comm.staging)
+# and each rank may use 1 / (ranks per GPU) of the device's memory. NCCL refuses two ranks on one
+# device, so a plan that asks for it is an error that says so.
+@dataclass(frozen=True)
+class DevicePlan:
+    """Where a job's ranks compute and what carries their messages (see :func:`plan_devices`).
+
+    ``ranks_per_gpu`` > 1 means ranks share a GPU: gloo moves the bytes (CUDA tensors through
+    :mod:`minidist.comm.staging`) and each rank may use ``memory_fraction`` of the device.
+    """
+
+    backend: str  # "gloo" | "nccl"
+    device: str  # "cpu" | "cuda"
+    ranks_per_gpu: int = 1
+
+    @property
+    def memory_fraction(self) -> float | None:
+        return 1.0 / self.ranks_per_gpu if self.ranks_per_gpu > 1 else None
+
+
+def plan_devices(device: str | None, backend: str, local_world_size: int, gpus: int,
+                 nccl_available: bool = True) -> DevicePlan:
+    """Backend and device for ``local_world_size`` ranks on a node with ``gpus`` GPUs; pure.
+
+    ``device=None``/``"auto"``: as :func:`choose_backend` (nccl and ``cuda:LOCAL_RANK`` when every
+    rank can have its own GPU, else gloo on the CPU). ``device="cpu"``: gloo. ``device="cuda"``:
+    every rank computes on a GPU; with fewer GPUs than ranks they share (rank i on GPU
+    ``i % gpus``, ``ceil(ranks / gpus)`` per GPU) and the backend is gloo, because NCCL refuses
+    two ranks on one device ("Duplicate GPU detected"; NCCL troubleshooting guide).
+
+    Raises:
+        ValueError: unknown device/backend; ``device="cuda"`` with no GPU; nccl with
+            ``device="cpu"``; nccl with more ranks than GPUs.
+    """
+    if device in (None, "auto"):
+        chosen = choose_backend(backend, local_world_size)
+        return DevicePlan(chosen, "cuda" if chosen == "nccl" else "cpu")
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    if device == "cpu":
+        if backend == "nccl":
+            raise ValueError("backend 'nccl' moves CUDA tensors only; device='cpu' needs "
+                             "backend='gloo' (or 'auto')")
+        return DevicePlan("gloo", "cpu")
+    if device != "cuda":
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if gpus < 1:
+        raise ValueError("device='cuda' but torch sees no GPU (torch.cuda.device_count() == 0; "
+                         "check CUDA_VISIBLE_DEVICES and the driver, e.g. with `minidist doctor`). "
+                         "Use device='cpu'.")
+    if backend == "nccl" and gpus < local_world_size:
+        raise ValueError(
+            f"backend 'nccl' with device='cuda': {local_world_size} ranks but {gpus} GPU(s). NCCL "
+            "refuses two ranks on one device (each NCCL rank needs a GPU of its own), so ranks "
+            "cannot share a GPU over NCCL. Use backend='gloo' (or 'auto'): every rank still "
+            "computes on the GPU, gloo carries the messages.")
+    if backend == "auto":
+        backend = "nccl" if nccl_available and gpus >= local_world_size else "gloo"
+    return DevicePlan(backend, "cuda", max(1, -(-local_world_size // gpus)))
+
+
+def oom_hint(error: BaseException) -> str:
+    """A sentence to append to an out-of-memory error raised inside a rank (empty for others)."""
+    if not isinstance(error, getattr(torch, "OutOfMemoryError", ())):
+        return ""
+    frac = os.environ.get("MINIDIST_MEMORY_FRACTION")
+    if frac:
+        return (f" [this rank ran out of GPU memory: it may use {float(frac):.0%} of a GPU it shares "
+                "with other ranks; use fewer ranks per GPU, a smaller batch, or a larger "
+                "memory_fraction]")
+    return " [this rank ran out of GPU memory: use a smaller batch or model]"
 
 
 # --------------------------------------------------------------------------- network interfaces

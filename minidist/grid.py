@@ -16,9 +16,22 @@ TP group [4, 5].
 With ``pp > 1`` there is a fourth kind, the **embedding group**: the first and the last stage of
 each pipeline (``[pp_ranks[0], pp_ranks[-1]]``), which sum the gradients of an embedding tied to
 the output head (Megatron-LM's ``_allreduce_word_embedding_grads``). Rank 5 above: [5, 7].
+
+**Context parallelism** (``cp``, default 1: the layout above unchanged): the sequence of each
+sample is split over ``cp`` ranks (:mod:`minidist.context_parallel`). The layout becomes
+``arange(world).view(dp, pp, cp, tp)`` — tp fastest, then cp, then pp, then dp: in Megatron-core's
+notation ``order="tp-cp-pp-dp"``; its default ``"tp-cp-ep-dp-pp"`` agrees on the inner part (tp
+neighbours, then cp: ring attention's K/V traffic is the next heaviest) and, without ep, differs
+only in putting dp inside pp, where minidist has always put pp inside dp. A **CP group** holds the
+ranks with the same ``(dp, pp, tp)``; the **DP×CP group** (Megatron's data-parallel group "with
+context parallel") the ranks with the same ``(pp, tp)``: parameters are replicated over it, so
+gradients are reduced over it. Example, world 8 = dp 2 x cp 2 x tp 2: rank 5 is at dp 1, cp 0,
+tp 1; CP group [5, 7], DP group [1, 5], DP×CP group [1, 3, 5, 7], TP group [4, 5].
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,31 +41,38 @@ __all__ = ["ProcessGrid", "grid_layout"]
 _DIMS = ("dp", "pp", "tp")
 
 
-def grid_layout(world_size: int, dp: int, pp: int = 1, tp: int = 1) -> dict[str, list[list[int]]]:
+def grid_layout(world_size: int, dp: int, pp: int = 1, tp: int = 1,
+                cp: int = 1) -> dict[str, list[list[int]]]:
     """The groups of each dimension as lists of global ranks, no processes needed.
 
-    Returns ``{"dp": [...], "pp": [...], "tp": [...]}``, each a list of rank lists that partitions
-    ``range(world_size)``.
+    Returns ``{"dp": [...], "pp": [...], "tp": [...], "cp": [...], "dp_cp": [...]}``, each a list
+    of rank lists that partitions ``range(world_size)`` (``"dp_cp"``: the ranks that hold the same
+    parameters, DP replicas and CP ranks together; with ``cp == 1`` it is ``"dp"``).
 
     Raises:
-        ValueError: ``dp·pp·tp != world_size`` or a size < 1.
+        ValueError: ``dp·pp·cp·tp != world_size`` or a size < 1.
     """
-    for name, n in zip(_DIMS, (dp, pp, tp)):
+    for name, n in zip(_DIMS + ("cp",), (dp, pp, tp, cp)):
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"ProcessGrid: {name} must be an int >= 1, got {n!r}")
-    if dp * pp * tp != world_size:
-        raise ValueError(f"ProcessGrid: dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp}, but the "
-                         f"world size is {world_size}")
-    g = torch.arange(world_size).view(dp, pp, tp)
+    if dp * pp * cp * tp != world_size:
+        if cp == 1:
+            raise ValueError(f"ProcessGrid: dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp}, "
+                             f"but the world size is {world_size}")
+        raise ValueError(f"ProcessGrid: dp x pp x cp x tp = {dp} x {pp} x {cp} x {tp} = "
+                         f"{dp * pp * cp * tp}, but the world size is {world_size}")
+    g = torch.arange(world_size).view(dp, pp, cp, tp)
     return {
-        "dp": [g[:, p, t].tolist() for p in range(pp) for t in range(tp)],
-        "pp": [g[d, :, t].tolist() for d in range(dp) for t in range(tp)],
-        "tp": [g[d, p, :].tolist() for d in range(dp) for p in range(pp)],
+        "dp": [g[:, p, c, t].tolist() for p in range(pp) for c in range(cp) for t in range(tp)],
+        "pp": [g[d, :, c, t].tolist() for d in range(dp) for c in range(cp) for t in range(tp)],
+        "tp": [g[d, p, c, :].tolist() for d in range(dp) for p in range(pp) for c in range(cp)],
+        "cp": [g[d, p, :, t].tolist() for d in range(dp) for p in range(pp) for t in range(tp)],
+        "dp_cp": [g[:, p, :, t].reshape(-1).tolist() for p in range(pp) for t in range(tp)],
     }
 
 
 class ProcessGrid:
-    """This rank's place in a ``dp x pp x tp`` grid and a process group per dimension.
+    """This rank's place in a ``dp x pp x tp`` (``x cp``) grid and a process group per dimension.
 
     Every rank must construct it (``dist.new_group`` is collective), with the same sizes.
     Attributes: ``dp_rank``, ``pp_rank``, ``tp_rank`` (coordinates = ranks inside each group),
@@ -60,27 +80,49 @@ class ProcessGrid:
     ``dp_ranks``/``pp_ranks``/``tp_ranks`` (global ranks of this rank's groups), ``grid``;
     ``embedding_ranks`` / ``embedding_group``: the first and last stage of this rank's pipeline
     (``embedding_group`` is None on the stages between, and when ``pp == 1``).
+
+    Context parallelism (``cp > 1``): ``cp_rank``, ``cp_size``, ``cp_group``, ``cp_ranks``, and
+    ``dp_cp_group`` / ``dp_cp_ranks`` (DP replicas and CP ranks: reduce gradients over it). With
+    ``cp == 1`` no group is created: ``cp_group`` is None (never pass it to a collective: None
+    means the world), ``dp_cp_group`` is ``dp_group``.
     """
 
-    def __init__(self, dp: int, pp: int = 1, tp: int = 1):
+    # set per dimension in __init__ (setattr over "dp", "pp", "tp"; with cp > 1 also "cp", "dp_cp")
+    dp_group: Any
+    pp_group: Any
+    tp_group: Any
+    dp_ranks: list[int]
+    pp_ranks: list[int]
+    tp_ranks: list[int]
+    cp_group: Any
+    dp_cp_group: Any
+    cp_ranks: list[int]
+    dp_cp_ranks: list[int]
+
+    def __init__(self, dp: int, pp: int = 1, tp: int = 1, cp: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("ProcessGrid: the process group is not initialised; run inside "
                                "minidist.run(...) or after minidist.init()")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         try:
-            layout = grid_layout(self.world_size, dp, pp, tp)
+            layout = grid_layout(self.world_size, dp, pp, tp, cp)
         except ValueError as e:  # every rank raises the same, before any communication
             raise ValueError(f"{e} (rank {self.rank})") from None
-        self.dp_size, self.pp_size, self.tp_size = dp, pp, tp
-        self.grid = torch.arange(self.world_size).view(dp, pp, tp)
-        d, p, t = (int(i) for i in (self.grid == self.rank).nonzero()[0])
-        self.dp_rank, self.pp_rank, self.tp_rank = d, p, t
-        for dim in _DIMS:  # every rank creates every group, in the same order
+        self.dp_size, self.pp_size, self.tp_size, self.cp_size = dp, pp, tp, cp
+        full = torch.arange(self.world_size).view(dp, pp, cp, tp)
+        d, p, c, t = (int(i) for i in (full == self.rank).nonzero()[0])
+        self.grid = full if cp > 1 else full.view(dp, pp, tp)
+        self.dp_rank, self.pp_rank, self.tp_rank, self.cp_rank = d, p, t, c
+        self.cp_group, self.cp_ranks = None, [self.rank]
+        dims = _DIMS + (("cp", "dp_cp") if cp > 1 else ())
+        for dim in dims:  # every rank creates every group, in the same order
             for ranks in layout[dim]:
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     setattr(self, f"{dim}_group", group)
                     setattr(self, f"{dim}_ranks", ranks)
+        if cp == 1:
+            self.dp_cp_group, self.dp_cp_ranks = self.dp_group, self.dp_ranks
         self.embedding_ranks = sorted({self.pp_ranks[0], self.pp_ranks[-1]})
         self.embedding_group = None
         if pp > 1:
@@ -99,5 +141,7 @@ class ProcessGrid:
 
     def __repr__(self) -> str:
         return (f"ProcessGrid(rank {self.rank}: dp {self.dp_rank}/{self.dp_size}, pp {self.pp_rank}/"
-                f"{self.pp_size}, tp {self.tp_rank}/{self.tp_size}; dp group {self.dp_ranks}, "
-                f"pp group {self.pp_ranks}, tp group {self.tp_ranks})")
+                f"{self.pp_size}, tp {self.tp_rank}/{self.tp_size}"
+                + (f", cp {self.cp_rank}/{self.cp_size}" if self.cp_size > 1 else "")
+                + f"; dp group {self.dp_ranks}, pp group {self.pp_ranks}, tp group {self.tp_ranks}"
+                + (f", cp group {self.cp_ranks}" if self.cp_size > 1 else "") + ")")

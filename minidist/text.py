@@ -134,9 +134,13 @@ def load_corpus(source: str = "stdlib", max_chars: int | None = 200_000, path: s
     if source == "stdlib":
         text = stdlib_docstrings(max_chars=max_chars)
     elif source == "file":
+        if path is None:
+            raise ValueError("load_corpus: source='file' needs path= (the text file to read)")
         with open(path, encoding="utf-8") as f:
             text = f.read()[:max_chars]
     elif source == "url":
+        if url is None or path is None:
+            raise ValueError("load_corpus: source='url' needs url= and path= (where to keep it)")
         text = download_text(url, path)[:max_chars]
     else:
         raise ValueError(f"load_corpus: source must be 'stdlib', 'file' or 'url', got {source!r}")

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import NamedTuple
 
-__all__ = ["Event", "Timeline", "COMPUTE", "busy_time", "bubble_fraction", "plot_timeline"]
+__all__ = ["Event", "Timeline", "COMPUTE", "align", "busy_time", "bubble_fraction", "plot_timeline"]
 
 COMPUTE = ("F", "B")  # a pipeline's compute ops; everything else on its timeline is bubble
 
@@ -86,6 +86,29 @@ class Timeline:
         """Summed duration of the events whose name starts with ``prefix`` (and in ``lane``)."""
         return sum(e.duration for e in self.events
                    if e.name.startswith(prefix) and (lane is None or e.lane == lane))
+
+
+def align(events, t0s=None) -> list[Event]:
+    """Events of several ranks on one time axis, the earliest starting at 0, sorted by (rank, start).
+
+    ``events``: one list per rank (or one flat list). ``t0s``: with one list per rank, each rank's
+    clock at its start (``StepResult.t0``: the rank's events are relative to it), added first —
+    ranks on one machine share ``time.perf_counter``, so that puts them on one axis.
+    """
+    per_rank = isinstance(events, (list, tuple)) and bool(events) and \
+        isinstance(events[0], (list, tuple)) and not isinstance(events[0], Event)
+    if t0s is not None:
+        if not per_rank or len(t0s) != len(events):
+            raise ValueError(f"align: t0s needs one list of events per rank, got {len(t0s)} "
+                             f"offsets for {len(events) if per_rank else 'a flat list of'} events")
+        events = [[e._replace(start=e.start + t0, end=e.end + t0) for e in evs]
+                  for evs, t0 in zip(events, t0s)]
+    flat = [e for evs in events for e in evs] if per_rank else list(events)
+    if not flat:
+        return []
+    base = min(e.start for e in flat)
+    return sorted((e._replace(start=e.start - base, end=e.end - base) for e in flat),
+                  key=lambda e: (e.rank, e.start))
 
 
 def _span(events) -> tuple[float, float]:
@@ -160,7 +183,7 @@ def plot_timeline(events, title: str = "", lanes: list[str] | None = None, ax=No
     (t0, t1), scale = (_span(events), 1.0) if pipeline else ((0.0, 0.0), 1e3)
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5 if pipeline else 0.45 * len(rows) + 1.2), dpi=80)
-    legend = {}
+    legend: dict = {}
     for e in events:
         y = y_of.get((e.rank, None if pipeline else e.lane))
         if y is None:

@@ -14,7 +14,7 @@ from minidist.data_parallel import BucketedDDP
 from minidist.data_parallel.checkpoint import load_checkpoint, save_checkpoint
 from minidist.models import MLP
 from minidist.sharding import ShardedOptimizer, fsdp, fsdp_state
-from minidist.sharding.checkpoint import (load_full_checkpoint, load_sharded_checkpoint,
+from minidist.sharding.checkpoints import (load_full_checkpoint, load_sharded_checkpoint,
                                           save_full_checkpoint, save_sharded_checkpoint)
 
 

@@ -8,6 +8,17 @@ import pytest
 
 _LONG_LIVED = ("ipykernel", "resource_tracker", "forkserver")
 
+# Tests that need root, apt, containers or extra environments, and the exhaustive sweeps (whose
+# representative subsets run in the default tier), form the integration tier: bare `pytest`
+# deselects them (pyproject's addopts), `pytest -m integration` runs only them.
+INTEGRATION = ("docker", "frameworks", "browser", "slurm", "exhaustive")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.get_closest_marker(m) for m in INTEGRATION):
+            item.add_marker(pytest.mark.integration)
+
 
 def _children(pid: int) -> list[int]:
     kids = []

@@ -12,7 +12,7 @@ import torch
 
 from minidist.bench import hybrid as H, mfu as U
 from minidist.models.gpt import GPT, GPTConfig
-from minidist.plan import Config, ModelSpec, predict
+from minidist.planner.search import Config, ModelSpec, predict
 
 TINY = dict(vocab_size=10, block_size=4, n_layer=2, n_head=2, n_embd=8)
 

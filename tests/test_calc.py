@@ -1,10 +1,10 @@
-"""minidist.calc against numbers published in the papers it cites (exact where the math is exact)."""
+"""minidist.planner.calc against numbers published in the papers it cites (exact where the math is exact)."""
 
 import math
 
 import pytest
 
-from minidist import calc
+from minidist.planner import calc
 
 
 def test_weights_of_100b_fp16_are_200gb():

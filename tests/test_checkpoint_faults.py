@@ -194,9 +194,10 @@ def test_truncated_corrupted_and_misshapen_checkpoints_are_named_on_every_rank(t
             assert name in ("ValueError", "RuntimeError"), (rank, name, msg)
             if expect:
                 assert expect in msg and file in msg, (rank, msg)
-            elif kind == "zero3-sharded":   # its state dict holds flat shards of each unit
-                assert "does not fit this model" in msg and "expected shape (" in msg, msg
-                assert re.search(r"\w+: expected shape \(\d+,\) torch.float32, found", msg), msg
+            elif kind == "zero3-sharded":   # per parameter: the original names, dim-0 shards
+                assert "does not fit this model" in msg and "dim-0 shards" in msg, msg
+                assert re.search(r"net\.0\.weight: expected shape \(\d+, \d+\) torch.float32, "
+                                 r"found", msg), msg
             elif kind == "3d":              # the grid's model config is checked first
                 assert "model config differs in ['n_embd']" in msg, msg
             else:     # the first layer is 8 wide in the file, 12 in this model
@@ -220,7 +221,7 @@ def test_a_truncated_plain_file_names_the_file(tmp_path):
 
 def _unsupported(rank, world, path):
     from minidist.data_parallel.checkpoint import save_checkpoint
-    from minidist.sharding.checkpoint import save_sharded_checkpoint
+    from minidist.sharding.checkpoints import save_sharded_checkpoint
     from _ckpt_kinds import setup_ddp, setup_zero3
     errors = []
     model, opt, _ = setup_zero3(rank, world, 0, 1)

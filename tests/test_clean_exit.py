@@ -52,14 +52,14 @@ def _owners_alive_at_the_end(rank, world, check_threads):
         return True                               # nothing closed: the launcher must stop them
     before = sorted(threads.live())
     stuck = threads.stop_all()
-    after = [t.name for t in threading.enumerate() if t.name in ("comm", "sharding-comm")]
+    after = [t.name for t in threading.enumerate() if t.name in ("comm", "fsdp-comm", "zero-comm")]
     return before, stuck, after
 
 
 @pytest.mark.timeout(60)
 def test_stop_all_stops_and_joins_every_library_thread():
     for before, stuck, after in minidist.run(_owners_alive_at_the_end, 2, True, timeout=40):
-        assert before == ["comm", "sharding-comm", "sharding-comm"], before
+        assert before == ["comm", "fsdp-comm", "zero-comm"], before
         assert stuck == [] and after == [], (stuck, after)
 
 

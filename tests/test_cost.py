@@ -1,4 +1,4 @@
-"""minidist.cost against published numbers, hand-computed values, and a seeded simulation of
+"""minidist.planner.cost against published numbers, hand-computed values, and a seeded simulation of
 interrupted runs (the independent reference for the spot model)."""
 
 import math
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from minidist import calc, cost
+from minidist.planner import calc, cost
 
 A100 = calc.GPUS["A100-80GB"]["peak_flops"]
 H100 = calc.GPUS["H100-80GB"]["peak_flops"]

@@ -109,7 +109,7 @@ def _grad_is_bucket_view(rank, world):
 
 
 def test_gradients_are_views_of_their_bucket_and_zero_grad_styles_agree():
-    from minidist.lessons.ddp_reference import max_abs_diff
+    from minidist.references.ddp import max_abs_diff
     res = minidist.run(_grad_is_bucket_view, 2, timeout=30)
     for grads, views in res:
         assert views

@@ -11,7 +11,7 @@ from minidist.data_parallel import BucketedDDP, assert_replicas_identical
 from minidist.data_parallel.compression import (TopK, bf16_compress_hook, fp16_compress_hook,
                                                 ring_allreduce_bytes)
 from minidist.data_parallel.mixed_precision import MixedPrecision
-from minidist.lessons.ddp_reference import torch_ddp, train_ddp
+from minidist.references.ddp import torch_ddp, train_ddp
 from minidist.models import MLP
 
 

@@ -14,7 +14,7 @@ import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import
 
 import minidist
 from minidist.data_parallel import VERSIONS
-from minidist.lessons.ddp_reference import max_abs_diff, torch_ddp, train_ddp, train_single
+from minidist.references.ddp import max_abs_diff, torch_ddp, train_ddp, train_single
 
 TOL = 1e-6
 

@@ -59,7 +59,7 @@ def test_a_rank_the_oom_killer_ended_is_reported_as_out_of_memory(monkeypatch):
     """The cgroup's oom_kill counter rising during the run turns 'killed by SIGKILL' into 'out of
     memory' with what to try (the counter is faked here: really exhausting memory would hurt the
     other users of this machine); without the rise it stays a plain SIGKILL."""
-    from minidist import launch_errors
+    from minidist.launch import errors as launch_errors
     counts = iter([0, 1])
     monkeypatch.setattr(launch_errors, "oom_kill_count", lambda: next(counts))
     with pytest.raises(minidist.RankError) as info:

@@ -7,7 +7,8 @@ import torch
 matplotlib.use("Agg")
 
 import minidist  # noqa: E402
-from minidist import calc, diagrams  # noqa: E402
+from minidist import diagrams  # noqa: E402
+from minidist.planner import calc  # noqa: E402
 from minidist.comm import ring  # noqa: E402
 
 

@@ -61,15 +61,22 @@ def test_unmodified_exercise_fails_every_grading_cell(solution):
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.name)
 def test_solution_passes_every_grading_cell(solution):
-    nb = _execute(solution)
-    graded = _grade_cells(nb)
+    """The stored run of the solution: no cell raised, every grading cell printed a full score.
+
+    The suite also executes every solution under nbval (``testpaths`` holds solutions/): a grading
+    cell raises AssertionError on any failed check (``Report.check``), so a solution that stops
+    passing fails there, and a changed printed score fails nbval's output comparison. Executing it
+    a second time here would only double the time."""
+    nb = json.loads(solution.read_text())
+    graded = [c for c in nb["cells"] if c["cell_type"] == "code"
+              and c.get("metadata", {}).get("nbgrader", {}).get("grade")]
     assert graded, f"{solution.name}: no nbgrader grading cells"
-    for i, cell in enumerate(nb.cells):
-        errs = _errors(cell)
-        assert not errs, (f"{solution.name} cell {i}: {errs[0].ename}: {errs[0].evalue}"
-                          if errs else "")
+    for i, cell in enumerate(nb["cells"]):
+        errs = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+        assert not errs, f"{solution.name} cell {i}: {errs[0]['ename']}: {errs[0]['evalue']}" if errs else ""
     for cell in graded:
-        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        text = "".join("".join(o.get("text", "")) for o in cell.get("outputs", [])
+                       if o.get("output_type") == "stream")
         assert "score:" in text and "✗" not in text, text
 
 
@@ -529,3 +536,133 @@ def place(local_rank, local_world_size, gpus, backend):
 '''}, "local rank 5 of 8, 1 GPU(s), backend 'gloo': device: expected 'cuda:0', got 'cuda:5'",
         "local_rank % gpus", "backend 'nccl': expected ValueError")
     assert "✓ local rank 3 of 4, 4 GPU(s), backend 'nccl'" in text, text
+
+
+EX15 = "15_moe_dispatch.ipynb"
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("return math.ceil(num_tokens * top_k * capacity_factor / num_experts)", "floating point"),
+    ("return math.floor(Fraction(num_tokens * top_k) * Fraction(str(capacity_factor)) / num_experts)",
+     "rounded down"),
+    ("return math.ceil(Fraction(num_tokens) * Fraction(str(capacity_factor)) / num_experts)",
+     "top_k is missing"),
+])
+def test_ex15_capacity_slips_are_named(body, needle):
+    _rejects(EX15, "capacity_grade", {"capacity": "def capacity(num_tokens, num_experts, top_k, "
+                                                 f"capacity_factor):\n    {body}\n"}, needle)
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("f = torch.bincount(experts.reshape(-1), minlength=E).float() / T\n"
+     "    return coeff * E * (f * probs.mean(0)).sum()", "f divided by T, not T·k"),
+    ("f = torch.bincount(experts.reshape(-1), minlength=E).float() / experts.numel()\n"
+     "    P = torch.zeros(E).scatter_add(0, experts.reshape(-1), probs.gather(1, experts).reshape(-1)) / T\n"
+     "    return coeff * E * (f * P).sum()", "P from the chosen experts' weights only"),
+    ("f = torch.bincount(experts.reshape(-1), minlength=E).float() / experts.numel()\n"
+     "    return coeff * E * (f * probs.detach().mean(0)).sum()", "no gradient"),
+    ("f = torch.bincount(experts.reshape(-1), minlength=E).float() / experts.numel()\n"
+     "    return coeff * (f * probs.mean(0)).sum()", "the factor E is missing"),
+])
+def test_ex15_aux_loss_on_the_wrong_statistics_is_named(body, needle):
+    _rejects(EX15, "aux_loss_grade", {"aux_loss": "def aux_loss(probs, experts, coeff):\n"
+                                                 f"    T, E = probs.shape\n    {body}\n"}, needle)
+
+
+_PERM_OK = '''
+def permutation(experts, weights, kept, num_experts):
+    T, k = experts.shape
+    key = torch.where(kept, experts, torch.full_like(experts, num_experts)).reshape(-1)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    order = order[: int(counts.sum())]
+    return order // k, weights.reshape(-1)[order], counts
+'''
+
+
+@pytest.mark.parametrize("code,needle", [
+    # token-major: rows in token order, not grouped by expert
+    ('''
+def permutation(experts, weights, kept, num_experts):
+    T, k = experts.shape
+    flat = kept.reshape(-1).nonzero().squeeze(1)
+    counts = torch.bincount(experts[kept], minlength=num_experts)
+    return flat // k, weights.reshape(-1)[flat], counts
+
+def unpermute(rows, token_index, row_weights, num_tokens):
+    w = rows * row_weights.unsqueeze(-1)
+    return w.new_zeros(num_tokens, rows.shape[-1]).index_add(0, token_index, w)
+''', "not grouped by expert"),
+    # a token's k rows assigned, not summed
+    (_PERM_OK + '''
+def unpermute(rows, token_index, row_weights, num_tokens):
+    w = rows * row_weights.unsqueeze(-1)
+    return w.new_zeros(num_tokens, rows.shape[-1]).index_copy(0, token_index, w)
+''', "summed (index_add), not assigned"),
+    # rows not weighted
+    (_PERM_OK + '''
+def unpermute(rows, token_index, row_weights, num_tokens):
+    return rows.new_zeros(num_tokens, rows.shape[-1]).index_add(0, token_index, rows)
+''', "not weighted by their router probability"),
+    # rows returned in permuted order to the first positions: the wrong tokens
+    (_PERM_OK + '''
+def unpermute(rows, token_index, row_weights, num_tokens):
+    w = rows * row_weights.unsqueeze(-1)
+    out = w.new_zeros(num_tokens, rows.shape[-1])
+    pos = torch.arange(len(token_index)) % num_tokens
+    return out.index_add(0, pos, w)
+''', "tokens returned to the wrong positions"),
+    # dropped rows sent
+    ('''
+def permutation(experts, weights, kept, num_experts):
+    T, k = experts.shape
+    order = torch.sort(experts.reshape(-1), stable=True).indices
+    counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
+    return order // k, weights.reshape(-1)[order], counts
+
+def unpermute(rows, token_index, row_weights, num_tokens):
+    w = rows * row_weights.unsqueeze(-1)
+    return w.new_zeros(num_tokens, rows.shape[-1]).index_add(0, token_index, w)
+''', "include dropped assignments"),
+    # the router weights detached
+    (_PERM_OK.replace("weights.reshape(-1)[order]", "weights.detach().reshape(-1)[order]") + '''
+def unpermute(rows, token_index, row_weights, num_tokens):
+    w = rows * row_weights.unsqueeze(-1)
+    return w.new_zeros(num_tokens, rows.shape[-1]).index_add(0, token_index, w)
+''', "router gets no gradient"),
+])
+def test_ex15_permutation_slips_are_named(code, needle):
+    _rejects(EX15, "permutation_grade", {"permutation": code}, needle)
+
+
+def test_ex14_rejects_an_unstable_merge_a_plain_sum_and_the_wrong_chunk_pairing():
+    naive = '''
+def merge(out_a, lse_a, out_b, lse_b):
+    lse = lse_a + torch.log(1 + torch.exp(lse_b - lse_a))
+    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse
+'''
+    _rejects("14_context_parallel.ipynb", "merge_grade", {"merge": naive},
+             "overflow: the merge is not finite", "max + log1p(exp(-|a - b|))",
+             "block a saw no key (lse -inf): nan or inf")
+    _rejects("14_context_parallel.ipynb", "ring_grade", {"merge": naive}, "non-finite output")
+    plain = '''
+def merge(out_a, lse_a, out_b, lse_b):
+    return out_a + out_b, torch.logaddexp(lse_a, lse_b)
+'''
+    _rejects("14_context_parallel.ipynb", "merge_grade", {"merge": plain},
+             "out is out_a + out_b: weight each by its share")
+    _rejects("14_context_parallel.ipynb", "ring_grade", {"merge": plain},
+             "output differs from full attention")
+    for wrong, needle in (("chunks[world + rank]", "chunks r and W + r: the wrong chunk pairing"),
+                          ("chunks[(2 * world - rank) % (2 * world)]", "chunks r and 2W - r")):
+        _rejects("14_context_parallel.ipynb", "zigzag_positions_grade", {"zigzag_positions": f'''
+def zigzag_positions(seq_len, world, rank):
+    chunks = torch.arange(seq_len).tensor_split(2 * world)
+    return torch.cat([chunks[rank], {wrong}])
+'''}, needle)
+    _rejects("14_context_parallel.ipynb", "zigzag_positions_grade", {"zigzag_positions": '''
+def zigzag_positions(seq_len, world, rank):
+    n = seq_len // (2 * world)
+    return torch.cat([torch.arange(rank * n, (rank + 1) * n),
+                      torch.arange((2 * world - 1 - rank) * n, (2 * world - rank) * n)])
+'''}, "does not divide into")

@@ -16,7 +16,6 @@ TCPStore (0.0.0.0) and torchrun's agent ([::], two stores, in torch 2.13 and 2.1
 Select or skip them with ``-m frameworks`` / ``-m "not frameworks"``.
 """
 
-import os
 import shutil
 import sys
 import time

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import minidist
-from minidist import env, launch
-from minidist.launch_errors import RankError
+from minidist import env
+from minidist.launch import launcher as launch
+from minidist.launch.errors import RankError
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_GPU = torch.cuda.is_available()

@@ -133,8 +133,8 @@ def every_grid(max_world=8):
              pp > 1 and i % 2 == 1) for i, (dp, tp, pp) in enumerate(grids)]
 
 
-@pytest.mark.slow   # 31 grids, 1 to 8 ranks each: ~5 min on 2 busy cores
-@pytest.mark.timeout(240)
+@pytest.mark.exhaustive   # 31 grids, 1 to 8 ranks each: ~5 min on 2 busy cores; CONFIGS above
+@pytest.mark.timeout(240)  # are the default tier's representative subset
 @pytest.mark.parametrize("dp,tp,pp,sp,mode,reduction,tie", every_grid(),
                          ids=[f"dp{g[0]}-tp{g[1]}-pp{g[2]}" for g in every_grid()])
 def test_every_grid_up_to_8_ranks(dp, tp, pp, sp, mode, reduction, tie):

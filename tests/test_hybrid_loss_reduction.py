@@ -7,8 +7,10 @@ batch (12 sequences of 5 tokens):
 * ``"mean"`` over samples: micro-batch means weighted ``n_m/N`` (the engine's default);
 * ``"sum"``: micro-batch sums, summed over replicas (the DP average is undone);
 * ``"per_token"`` with ``ignore_index=-100`` on about half the positions, spread unevenly:
-  ``loss_fn`` returns ``(sum, count)`` and the engine divides by the global count
-  (Megatron-Core's ``calculate_per_token_loss``).
+  ``loss_fn`` returns ``(sum, count)`` and the gradients are divided by the global count
+  (Megatron-Core's ``calculate_per_token_loss``), also when one replica counts no token at all.
+
+The engine alone (no DP) and its composition with DP (``minidist.hybrid.dp_pipeline``) both.
 
 And the trap: a per-micro-batch token mean weighted ``n_m/N`` is *not* the global token mean when
 micro-batches hold different numbers of counted tokens — the test asserts it differs (by more than
@@ -23,6 +25,7 @@ from torch import nn
 import minidist
 from minidist.grid import ProcessGrid
 from minidist.pipeline_parallel import make_schedule
+from minidist.hybrid.dp_pipeline import dp_pipeline_step
 from minidist.pipeline_parallel.engine import local_stages, pipeline_step
 
 V, H, N, S = 11, 8, 12, 5
@@ -59,7 +62,16 @@ LOSS_FNS = {
     "token-mean-weighted-by-samples": lambda y, t: F.cross_entropy(y, t.reshape(-1)),
 }
 ENGINE_REDUCTION = {"mean": "mean", "sum": "sum", "per_token": "per_token",
-                    "token-mean-weighted-by-samples": "mean"}
+                    "per_token/replica-empty": "per_token", "token-mean-weighted-by-samples": "mean"}
+LOSS_FNS["per_token/replica-empty"] = LOSS_FNS["per_token"]
+
+
+def ignored_targets(kind, ignored):
+    """"per_token/replica-empty": replica 1 (the second half of the batch) counts no token at all."""
+    if kind == "per_token/replica-empty":
+        ignored = ignored.clone()
+        ignored[N // 2:] = -100
+    return ignored
 
 
 def split_model(model, n):
@@ -74,10 +86,10 @@ def _rank(rank, world, kind, name, M):
     model = make_model()
     mods = local_stages(split_model(model, schedule.n_stages), schedule, grid.pp_rank)
     ids, targets, ignored = make_batch()
-    t = targets if kind in ("mean", "sum") else ignored
+    t = targets if kind in ("mean", "sum") else ignored_targets(kind, ignored)
     ids, t = ids.tensor_split(2)[grid.dp_rank], t.tensor_split(2)[grid.dp_rank]
-    res = pipeline_step(schedule, mods, ids, t, LOSS_FNS[kind], group=grid.pp_group,
-                        dp_group=grid.dp_group, loss_reduction=ENGINE_REDUCTION[kind])
+    res = dp_pipeline_step(schedule, mods, ids, t, LOSS_FNS[kind], grid.pp_group, grid.dp_group,
+                           loss_reduction=ENGINE_REDUCTION[kind])
     mine = {id(p) for m in mods.values() for p in m.parameters()}
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if id(p) in mine}
     return res.global_loss, res.tokens, grads
@@ -92,6 +104,7 @@ def reference(kind):
     elif kind == "sum":
         loss = F.cross_entropy(y, targets.reshape(-1), reduction="sum")
     else:
+        ignored = ignored_targets(kind, ignored)
         loss = F.cross_entropy(y, ignored.reshape(-1))   # mean over the counted tokens
     loss.backward()
     return loss.item(), {k: p.grad for k, p in model.named_parameters()}, int((ignored != -100).sum())
@@ -109,8 +122,9 @@ def worst_error(results, ref):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name,M", [("1f1b", 3), ("interleaved", 4)])
-@pytest.mark.parametrize("kind", ["mean", "sum", "per_token"])
+@pytest.mark.parametrize("kind,name,M", [
+    (kind, name, M) for kind in ("mean", "sum", "per_token") for name, M in (("1f1b", 3), ("interleaved", 4))
+] + [("per_token/replica-empty", "1f1b", 3)])   # a replica with no counted token: no nan, no 0/0
 def test_reduction_equals_global_batch(kind, name, M):
     results = minidist.run(_rank, 4, kind, name, M, timeout=90)
     ref_loss, ref, count = reference(kind)
@@ -120,7 +134,7 @@ def test_reduction_equals_global_batch(kind, name, M):
             assert global_loss is None and tokens is None   # "mean" adds no collective
         else:
             assert global_loss == pytest.approx(ref_loss, rel=TOL)
-            assert tokens == (count if kind == "per_token" else None)
+            assert tokens == (count if kind.startswith("per_token") else None)
 
 
 @pytest.mark.timeout(120)
@@ -132,13 +146,19 @@ def test_token_mean_weighted_by_samples_is_wrong_with_ignored_positions():
 
 @pytest.mark.timeout(90)
 def test_unknown_reduction_and_bad_loss_fn_are_errors():
-    def fn(rank, world, reduction, loss_fn):
+    def fn(rank, world, reduction, loss_fn, composed=False):
         model = make_model()
         schedule = make_schedule("1f1b", 1, 2)
         mods = {0: model}   # one stage: the whole model
         ids, targets, _ = make_batch()
-        pipeline_step(schedule, mods, ids, targets, loss_fn, loss_reduction=reduction)
+        if composed:   # with DP (here a DP group of one): the composition checks its loss_fn too
+            dp_pipeline_step(schedule, mods, ids, targets, loss_fn, None, None,
+                             loss_reduction=reduction)
+        else:
+            pipeline_step(schedule, mods, ids, targets, loss_fn, loss_reduction=reduction)
     with pytest.raises(minidist.RankError, match="loss_reduction must be one of"):
         minidist.run(fn, 1, "median", LOSS_FNS["mean"], timeout=30)
-    with pytest.raises(minidist.RankError, match=r"needs loss_fn to return \(sum, count\)"):
+    with pytest.raises(minidist.RankError, match=r"pipeline_step \(rank 0\).*needs loss_fn to return \(sum, count\)"):
         minidist.run(fn, 1, "per_token", LOSS_FNS["mean"], timeout=30)
+    with pytest.raises(minidist.RankError, match=r"dp_pipeline_step \(rank 0\).*needs loss_fn to return \(sum, count\)"):
+        minidist.run(fn, 1, "per_token", LOSS_FNS["mean"], True, timeout=30)

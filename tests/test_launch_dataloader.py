@@ -6,7 +6,6 @@ group, so the launcher still stops a rank's workers with the rank. Tested with r
 spawned, and with the loader's workers forked and spawned.
 """
 
-import os
 import time
 
 import pytest

@@ -71,7 +71,7 @@ def test_double_ctrl_c_stops_every_rank_removes_the_folder_and_the_next_launch_w
 
 
 def test_an_interrupted_eager_import_leaves_nothing_half_imported(tmp_path, monkeypatch):
-    from minidist.launch import _import_whole
+    from minidist.launch.launcher import _import_whole
     pkg = tmp_path / "halfpkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("from . import sub\n")

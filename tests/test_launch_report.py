@@ -18,7 +18,7 @@ import torch
 
 import minidist
 from minidist.comm import p2p
-from minidist.launch_errors import short_path
+from minidist.launch.errors import short_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,3 +94,18 @@ def test_notebook_timeout_report_leads_with_the_learners_cell():
                         r"        p2p\.send\(t, \(rank \+ 1\) % world\)", block), block[:400]
     assert "isend to rank" not in report and "/tmp/ipykernel" not in report
     assert str(ROOT) not in report
+
+
+def test_stack_of_cuts_the_frames_below_the_rank_entry_point(tmp_path):
+    """The launcher's own frames (the rank's entry point and below) are not the learner's."""
+    from minidist.launch import errors, rank_process
+    entry = rank_process.__file__
+    dump = tmp_path / "dump"
+    dump.write_text("main thread 0x00000000000000ab\n"
+                    "Current thread 0x00000000000000ab (most recent call first):\n"
+                    '  File "/home/me/train.py", line 7 in step\n'
+                    '  File "/home/me/train.py", line 3 in fn\n'
+                    f'  File "{entry}", line 120 in main\n'
+                    '  File "/usr/lib/python3/multiprocessing/process.py", line 108 in run\n')
+    assert errors.stack_of(str(dump)) == [("/home/me/train.py", 7, "step"),
+                                          ("/home/me/train.py", 3, "fn")]

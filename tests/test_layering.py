@@ -1,19 +1,24 @@
-"""Arrows point down only (docs/ARCHITECTURE.md): no module imports from a floor above its own.
+"""Arrows point down only (docs/ARCHITECTURE.md): no module imports from a floor above its own,
+and no two modules import each other.
 
 Every module of the package is parsed (``ast``), every import counted — at the top, inside a
 function, or relative — and compared with the floor of the module it imports from:
 
-* floor 0, the ground: ``env`` (and ``devices``), ``comm``, ``trace``, ``grid``, ``models``, ``data``, ``text``
+* floor 0, the ground: ``env``, ``comm``, ``trace``, ``grid``, ``models``, ``data``, ``text``
 * floor 1, the launcher, the public collectives and checkpoint generations: ``collectives``,
-  ``launch``, ``launch_errors``, ``rank_process``, ``checkpoint_io``
+  ``communicator`` (hand-built or torch, bound to a group; the one communication thread),
+  ``launch``, ``checkpoint_io``
 * floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``, ``sharding``,
-  ``hybrid``
-* floor 3, what reads or drives them: ``lessons``, ``bench``, ``grading``, ``exercises``, ``cli``,
-  ``doctor``, ``calc``, ``cost``, ``diagrams``, ``plan`` (and ``plan_reference``, ``plan_machine``),
-  ``__main__`` (``python -m minidist``)
+  ``hybrid``, ``expert_parallel``, ``context_parallel``
+* floor 3, what reads or drives them, in sub-floors (3.0 < 3.1 < 3.2 < 3.3):
+  3.0 ``references`` (the oracles), ``planner``, ``diagrams``; 3.1 ``bench`` (measures);
+  3.2 ``lessons``, ``grading``, ``exercises``, ``doctor`` (teach, grade, inspect); 3.3 ``cli``,
+  ``__main__``
 
-Importing sideways (same floor) or down is allowed; a module the table does not know fails the
-test, so a new module has to be given a floor.
+Importing down is allowed, and sideways within one (sub-)floor, but never both ways: no two
+modules (files) import each other, in any form (at the top, inside a function, or a re-export),
+and no two top-level packages either. A module the table does not know fails the test, so a new
+module has to be given a floor.
 """
 
 from __future__ import annotations
@@ -26,11 +31,14 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "minidist"
 
 FLOORS = {
-    0: ("env", "devices", "comm", "trace", "grid", "models", "data", "text"),
-    1: ("collectives", "launch", "launch_errors", "rank_process", "checkpoint_io"),
-    2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding", "hybrid"),
-    3: ("lessons", "bench", "grading", "exercises", "cli", "doctor", "calc", "cost", "diagrams",
-        "plan", "plan_reference", "plan_machine", "__main__"),
+    0: ("env", "comm", "trace", "grid", "models", "data", "text"),
+    1: ("collectives", "communicator", "launch", "checkpoint_io"),
+    2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding", "hybrid",
+        "expert_parallel", "context_parallel"),
+    3.0: ("references", "planner", "diagrams"),
+    3.1: ("bench",),
+    3.2: ("lessons", "grading", "exercises", "doctor"),
+    3.3: ("cli", "__main__"),
 }
 FLOOR_OF = {name: floor for floor, names in FLOORS.items() for name in names}
 
@@ -39,6 +47,7 @@ FLOOR_OF = {name: floor for floor, names in FLOORS.items() for name in names}
 KNOWN: dict[tuple[str, str], str] = {
     # e.g. ("env", "doctor"): "why it is still there" (env importing doctor was the last one)
 }
+
 
 
 def top_name(module: str) -> str | None:
@@ -131,6 +140,72 @@ def test_known_upward_edge_is_still_there(edge):
     pytest.xfail(KNOWN[edge])
 
 
+def module_edges(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The minidist modules (files) ``module`` imports, wherever the statement sits: ``from pkg
+    import name`` counts as importing ``pkg.name`` when that is a module in ``known``, else as
+    importing ``pkg`` (its ``__init__``)."""
+    package = module if is_package else module.rpartition(".")[0]
+
+    def file_of(name: str) -> str:
+        while name not in known and "." in name:  # pkg.mod.attr -> the module pkg.mod
+            name = name.rpartition(".")[0]
+        return name
+
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(file_of(a.name) for a in node.names if a.name.split(".")[0] == "minidist")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "minidist":
+                continue
+            found.update(f"{target}.{a.name}" if f"{target}.{a.name}" in known else file_of(target)
+                         for a in node.names)
+    found.discard(module)
+    return found
+
+
+def mutual_pairs(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Pairs ``(a, b)``, ``a < b``, where a imports b and b imports a."""
+    return sorted({tuple(sorted((a, b))) for a, targets in edges.items() for b in targets
+                   if a in edges.get(b, ())})
+
+
+def _module_graph() -> dict[str, set[str]]:
+    mods = list(_modules())
+    known = {m for m, _, _ in mods}
+    return {m: module_edges(path.read_text(), m, is_package, known) for m, path, is_package in mods}
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        me = top_name(module)
+        for target in targets:
+            other = top_name(target)
+            if me is not None and other is not None and other != me:
+                rooms.setdefault(me, set()).add(other)
+    return rooms
+
+
+def test_no_two_modules_import_each_other():
+    """A pair that imports each other (at the top, inside a function, or through a re-export) is
+    one idea cut in two, or a loop that only import order keeps working."""
+    pairs = mutual_pairs(_module_graph())
+    assert not pairs, "modules that import each other:\n" + "\n".join(f"{a} <-> {b}" for a, b in pairs)
+
+
+def test_no_two_top_level_packages_import_each_other():
+    """Sideways imports within one (sub-)floor are allowed, loops between two rooms are not."""
+    pairs = mutual_pairs(_package_graph(_module_graph()))
+    assert not pairs, "packages that import each other:\n" + "\n".join(f"{a} <-> {b}" for a, b in pairs)
+
+
 # ---------------------------------------------------------------- the checker itself can fail
 @pytest.mark.parametrize("module,source,expected", [
     # a function-level import, as a lazy import would be written
@@ -138,8 +213,8 @@ def test_known_upward_edge_is_still_there(edge):
     ("minidist.comm.ring", "from ..collectives import all_reduce\n", [("comm", "collectives")]),
     ("minidist.models.gpt", "from minidist.tensor_parallel import regions\n",
      [("models", "tensor_parallel")]),
-    ("minidist.tensor_parallel.layers", "import minidist.lessons.tp_checks\n",
-     [("tensor_parallel", "lessons")]),
+    ("minidist.tensor_parallel.layers", "import minidist.references.tp\n",
+     [("tensor_parallel", "references")]),
     ("minidist.data_parallel.base", "from minidist import run\n", []),   # launch: floor 1 < 2
     ("minidist.collectives", "from .comm import ring\nimport torch\n", []),
     ("minidist.lessons.ddp_demo", "from ..data_parallel import NaiveDDP\n", []),
@@ -148,6 +223,36 @@ def test_known_upward_edge_is_still_there(edge):
 def test_checker_finds_upward_imports_in_synthetic_modules(module, source, expected):
     is_package = module == "minidist.tensor_parallel"
     assert upward_edges(source, module, is_package) == expected
+
+
+def test_checker_finds_a_sideways_loop_at_the_top_floor():
+    """bench importing lessons (and lessons bench) was a loop floor 3 allowed: sub-floors refuse it."""
+    assert upward_edges("from ..lessons.sharding_demo import x\n", "minidist.bench.zero") == [
+        ("bench", "lessons")]
+    assert upward_edges("from ..bench.hybrid import build\n", "minidist.lessons.timeline") == []
+    assert upward_edges("from ..references.ddp import x\n", "minidist.bench.ddp") == []
+    assert upward_edges("def f():\n    from .. import cli\n", "minidist.grading.core") == [
+        ("grading", "cli")]
+    assert upward_edges("from ..lessons import tp_demo\n", "minidist.references.tp") == [
+        ("references", "lessons")]
+
+
+def test_checker_finds_modules_and_packages_that_import_each_other():
+    known = {"minidist.planner.search", "minidist.planner.machine", "minidist.planner",
+             "minidist.bench.ddp", "minidist.grading.ddp", "minidist.grading"}
+    # a re-export at the bottom of one file, a function-level import in the other
+    a = module_edges("x = 1\nfrom .machine import this_machine  # noqa: E402\n",
+                     "minidist.planner.search", False, known)
+    b = module_edges("def f():\n    from . import search\n", "minidist.planner.machine", False, known)
+    assert a == {"minidist.planner.machine"} and b == {"minidist.planner.search"}
+    graph = {"minidist.planner.search": a, "minidist.planner.machine": b}
+    assert mutual_pairs(graph) == [("minidist.planner.machine", "minidist.planner.search")]
+    assert mutual_pairs({"minidist.planner.search": a}) == []
+    # two rooms on one sub-floor importing each other through different files
+    rooms = _package_graph({"minidist.bench.ddp": {"minidist.grading.ddp"},
+                            "minidist.grading.ddp": {"minidist.grading"},
+                            "minidist.grading": {"minidist.bench.ddp"}})
+    assert mutual_pairs(rooms) == [("bench", "grading")]
 
 
 def test_checker_rejects_a_module_without_a_floor():

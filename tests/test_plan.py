@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from minidist import calc, cli
-from minidist import plan as P
+from minidist import cli
+from minidist.planner import calc
+from minidist import planner as P
 from minidist.models.gpt import GPT, GPTConfig
 
 GPT3 = P.ModelSpec(layers=96, hidden=12288, heads=96, vocab=51200, seq_len=2048)

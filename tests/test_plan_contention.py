@@ -1,10 +1,10 @@
-"""The CPU planner's contention terms (minidist.plan_machine): concurrent-group links, cores freed
+"""The CPU planner's contention terms (minidist.planner.machine): concurrent-group links, cores freed
 in the pipeline bubble, the optimizer step. Deterministic: numbers in, numbers out, no timing."""
 
 import pytest
 
-import minidist.plan as P
-from minidist.plan_machine import busy_ranks, optimizer_fraction
+from minidist import planner as P
+from minidist.planner.machine import busy_ranks, optimizer_fraction
 
 SPEC = P.ModelSpec(layers=8, hidden=32, heads=4, vocab=93, seq_len=16)
 LINK = P.Link(1e-3, 1e-9)

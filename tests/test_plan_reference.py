@@ -1,4 +1,4 @@
-"""minidist.plan against published large runs (sources in minidist/plan_reference.py).
+"""minidist.plan against published large runs (sources in minidist/planner/published.py).
 
 * Narayanan et al. 2021 (Megatron-LM, SC'21), Table 1: the model sizes, and the (t, p) each row
   ran with on 80 GB A100s, 8 per node. The planner is given the paper's setting — mixed-precision
@@ -16,8 +16,8 @@
 
 import pytest
 
-from minidist import plan as P
-from minidist.plan_reference import BLOOM, BLOOM_MEMORY_PER_GPU, MEGATRON_TABLE1
+from minidist import planner as P
+from minidist.planner.published import BLOOM, BLOOM_MEMORY_PER_GPU, MEGATRON_TABLE1
 
 A100 = dict(device_memory=80e9, flop_rate=0.5 * 312e12, devices_per_node=8)
 

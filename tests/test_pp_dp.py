@@ -11,7 +11,8 @@ from torch import nn
 import minidist
 from minidist.grid import ProcessGrid
 from minidist.pipeline_parallel import make_schedule
-from minidist.pipeline_parallel.engine import local_stages, pipeline_step
+from minidist.hybrid.dp_pipeline import dp_pipeline_step
+from minidist.pipeline_parallel.engine import local_stages
 from minidist.pipeline_parallel.partition import split_model
 
 N, WIDTH = 12, 5
@@ -35,8 +36,8 @@ def _dp_pp(rank, world, name, M):
     mine = {id(p) for m in mods.values() for p in m.parameters()}
     x, y = make_batch()
     x, y = x.tensor_split(2)[grid.dp_rank], y.tensor_split(2)[grid.dp_rank]
-    res = pipeline_step(schedule, mods, x, y, nn.functional.mse_loss,
-                        group=grid.pp_group, dp_group=grid.dp_group)
+    res = dp_pipeline_step(schedule, mods, x, y, nn.functional.mse_loss, grid.pp_group,
+                           grid.dp_group)
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if id(p) in mine}
     return grid.dp_rank, grid.pp_rank, res.loss, grads
 

@@ -16,7 +16,7 @@ import minidist
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 # world size per snippet function; the 3-D one needs dp * pp * tp = 8 ranks
-WORLD = {"f": 4, "ddp": 2, "tp": 2, "pp": 2, "three_d": 8}
+WORLD = {"f": 4, "ddp": 2, "tp": 2, "pp": 2, "three_d": 8, "ep": 4}
 
 
 def _snippets() -> list[str]:
@@ -53,5 +53,5 @@ def test_snippet_runs_and_ranks_agree(name):
     elif name == "pp":
         losses = [r for r in results if r is not None]
         assert len(losses) == 1 and results[-1] is not None   # only the last stage has the loss
-    else:                                            # ddp, three_d: identical on every rank
+    else:                                            # ddp, three_d, ep: identical on every rank
         assert all(r == results[0] for r in results), results

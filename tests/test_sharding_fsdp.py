@@ -1,20 +1,18 @@
 """ZeRO-3 (minidist.sharding.fully_shard) equals one process, torch's DDP and torch's own FSDP2.
 
 Tolerance 1e-6 in fp32: sums of the same gradients in a different order (ring vs torch vs one
-process). The model (minidist.lessons.sharding_reference) has tied weights, a frozen parameter,
+process). The model (minidist.references.sharding) has tied weights, a frozen parameter,
 a buffer and no parameter size divisible by W; units are its two blocks (auto-wrap) and the root.
 """
 
-import contextlib
 
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it)
-import torch.distributed as dist
 
 import minidist
-from minidist.sharding import fsdp, fsdp_state
-from minidist.lessons.sharding_reference import (OPTIMIZERS, Block, global_batch, local_batch,
+from minidist.sharding import fsdp, fsdp_param, fsdp_state
+from minidist.references.sharding import (OPTIMIZERS, Block, global_batch, local_batch,
                                                  loss_fn, make_model, max_abs_diff, named_state,
                                                  train_single)
 
@@ -131,7 +129,7 @@ def test_no_sync_accumulation_and_global_norm_clipping():
     assert max_abs_diff(single, train_single(*OPTIMIZERS["sgd"][:1], **OPTIMIZERS["sgd"][1])) > 1e-3
 
 
-class _FreesBeforeBackward(fsdp.FlatParamUnit):
+class _FreesBeforeBackward(fsdp_param.ParamShardUnit):
     """Broken on purpose: does not all-gather again before the unit's backward."""
 
     def pre_backward(self):
@@ -142,7 +140,7 @@ class _FreesBeforeBackward(fsdp.FlatParamUnit):
 
 
 def _broken(rank, world):
-    fsdp.FlatParamUnit = _FreesBeforeBackward  # this rank's copy of the module only
+    fsdp.ParamShardUnit = _FreesBeforeBackward  # the name fully_shard uses; this rank's copy only
     try:
         return _ours(rank, world, "sgd")
     except RuntimeError as e:
@@ -196,27 +194,40 @@ def test_state_dict_saved_at_w2_loads_at_w1_and_gives_the_same_next_step(tmp_pat
         minidist.run(_load, 1, path, name, True, timeout=120)
 
 
-def _prefetch_and_free(rank, world, prefetch):
-    model = fsdp.fully_shard(make_model(), auto_wrap=(Block,), prefetch=prefetch)
+def _prefetch_and_free(rank, world, prefetch, per_parameter=True):
+    model = fsdp.fully_shard(make_model(), auto_wrap=(Block,), prefetch=prefetch,
+                             per_parameter=per_parameter)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _steps(model, opt, rank, world, 3)
     us = fsdp.units(model)
     return {"prefetched": us[0].ctx.prefetched, "units": len(us),
             "gathered bytes after step": sum(u.full.untyped_storage().size() for u in us),
-            "shard sizes": [u.flat_shard.numel() for u in us],
-            "params": [n for n, _ in model.named_parameters()]}
+            "shard sizes": [u.layout.shard_numel for u in us],
+            "params": {n: tuple(p.shape) for n, p in model.named_parameters()}}
 
 
-def test_prefetch_happens_and_everything_is_freed_after_a_step():
-    on, off = minidist.run(_prefetch_and_free, 2, True, timeout=120)[0], \
-        minidist.run(_prefetch_and_free, 2, False, timeout=120)[0]
+@pytest.mark.parametrize("per_parameter", [True, False])
+def test_prefetch_happens_and_everything_is_freed_after_a_step(per_parameter):
+    on, off = minidist.run(_prefetch_and_free, 2, True, per_parameter, timeout=120)[0], \
+        minidist.run(_prefetch_and_free, 2, False, per_parameter, timeout=120)[0]
     assert on["units"] == 3 and on["gathered bytes after step"] == 0
     # steps 2 and 3: each unit is prefetched before its forward and (but one) before its backward
     assert on["prefetched"] >= 2 * 2 * 2 and off["prefetched"] == 0
-    # units: blocks.0 (91+13+91+7 = 202 → 101), blocks.1, root (77 + 11 = 88 → 44); frozen kept
-    assert on["shard sizes"] == [101, 101, 44]
-    assert sorted(on["params"]) == ["blocks.0.flat_shard", "blocks.1.flat_shard", "flat_shard",
-                                    "frozen"]
+    if not per_parameter:
+        # units: blocks.0 (91+13+91+7 = 202 → 101), blocks.1, root (77 + 11 = 88 → 44); frozen kept
+        assert on["shard sizes"] == [101, 101, 44]
+        assert sorted(on["params"]) == ["blocks.0.flat_shard", "blocks.1.flat_shard",
+                                        "flat_shard", "frozen"]
+        return
+    # per parameter, dim 0 cut in ceil(d0/2) rows: fc1.weight [13, 7] → [7, 7] = 49, fc1.bias
+    # [13] → 7, fc2.weight [7, 13] → [4, 13] = 52, fc2.bias → 4: 112; root: emb (= head) [11, 7]
+    # → 42, head.bias → 6, frozen [7] → 4 (frozen parameters are sharded too): 52
+    assert on["shard sizes"] == [112, 112, 52]
+    assert on["params"] == {"emb.weight": (6, 7), "frozen": (4,),
+                            **{f"blocks.{i}.{n}": s for i in (0, 1) for n, s in
+                               [("fc1.weight", (7, 7)), ("fc1.bias", (7,)),
+                                ("fc2.weight", (4, 13)), ("fc2.bias", (4,))]},
+                            "head.bias": (6,)}
 
 
 def _errors(rank, world):

@@ -17,7 +17,7 @@ from minidist.comm import p2p
 from minidist.sharding import ActivationMeter, ShardedOptimizer, account, fsdp, zero_formula
 from minidist.sharding.memory import K_FP32
 from minidist.sharding.recompute import Checkpointed
-from minidist.lessons.sharding_reference import (Block, global_batch, local_batch, loss_fn,
+from minidist.references.sharding import (Block, global_batch, local_batch, loss_fn,
                                                  make_model)
 
 PSI = 668

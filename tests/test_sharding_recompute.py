@@ -11,7 +11,7 @@ from torch import nn
 import minidist
 from minidist.sharding import checkpoint, fsdp, fsdp_state
 from minidist.sharding.recompute import Checkpointed
-from minidist.lessons.sharding_reference import (Block, global_batch, local_batch, loss_fn,
+from minidist.references.sharding import (Block, global_batch, local_batch, loss_fn,
                                                  make_model, max_abs_diff, named_state)
 
 IMPLS = ["off", "minidist", "torch-reentrant", "torch-non-reentrant"]

@@ -4,7 +4,7 @@ one process on the global batch.
 Tolerance 1e-6 in fp32: the ranks sum gradients in a different order than one process (and the
 ring in a different order than torch), so results agree up to rounding; across ranks they are
 bit-identical (every rank all-gathers the same slices). The model has tied weights, a frozen
-parameter, a buffer and no parameter size divisible by W (minidist.lessons.sharding_reference).
+parameter, a buffer and no parameter size divisible by W (minidist.references.sharding).
 """
 
 import pytest
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import minidist
 from minidist.sharding import ShardedOptimizer
-from minidist.lessons.sharding_reference import (OPTIMIZERS, as_groups, local_batch, loss_fn,
+from minidist.references.sharding import (OPTIMIZERS, as_groups, local_batch, loss_fn,
                                                  make_model, max_abs_diff, named_state,
                                                  param_groups, train_single)
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import minidist
 from minidist.tensor_parallel import pad_to_multiple, regions as R
-from minidist.lessons.tp_checks import rel_error
+from minidist.references.tp import rel_error
 from minidist.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from minidist.tensor_parallel.sharding import gather_tensor
 

@@ -8,7 +8,7 @@ import minidist
 from minidist.models.gpt import GPT, GPTConfig
 from minidist.tensor_parallel.gpt import TPGPT
 from minidist.tensor_parallel import accounting, gather_state_dict, regions as R
-from minidist.lessons.tp_checks import max_rel_error, rel_error
+from minidist.references.tp import max_rel_error, rel_error
 
 TOL = 1e-6
 CFG = GPTConfig(vocab_size=50, block_size=8, n_layer=2, n_head=4, n_embd=16)

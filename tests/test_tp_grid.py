@@ -9,7 +9,7 @@ from minidist.grid import ProcessGrid
 from minidist.models.gpt import GPT, GPTConfig
 from minidist.tensor_parallel.gpt import TPGPT
 from minidist.tensor_parallel import gather_state_dict
-from minidist.lessons.tp_checks import max_rel_error
+from minidist.references.tp import max_rel_error
 
 CFG = GPTConfig(vocab_size=50, block_size=8, n_layer=2, n_head=4, n_embd=16)
 

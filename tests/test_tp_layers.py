@@ -1,6 +1,6 @@
 """Tensor-parallel region operators and layers against torch's single-process layers (gloo, CPU).
 
-Tolerance: 1e-6 relative (2-norm, see minidist.lessons.tp_checks) in fp32 — TP only changes the order of additions.
+Tolerance: 1e-6 relative (2-norm, see minidist.references.tp) in fp32 — TP only changes the order of additions.
 """
 
 import pytest
@@ -12,7 +12,7 @@ import minidist
 from minidist.tensor_parallel import regions as AG
 from minidist.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                       VocabParallelEmbedding, gather_state_dict, regions as R)
-from minidist.lessons.tp_checks import max_rel_error, rel_error
+from minidist.references.tp import max_rel_error, rel_error
 
 TOL = 1e-6
 

@@ -8,7 +8,7 @@ import minidist
 from minidist.models.gpt import GPT, GPTConfig
 from minidist.tensor_parallel.gpt import TPGPT, use_tracker_dropout
 from minidist.tensor_parallel import regions as R
-from minidist.lessons.tp_checks import rel_error
+from minidist.references.tp import rel_error
 from minidist.tensor_parallel.random import dropout, model_parallel_seed
 
 

@@ -7,7 +7,7 @@ import torch
 import minidist
 from minidist.models.gpt import GPTConfig
 from minidist.tensor_parallel.gpt import TPGPT
-from minidist.lessons.tp_checks import rel_error
+from minidist.references.tp import rel_error
 from minidist.tensor_parallel.random import model_parallel_seed
 
 CFG = GPTConfig(vocab_size=50, block_size=8, n_layer=2, n_head=4, n_embd=16, dropout=0.1,

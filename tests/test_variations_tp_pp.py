@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import minidist
 from minidist.grid import ProcessGrid
 from minidist.pipeline_parallel import make_schedule
+from minidist.hybrid.dp_pipeline import dp_pipeline_step
 from minidist.pipeline_parallel.engine import local_stages, pipeline_step
 from minidist.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -147,7 +148,10 @@ def _pp_rank(rank, world, variation, schedule_name):
         # reentrant checkpointing needs an input that requires grad, in one process as here (else
         # torch warns and the first stage gets no gradient at all)
         x.requires_grad_(reentrant is True)
-        pipeline_step(schedule, mods, x, y, loss_fn, group=group, dp_group=dp_group)
+        if dp_group is None:
+            pipeline_step(schedule, mods, x, y, loss_fn, group=group)
+        else:
+            dp_pipeline_step(schedule, mods, x, y, loss_fn, group, dp_group)
         total = 0.0  # one process: the mean over replicas of each replica's full-batch loss
         for r in range(dp_size):
             for s in ref:

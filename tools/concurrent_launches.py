@@ -31,10 +31,11 @@ _JOB = textwrap.dedent("""
     import minidist
     if {no_retry}:
         try:
+            from minidist.launch import errors
+            errors.START_ATTEMPTS = 1
+        except ImportError:  # before the launcher became a package
             from minidist import launch_errors
             launch_errors.START_ATTEMPTS = 1
-        except ImportError:  # before the launcher's failure handling had its own module
-            minidist.launch._START_ATTEMPTS = 1
     def f(rank, world):
         t = torch.tensor([rank + 1.0])
         if {all_reduce}:

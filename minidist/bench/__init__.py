@@ -16,6 +16,8 @@ module                  what it measures
                         ``minidist bench alpha-beta``); what ``minidist plan`` reads
 ``flops``               fp32 matmul GFLOP/s (2 n³ FLOPs), median of repetitions, threads stated
                         (``minidist bench flops``)
+``cp``                  ring attention against one process and Ulysses: step time, the
+                        communication hidden behind the block compute (``minidist bench cp``)
 ======================  ====================================================================
 
 ``from minidist import bench`` gives the collectives benchmark's functions directly

@@ -96,7 +96,7 @@ def bench_flops(sizes=DEFAULT_SIZES, threads: int | None = None, budget_s: float
             b = torch.randn(n, n, generator=gen, dtype=dtype).to(device)
             c = torch.empty(n, n, dtype=dtype, device=device)
 
-            def once():
+            def once(a=a, b=b, c=c):   # this iteration's matrices
                 _sync(device)
                 t0 = time.perf_counter()
                 torch.matmul(a, b, out=c)

@@ -6,7 +6,7 @@ them sees is not that of a lone all-reduce over all W ranks (``minidist bench al
 every one of the W/n groups of n consecutive ranks runs minidist's ring all-reduce at once, at a
 few message sizes (the tiny GPT's TP and PP messages are KiB), and the ring's alpha-beta model is
 fitted to the medians (:func:`~minidist.bench.alpha_beta.fit_alpha_beta_samples`). The input of
-:func:`minidist.plan.this_machine`'s ``group_links`` (used by ``minidist bench 3d``).
+:func:`minidist.planner.this_machine`'s ``group_links`` (used by ``minidist bench 3d``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ configuration's the median over steps (and over ``rounds`` round-robin passes). 
 tokens/s and MFU (:mod:`.mfu`: 6·N + attention FLOPs over the measured one-thread matmul rate ×
 min(ranks, cores)).
 
-The prediction is :func:`minidist.plan.this_machine` (ranks share the cores, one loopback link,
+The prediction is :func:`minidist.planner.this_machine` (ranks share the cores, one loopback link,
 no overlap) fed with this machine's numbers: the one-thread FLOP rate (``minidist bench flops``)
 and the ring all-reduce's alpha and beta over all W ranks (``minidist bench alpha-beta``; the
 hybrid's collectives are minidist's ring; W processes share the cores as in the 3-D run),
@@ -15,15 +15,15 @@ measured in the same run unless given. Two predictions:
 
 * ``predicted``: FLOPs and alpha-beta only;
 * ``calibrated`` (unless ``calibrate=False``): plus a per-layer dispatch overhead fitted to one
-  measured **single-rank** step (:func:`minidist.plan.calibrate_overhead`) — a configuration
+  measured **single-rank** step (:func:`minidist.planner.calibrate_overhead`) — a configuration
   that is not in the table, so the table's configurations stay predictions, not fits;
 * ``contended`` (unless ``contention=False``): the calibrated planner plus its contention terms
-  (:mod:`minidist.plan_machine`: each group's link measured with all groups of its size running at
+  (:mod:`minidist.planner.machine`: each group's link measured with all groups of its size running at
   once, pipeline ranks in the bubble freeing their core, the optimizer step measured on the
   single-rank step), fed with two more measured inputs, never with the table's step times.
 
 Reported per world size: measured/predicted per configuration, the fraction within 30%,
-Spearman's rank correlation of predicted and measured step times (:func:`minidist.plan.spearman`)
+Spearman's rank correlation of predicted and measured step times (:func:`minidist.planner.spearman`)
 and whether the fastest and the slowest configuration agree. Timing on a shared machine is
 noisy: the load average is recorded with the results.
 """
@@ -136,10 +136,10 @@ def measure_config(dp: int, tp: int, pp: int, model: dict = MODEL, batch: int = 
 def predict_configs(model: dict, batch: int, world_size: int, flop_rate: float, link,
                     cores: int | None = None, layer_overhead: float = 0.0,
                     dp_mode: str = "flat", **contention) -> dict:
-    """{(dp, tp, pp, M): Prediction} of :func:`minidist.plan.this_machine` (ZeRO-0, or ZeRO-1 as
+    """{(dp, tp, pp, M): Prediction} of :func:`minidist.planner.this_machine` (ZeRO-0, or ZeRO-1 as
     the hybrid runs it for ``dp_mode="zero1"``; no recomputation, v = 1). ``contention``:
     this_machine's group_links, bubble_frees_cores, optimizer_s."""
-    from ..plan import ModelSpec, this_machine
+    from ..planner import ModelSpec, this_machine
     zero = 1 if dp_mode == "zero1" else 0
     preds = this_machine(ModelSpec.from_gpt_config(_gpt(model)), batch, world_size, flop_rate,
                          link, cores, layer_overhead=layer_overhead, zero_stages=(zero,),
@@ -152,7 +152,7 @@ def _machine_numbers(flop_rate, link, budget_s: float, world_sizes) -> tuple[flo
     """The one-thread FLOP rate (FLOP/s) and {W: ring all-reduce Link}: given, read or measured.
     Measured: the ring all-reduce over all W ranks, so the link is what W processes sharing these
     cores see; a JSON with several world sizes gives each W its nearest fit (load_link)."""
-    from ..plan import load_link
+    from ..planner import load_link
     from .flops import bench_flops, load_flops
     if flop_rate is None:
         flop_rate = bench_flops(threads=1, budget_s=budget_s).flops_per_s
@@ -181,14 +181,14 @@ def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODE
 
     ``flop_rate``: FLOP/s, the ``bench flops`` JSON, or None (measure, ``budget_s``); ``link``:
     (alpha, beta), a preset or the ``bench alpha-beta`` JSON (the fit nearest each W, see
-    :func:`minidist.plan.load_link`), or None (measure the ring all-reduce at each W).
+    :func:`minidist.planner.load_link`), or None (measure the ring all-reduce at each W).
     ``configs``: {W: [(dp, tp, pp), ...]} (default
     :data:`CONFIGS`). ``rounds``: passes over all configurations (and the single-rank step), each
     adding ``steps`` times: load spikes spread over all of them. ValueError for a configuration
     whose product is not its world size. ``breakdown``: per configuration and round one more,
     recorded step, whose time per kind (:func:`measure_config`) goes to ``row["measured_parts"]``.
     ``contention`` (with ``calibrate``): a third prediction, ``contended`` — the planner's contention
-    terms (:mod:`minidist.plan_machine`) fed with two more measured inputs: the ring all-reduce
+    terms (:mod:`minidist.planner.machine`) fed with two more measured inputs: the ring all-reduce
     with all W/n groups of n ranks at once (:func:`measure_group_links`, result ``group_links``)
     (n < W; for n = W, one group, the link above) and the single-rank step's optimizer seconds (one recorded step per round, ``optimizer_s``).
     """
@@ -223,7 +223,7 @@ def bench_3d(world_sizes=(4, 8), configs: dict | None = None, model: dict = MODE
     bar.close()
     overhead = opt_s = overhead_c = 0.0
     if calibrate:
-        from ..plan import ModelSpec, calibrate_overhead
+        from ..planner import ModelSpec, calibrate_overhead
         single = measured.pop((1, 1, 1))
         overhead = calibrate_overhead(ModelSpec.from_gpt_config(cfg), batch,
                                       statistics.median(single["times"]), flops, single["microbatches"])

@@ -1,6 +1,6 @@
 """The report of ``minidist bench 3d`` (:mod:`.hybrid`): per world size, how well the planner's
 predicted step times match the measured ones — the fraction within 30% (ratio measured/predicted in
-[0.7, 1.3]), Spearman's rank correlation (:func:`minidist.plan.spearman`: does it order the
+[0.7, 1.3]), Spearman's rank correlation (:func:`minidist.planner.spearman`: does it order the
 configurations right, whatever the absolute error?) and whether the fastest and the slowest
 configuration agree — and the table that prints it.
 """
@@ -14,7 +14,7 @@ KINDS = ("predicted", "calibrated", "contended")   # the predictions a row may h
 
 def summarize(rows: list[dict]) -> dict:
     """Per world size and prediction: fraction within 30%, Spearman, best/worst agreement."""
-    from ..plan import spearman
+    from ..planner.machine import spearman
     out = {}
     for w in sorted({r["world_size"] for r in rows}):
         mine = [r for r in rows if r["world_size"] == w]

@@ -13,14 +13,14 @@ the hardware's peak (Chowdhery et al. 2022, "PaLM", §4.1 and App. B).
   the head.
 * attention: the context-dependent matmuls ``QKᵀ`` and ``softmax · V``, ``4·L·s·h`` forward per
   token, ``12·L·s·h`` for training — PaLM App. B's ``12·L·H·Q·T`` with ``H·Q = h`` and
-  ``T = s`` (:func:`minidist.cost.attention_flops_per_token`, convention ``"palm"``; Kaplan's Table 1
+  ``T = s`` (:func:`minidist.planner.cost.attention_flops_per_token`, convention ``"palm"``; Kaplan's Table 1
   counts ``QKᵀ`` only). The causal mask is ignored, as PaLM does.
 
-This is the same count :func:`minidist.plan.predict` turns into compute time (forward
+This is the same count :func:`minidist.planner.predict` turns into compute time (forward
 ``24bsh² + 4bs²h`` per layer and ``2bshV`` for the logits, backward twice that): MFU counts no
 recomputation and no communication — those are what lowers it.
 
-**MFU** = ``flops_per_step / step_seconds / peak`` (:func:`minidist.cost.mfu`). On this CPU
+**MFU** = ``flops_per_step / step_seconds / peak`` (:func:`minidist.planner.cost.mfu`). On this CPU
 machine the peak is the *measured* single-thread matmul rate (``minidist bench flops``, one rank
 of :func:`minidist.run` uses one thread) × ``min(ranks, cores)``: ranks beyond the core count
 share the cores and add no FLOP/s. It is a measured ceiling, not a vendor's spec sheet number.
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 
-from ..cost import attention_flops_per_token, mfu as _mfu
+from ..planner.cost import attention_flops_per_token, mfu as _mfu
 
 __all__ = ["matmul_params", "model_flops_per_token", "model_flops_per_step", "cpu_peak_flops", "mfu"]
 

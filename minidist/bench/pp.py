@@ -23,7 +23,7 @@ from ..launch import run
 from ..pipeline_parallel.engine import local_stages, pipeline_step
 from ..pipeline_parallel.schedules import make_schedule
 from ..pipeline_parallel.simulator import simulate
-from ..trace import Event, bubble_fraction
+from ..trace import align, bubble_fraction
 
 __all__ = ["FixedCost", "bench_bubble", "activation_memory", "make_model", "align", "measured_costs"]
 
@@ -80,14 +80,6 @@ def _worker(rank, world, name, M, v, t_f, t_b, steps, width, batch):
     return out
 
 
-def align(per_rank: list) -> list[Event]:
-    """Events of all ranks on one time axis: ``per_rank[r] = (events, t0)``; ranks share one
-    machine's monotonic clock (``time.perf_counter``), so ``t0`` aligns them."""
-    base = min(t0 for _, t0 in per_rank)
-    return [e._replace(start=e.start + t0 - base, end=e.end + t0 - base)
-            for events, t0 in per_rank for e in events]
-
-
 def measured_costs(events, schedule) -> dict:
     """From a real timeline: mean forward and backward time per rank-stage (``t_f``, ``t_b`` in the
     simulator's units: all ``v`` chunks of a rank) and ``t_comm``, the median delay from the end of
@@ -133,7 +125,7 @@ def bench_bubble(P: int = 4, M: int = 8, schedule: str = "1f1b", v: int = 2, t_f
     results = run(_worker, P, schedule, M, v, t_f, t_b, steps + 1, width, batch, timeout=timeout)
     per_step = []
     for step in range(1, steps + 1):  # step 0 warms up (first messages set up gloo's pairs)
-        events = align([(results[r][step][0], results[r][step][4]) for r in range(P)])
+        events = align([results[r][step][0] for r in range(P)], [results[r][step][4] for r in range(P)])
         costs = measured_costs(events, sched)
         predicted = simulate(sched, costs["t_f"], costs["t_b"], costs["t_comm"]).bubble
         per_step.append((bubble_fraction(events, P), predicted, costs, events))

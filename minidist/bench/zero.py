@@ -24,13 +24,13 @@ STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
 
 
 def _model(dim, hidden, blocks, vocab):
-    from ..lessons.sharding_reference import make_model
+    from ..references.sharding import make_model
     return make_model(frozen=False, vocab=vocab, dim=dim, hidden=hidden, blocks=blocks)
 
 
 def _build(name, dims):
     from ..data_parallel import BucketedDDP
-    from ..lessons.sharding_reference import Block
+    from ..references.sharding import Block
     from ..sharding import ShardedOptimizer, fully_shard
 
     kind = "torch" if name.endswith("-torch") else "hand-built"
@@ -74,7 +74,7 @@ def _account(name, model, opt) -> dict:
 def _rank(rank, world, variants, steps, warmup, batch, dims):
     import warnings
     warnings.filterwarnings("ignore", message=".*(FSDP2-wrapped|TypedStorage).*")
-    from ..lessons.sharding_reference import loss_fn
+    from ..references.sharding import loss_fn
     from ..sharding import zero_formula
     built = {v: _build(v, dims) for v in variants}
     g = torch.Generator().manual_seed(rank)

@@ -2,5 +2,8 @@
 (ring, naive, tree, recursive_doubling) the public collectives in ``minidist.collectives``
 dispatch to. Nothing here knows about the public API above it, DDP, TP or pipelines."""
 
-from . import naive, ops, p2p, recursive_doubling, ring, tree  # noqa: F401
-from .p2p import count_traffic, reset_traffic, traffic  # noqa: F401
+from . import naive, ops, p2p, recursive_doubling, ring, tree
+from .p2p import count_traffic, reset_traffic, traffic
+
+__all__ = ["naive", "ops", "p2p", "recursive_doubling", "ring", "tree", "count_traffic",
+           "reset_traffic", "traffic"]

@@ -100,7 +100,7 @@ def check_same_across_ranks(opname: str, group, **fields) -> None:
     """
     world = dist.get_world_size(group)
     mine = tuple(sorted((k, str(v)) for k, v in fields.items()))
-    everyone = [None] * world
+    everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     if any(e != everyone[0] for e in everyone):
         rows = "\n".join(f"  rank {r}: " + ", ".join(f"{k}={v}" for k, v in e)
@@ -130,7 +130,7 @@ def check_sizes_agree(opname: str, group, sizes, device=None, root: int | None =
     n = len(mine)
     if torch.equal(both[:n], -both[n:]):
         return
-    everyone = [None] * world
+    everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     rows = "\n".join(f"  rank {r}: {e}" for r, e in enumerate(everyone))
     diffs = []
@@ -168,4 +168,4 @@ def check_exchange_sizes(opname: str, group, send_sizes, recv_sizes, device=None
         raise CollectiveMismatchError(
             f"{opname}: ranks disagree on the sizes before any data moved (rank "
             f"{dist.get_rank(group)} reporting):\n  " + "\n  ".join(lines) +
-            f"\noutput[j] on rank r must have the size of rank j's input[r].")
+            "\noutput[j] on rank r must have the size of rank j's input[r].")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Any
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -61,7 +62,7 @@ class _State:
     seq: int = 0
     scopes: _Scopes = field(default_factory=_Scopes)
     traffic: dict = field(default_factory=lambda: defaultdict(Traffic))
-    shm: object = None  # multiprocessing.Array('c', N) installed by minidist.run
+    shm: Any = None  # multiprocessing.Array('c', N) installed by minidist.run
     last: str = "none yet"
 
 

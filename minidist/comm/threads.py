@@ -1,8 +1,8 @@
 """Every background thread the library starts is stopped and joined before its process group goes.
 
-:class:`minidist.data_parallel.BucketedDDP` and :class:`minidist.sharding.comms.CommWorker` run
-collectives on a thread of their own. Each stops when its owner is closed or garbage-collected —
-but an owner that is still alive when the rank ends (a model returned from the training function,
+:class:`minidist.communicator.CommThread` (the one communication thread BucketedDDP, ZeRO-2 and
+FSDP's prefetch use) runs collectives on a thread of its own. Each stops when its owner is closed
+or garbage-collected — but an owner that is still alive when the rank ends (a model returned from the training function,
 a module-level optimizer) would keep its thread inside gloo while ``destroy_process_group`` and
 interpreter exit tear gloo down under it: the process then aborts with C++'s ``terminate called
 without an active exception`` (SIGABRT). So every such thread is registered here with its stop
@@ -15,14 +15,15 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+from collections.abc import Callable
 
 __all__ = ["register", "stop_all", "live"]
 
 _LOCK = threading.Lock()
-_LIVE: list[tuple[threading.Thread, object]] = []
+_LIVE: list[tuple[threading.Thread, Callable[[], object]]] = []
 
 
-def register(thread: threading.Thread, stop) -> None:
+def register(thread: threading.Thread, stop: Callable[[], object]) -> None:
     """Track ``thread``; ``stop()`` (idempotent, e.g. a ``weakref.finalize``) asks it to end."""
     with _LOCK:
         _LIVE[:] = [(t, s) for t, s in _LIVE if t.is_alive()]

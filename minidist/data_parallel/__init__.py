@@ -10,17 +10,25 @@ Three DDP versions a learner can follow, then the pieces real training needs:
   mixed precision, checkpoints, and replica checks (:mod:`.replicas`).
 """
 
-from .base import DataParallelBase, SyncDecisionError, UnusedParametersError  # noqa: F401
-from .bucketed import Bucket, BucketedDDP, build_buckets  # noqa: F401
-from .checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
-from .compression import TopK, bf16_compress_hook, fp16_compress_hook  # noqa: F401
-from .evaluate import evaluate  # noqa: F401
-from .flat import FlatDDP  # noqa: F401
-from .mixed_precision import MixedPrecision  # noqa: F401
-from .naive import NaiveDDP  # noqa: F401
-from .replicas import (ReplicaMismatchError, assert_replicas_identical,  # noqa: F401
+from .base import DataParallelBase, SyncDecisionError, UnusedParametersError
+from .bucketed import Bucket, BucketedDDP, build_buckets
+from .clip import clip_by_global_norm_
+from .checkpoint import load_checkpoint, save_checkpoint
+from .compression import TopK, bf16_compress_hook, fp16_compress_hook
+from .evaluate import evaluate
+from .flat import FlatDDP
+from .mixed_precision import MixedPrecision
+from .naive import NaiveDDP
+from .replicas import (ReplicaMismatchError, assert_replicas_identical,
                        broadcast_module, check_same_structure, replicas_max_difference, unwrap)
-from .sampler import DistributedSampler  # noqa: F401
-from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm  # noqa: F401
+from .sampler import DistributedSampler
+from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 VERSIONS = {"naive": NaiveDDP, "flat": FlatDDP, "bucketed": BucketedDDP}
+
+__all__ = ["DataParallelBase", "SyncDecisionError", "UnusedParametersError", "Bucket",
+           "BucketedDDP", "build_buckets", "clip_by_global_norm_", "load_checkpoint", "save_checkpoint", "TopK",
+           "bf16_compress_hook", "fp16_compress_hook", "evaluate", "FlatDDP", "MixedPrecision",
+           "NaiveDDP", "ReplicaMismatchError", "assert_replicas_identical", "broadcast_module",
+           "check_same_structure", "replicas_max_difference", "unwrap", "DistributedSampler",
+           "SyncBatchNorm", "convert_sync_batchnorm", "VERSIONS"]

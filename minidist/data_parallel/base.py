@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.ops import check_group
-from .replicas import all_reduce_, broadcast_module, check_collectives, check_same_structure
+from ..communicator import Communicator
+from .replicas import broadcast_module, check_same_structure
 
-__all__ = ["DataParallelBase", "UnusedParametersError", "SyncDecisionError", "Communicator"]
+__all__ = ["DataParallelBase", "UnusedParametersError", "SyncDecisionError"]
 
 
 class UnusedParametersError(RuntimeError):
@@ -41,33 +41,6 @@ class UnusedParametersError(RuntimeError):
 
 class SyncDecisionError(RuntimeError):
     """``no_sync()`` was entered or left between a forward and its backward (or a misuse like it)."""
-
-
-class Communicator:
-    """The collectives a gradient hook may use, bound to one process group and implementation.
-
-    ``collectives="hand-built"`` uses minidist's hand-built ring; ``"torch"`` uses
-    ``torch.distributed``.
-    """
-
-    def __init__(self, collectives: str, group=None):
-        check_group("data parallel", group)
-        self.collectives, self.group = check_collectives(collectives), group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-
-    def all_reduce_(self, tensor: torch.Tensor, op: str = "avg") -> torch.Tensor:
-        return all_reduce_(tensor, op, self.collectives, self.group)
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``tensor`` (same shape on all ranks), stacked: [W, *tensor.shape]."""
-        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        if self.collectives == "hand-built":
-            from .. import collectives as C
-            C.all_gather(out, tensor.contiguous(), group=self.group)
-        else:
-            dist.all_gather_into_tensor(out, tensor.contiguous(), group=self.group)
-        return out
 
 
 class DataParallelBase(nn.Module):
@@ -91,7 +64,7 @@ class DataParallelBase(nn.Module):
             raise RuntimeError(f"{type(self).__name__}: the process group is not initialised; run "
                                "inside minidist.run(...) or call minidist.init() first")
         self.module = module
-        self.communicator = Communicator(collectives, group)
+        self.communicator = Communicator(collectives, group, where="data parallel")
         self.collectives, self.group = collectives, group
         self.rank, self.world_size = self.communicator.rank, self.communicator.world_size
         self.find_unused_parameters = find_unused_parameters
@@ -158,7 +131,7 @@ class DataParallelBase(nn.Module):
         """Which parameters got a gradient on at least one rank (one small all-reduce)."""
         device = self.params[0].device if self.params else None
         mask = torch.tensor([1.0 if u else 0.0 for u in locally_used], device=device)
-        self.communicator.all_reduce_(mask, "sum")
+        self.communicator.all_reduce(mask, "sum")
         return [bool(m > 0) for m in mask]
 
     def _begin_sync(self) -> tuple[list[torch.Tensor], list[bool]] | None:

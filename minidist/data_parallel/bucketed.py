@@ -12,10 +12,11 @@ and 2) leaves the network idle during backward and the CPU/GPU idle during commu
    ``.grad`` is final for this backward: the hook copies it into its bucket's slot. When a bucket's
    last slot is filled the bucket is *ready*.
 3. **Overlap.** Ready buckets are launched strictly in bucket order (so every rank issues the same
-   collectives in the same order, even if readiness differs) onto a queue served by a dedicated
-   communication thread, which all-reduces them with minidist's blocking ring (the GIL is released
-   while gloo waits) — or ``torch.distributed`` with ``collectives="torch"`` — while backward continues on
-   the main thread. The thread talks on its own process group, so nothing on the main thread
+   collectives in the same order, even if readiness differs) onto the communication thread
+   (:class:`minidist.communicator.CommThread`, the one ZeRO and FSDP use too), which all-reduces
+   them with minidist's blocking ring (the GIL is released while gloo waits) — or
+   ``torch.distributed`` with ``collectives="torch"`` — while backward continues on the main
+   thread. The thread talks on its own process group, so nothing on the main thread
    (SyncBatchNorm, a metric) can interleave with it on the wire.
 4. **Wait.** At the end of backward (an autograd-engine callback, as in torch's DDP) the main
    thread waits for every bucket and makes each ``p.grad`` a view of its averaged slot (as
@@ -30,25 +31,22 @@ Experiences on Accelerating Data Parallel Training", VLDB 13(12), §3.2.3 and §
 
 from __future__ import annotations
 
-import queue
-import threading
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..comm import threads
+from ..communicator import CommThread, Communicator
 from ..trace import Timeline
-from .base import Communicator, DataParallelBase
-from .buckets import Bucket, build_buckets, check_bucket_cap, pack_by_size  # noqa: F401
+from .base import DataParallelBase
+from .buckets import Bucket, build_buckets, check_bucket_cap, pack_by_size  # noqa: F401  (re-exported)
 
 __all__ = ["BucketedDDP", "Bucket", "build_buckets", "pack_by_size", "allreduce_hook"]
 
 
 def allreduce_hook(state, bucket: Bucket, comm: Communicator) -> None:
     """The default communication hook: average ``bucket.buffer`` over ranks, in place."""
-    comm.all_reduce_(bucket.buffer, "avg")
+    comm.all_reduce(bucket.buffer, "avg")
 
 
 class BucketedDDP(DataParallelBase):
@@ -76,27 +74,14 @@ class BucketedDDP(DataParallelBase):
             for i, p in enumerate(b.params):
                 self._where[p] = (b, i)
         self._hook, self._hook_state = allreduce_hook, None
-        # own group: the comm thread never shares a wire with collectives on the main thread.
-        # On a subgroup only its members create it (use_local_synchronization: the name is hashed
-        # from the ranks). A plain new_group expects every rank of the world to create the same
-        # group; the DP groups of a ProcessGrid, each created by its own members, got one name and
-        # one store prefix, so two groups' ranks connected to each other (wrong averages or a crash).
-        if self.group is None:
-            self._comm_group = dist.new_group()
-        else:
-            self._comm_group = dist.new_group(ranks=dist.get_process_group_ranks(self.group),
-                                              use_local_synchronization=True)
-        self._thread_comm = Communicator(self.collectives, self._comm_group)
-        self._queue: queue.Queue = queue.Queue()
+        # the communication thread, on a process group of its own (see minidist.communicator)
+        self._worker = CommThread(self.collectives, self.group)
         me = weakref.ref(self)  # neither the thread nor the hooks keep the wrapper alive
-        self._thread = threading.Thread(target=_serve, args=(self._queue, me), name="comm",
-                                        daemon=True)
-        self._thread.start()
+        self._me = me
         self._handles = [p.register_post_accumulate_grad_hook(_weak_hook(me))
                          for p in self.params]
         # when the wrapper is closed or garbage-collected: hooks removed, thread stopped
-        self._finalizer = weakref.finalize(self, _shutdown, self._handles, self._queue)
-        threads.register(self._thread, self._finalizer)   # stopped before the group goes
+        self._finalizer = weakref.finalize(self, _shutdown, self._handles, self._worker)
         self._in_backward = False
         self._next_launch = 0
         self.ready_order: list[str] = []  # names, in the order the last backward produced them
@@ -153,17 +138,19 @@ class BucketedDDP(DataParallelBase):
     def _launch_in_order(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
             self.launch_log.append((self._next_launch, len(self.ready_order)))
-            self._queue.put(self.buckets[self._next_launch])
+            bucket = self.buckets[self._next_launch]
+            self._worker.submit(f"all-reduce of bucket {bucket.index}", _run_bucket, self._me,
+                                bucket)
             self._next_launch += 1
 
-    def _run_bucket(self, bucket: Bucket) -> None:
+    def _run_bucket(self, bucket: Bucket, comm: Communicator) -> None:
         """On the comm thread: apply the hook (default: average) to one bucket."""
         try:
             if self.timeline is not None:
                 with self.timeline.record(f"all-reduce b{bucket.index}", lane="comm"):
-                    self._hook(self._hook_state, bucket, self._thread_comm)
+                    self._hook(self._hook_state, bucket, comm)
             else:
-                self._hook(self._hook_state, bucket, self._thread_comm)
+                self._hook(self._hook_state, bucket, comm)
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
             bucket.error = e
         finally:
@@ -221,7 +208,7 @@ class BucketedDDP(DataParallelBase):
         """Remove the hooks and stop the communication thread (also done when the wrapper is
         garbage-collected). The wrapped module keeps working as a plain module."""
         self._finalizer()
-        self._thread.join(timeout=5)
+        self._worker.close()
 
 
 def _weak_hook(ref):
@@ -232,22 +219,18 @@ def _weak_hook(ref):
     return hook
 
 
-def _serve(q: queue.Queue, ref) -> None:
-    """The communication thread: all-reduce buckets in the order they were queued."""
-    while True:
-        bucket = q.get()
-        if bucket is None:
-            return
-        ddp = ref()
-        if ddp is None:
-            bucket.done.set()
-            return
-        ddp._run_bucket(bucket)
-        del ddp
+def _run_bucket(comm: Communicator, ref, bucket: Bucket) -> None:
+    """On the communication thread, in launch order: the bucket's hook (a wrapper already
+    collected only releases its waiter)."""
+    ddp = ref()
+    if ddp is None:
+        bucket.done.set()
+        return
+    ddp._run_bucket(bucket, comm)
 
 
-def _shutdown(handles, q) -> None:
+def _shutdown(handles, worker: CommThread) -> None:
     for h in handles:
         h.remove()
     handles.clear()
-    q.put(None)
+    worker.stop()

@@ -56,7 +56,9 @@ def pack_by_size(nbytes: list[int], cap_bytes: int | None,
     """Indices ``0..n-1``, in order, cut into consecutive groups of at most ``cap_bytes`` bytes
     (``first_cap_bytes`` for group 0; ``None``: one group). An item is never split: one larger
     than the cap gets a group of its own. The one bucket planner (DDP buckets, ZeRO buckets)."""
-    groups, current, size = [], [], 0
+    groups: list = []
+    current: list = []
+    size = 0
     for i, n in enumerate(nbytes):
         cap = first_cap_bytes if first_cap_bytes is not None and not groups else cap_bytes
         if current and cap is not None and size + n > cap:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 import warnings
 
 import torch
@@ -39,7 +40,7 @@ from ..checkpoint_io import agree, check_tensors, open_newest, read_part, save_g
 from .replicas import unwrap
 
 __all__ = ["save_checkpoint", "load_checkpoint", "strip_prefix", "rank_state",
-           "restore_rank_state", "FILE"]
+           "restore_rank_state", "atomic_save", "FILE"]
 
 FILE = "checkpoint.pt"   # rank 0's file in each generation folder
 
@@ -77,10 +78,30 @@ def restore_rank_state(state: dict, sampler=None, rng: bool = True) -> None:
 
 
 def _sharded_model(model) -> bool:
-    """A :func:`~minidist.sharding.fsdp.fully_shard` model: rank 0 does not hold all of it."""
-    from ..sharding import fsdp
-    units = getattr(fsdp, "units", None)
-    return bool(units and units(unwrap(model)))
+    """A :func:`~minidist.sharding.fsdp.fully_shard` model: rank 0 does not hold all of it.
+    (``fully_shard`` marks each unit's module with ``_fsdp``; read without importing sharding,
+    which imports this package.)"""
+    return any(getattr(m, "_fsdp", None) is not None for m in unwrap(model).modules())
+
+
+def atomic_save(obj, path: str | os.PathLike) -> None:
+    """``torch.save(obj)`` into a temporary file next to ``path``, fsync'ed, then ``os.replace``:
+    ``path`` holds the old file or the whole new one, never half of one (creates the folder).
+    One file, not a generation: :mod:`minidist.hybrid.reshard` writes its layout-free file so."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict | None = None,
@@ -97,7 +118,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict 
 
     Raises (on every rank, the previous generation kept):
         TypeError: a ``fully_shard`` (ZeRO-3) model: use
-            :func:`minidist.sharding.checkpoint.save_full_checkpoint` or ``save_sharded``.
+            :func:`minidist.sharding.checkpoints.save_full_checkpoint` or ``save_sharded``.
         OSError: a write failed on some rank (``ENOSPC``: the message names the file and says the
             disk is full); the other ranks raise ``RuntimeError`` quoting it.
     """
@@ -105,11 +126,11 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict 
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     if _sharded_model(model):                     # every rank sees the same model: no hang
         raise TypeError(f"save_checkpoint (rank {rank}): the model is sharded by fully_shard "
-                        "(ZeRO-3), so rank 0 does not hold it; use minidist.sharding.checkpoint."
+                        "(ZeRO-3), so rank 0 does not hold it; use minidist.sharding.checkpoints."
                         "save_full_checkpoint (gathers it) or save_sharded (one file per rank)")
     mine = rank_state(sampler)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        ranks = [None] * dist.get_world_size(group) if rank == 0 else None
+        ranks: list | None = [None] * dist.get_world_size(group) if rank == 0 else None
         dist.gather_object(mine, ranks, dst=dist.get_global_rank(group, 0) if group else 0,
                            group=group)
     else:
@@ -140,7 +161,9 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, map_location
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     where = f"load_checkpoint (rank {rank})"
     multi = dist.is_initialized() and dist.get_world_size(group) > 1
-    error, state, file = None, None, path
+    error: Exception | None = None
+    state: dict = {}
+    file = path
     try:
         if os.path.isfile(path):                  # a plain torch.save file (other code wrote it)
             state = _load_plain(path, where, map_location)

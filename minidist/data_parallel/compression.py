@@ -28,7 +28,7 @@ __all__ = ["fp16_compress_hook", "bf16_compress_hook", "TopK", "ring_allreduce_b
 def _cast_hook(dtype):
     def hook(state, bucket, comm):
         low = bucket.buffer.to(dtype).div_(comm.world_size)
-        comm.all_reduce_(low, "sum")
+        comm.all_reduce(low, "sum")
         bucket.buffer.copy_(low)
     return hook
 
@@ -67,7 +67,8 @@ class TopK:
         if state.error_feedback:
             acc[idx] = 0.0
             state.errors[bucket.index] = acc  # what this rank did not send yet
-        all_vals, all_idx = comm.all_gather(vals), comm.all_gather(idx)
+        all_vals = comm.all_gather(vals.new_empty((comm.world_size, k)), vals)
+        all_idx = comm.all_gather(idx.new_empty((comm.world_size, k)), idx)
         dense = torch.zeros_like(buf)
         dense.index_add_(0, all_idx.reshape(-1), all_vals.reshape(-1))
         buf.copy_(dense.div_(comm.world_size))

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .replicas import all_reduce_, unwrap
+from ..communicator import Communicator
+from .replicas import unwrap
 
 __all__ = ["shard_indices", "evaluate"]
 
@@ -62,7 +63,7 @@ def evaluate(model, dataset, batch_size: int = 256, group=None, collectives: str
     totals = torch.tensor([float(correct), float(count), loss_sum], dtype=torch.float64,
                           device=device)  # on the model's device: nccl reduces GPU tensors only
     if world > 1:
-        all_reduce_(totals, "sum", collectives, group)  # counts < 2^53: exact in float64
+        Communicator(collectives, group).all_reduce(totals, "sum")  # counts < 2^53: exact in float64
     correct, count = int(totals[0]), int(totals[1])
     return {"accuracy": correct / max(count, 1), "loss": float(totals[2].item()) / max(count, 1),
             "correct": correct, "count": count}

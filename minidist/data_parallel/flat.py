@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .base import DataParallelBase
-from .replicas import all_reduce_
+from ..communicator import Communicator
 
 __all__ = ["FlatDDP", "average_flat"]
 
@@ -31,7 +31,7 @@ def average_flat(tensors: list[torch.Tensor], collectives: str = "hand-built", g
         return []
     dtype = dtype or tensors[0].dtype
     flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
-    all_reduce_(flat, "avg", collectives, group)
+    Communicator(collectives, group).all_reduce(flat, "avg")
     return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 

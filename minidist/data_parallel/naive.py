@@ -29,5 +29,5 @@ class NaiveDDP(DataParallelBase):
             if not used:
                 continue  # unused on every rank: leave grad None, like torch's DDP
             buf = grad.to(self.reduce_dtype)
-            self.communicator.all_reduce_(buf, "avg")
+            self.communicator.all_reduce(buf, "avg")
             p.grad = buf.to(p.dtype) if buf is not grad else buf

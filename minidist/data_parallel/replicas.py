@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import collectives as C
+from ..communicator import Communicator
 
 __all__ = ["ReplicaMismatchError", "check_same_structure", "broadcast_module", "unwrap",
-           "replicas_max_difference", "assert_replicas_identical", "all_reduce_", "COLLECTIVES",
-           "check_collectives"]
+           "replicas_max_difference", "assert_replicas_identical"]
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -50,7 +50,7 @@ def check_same_structure(module: nn.Module, group=None, what: str = "DDP") -> No
     if world == 1:
         return
     mine = _signature(module)
-    everyone = [None] * world
+    everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     if all(e == everyone[0] for e in everyone):
         return
@@ -80,36 +80,6 @@ def _fmt(entry) -> str:
     return f"{kind} {name} {list(shape)} {dtype}" + ("" if rg or kind == "buffer" else " frozen")
 
 
-COLLECTIVES = ("hand-built", "torch")
-
-
-def check_collectives(collectives: str) -> str:
-    """``collectives`` selects the implementation: ``"hand-built"`` (:mod:`minidist.collectives`) or
-    ``"torch"`` (``torch.distributed``); anything else is a ValueError."""
-    if collectives not in COLLECTIVES:
-        raise ValueError(f"collectives must be 'hand-built' or 'torch', got {collectives!r}")
-    return collectives
-
-
-def all_reduce_(tensor: torch.Tensor, op: str, collectives: str, group=None) -> torch.Tensor:
-    """In-place sum or average with the hand-built ring (``collectives="hand-built"``) or
-    ``dist.all_reduce`` (``"torch"``)."""
-    if check_collectives(collectives) == "hand-built":
-        return C.all_reduce(tensor, op=op, group=group)
-    dist.all_reduce(tensor, group=group)  # gloo has no AVG (ReduceOp.AVG raises): sum, then divide
-    if op == "avg":
-        tensor.div_(dist.get_world_size(group))
-    return tensor
-
-
-def _broadcast(t: torch.Tensor, collectives: str, group) -> None:
-    if check_collectives(collectives) == "hand-built":
-        C.broadcast(t, src=0, group=group)
-    else:
-        dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                       group=group)
-
-
 @torch.no_grad()
 def broadcast_module(module: nn.Module, collectives: str = "hand-built", group=None,
                      buffers_only: bool = False) -> None:
@@ -125,9 +95,10 @@ def broadcast_module(module: nn.Module, collectives: str = "hand-built", group=N
     for t in tensors:
         if t.numel():
             by_kind.setdefault((t.dtype, t.device), []).append(t)
+    comm = Communicator(collectives, group)
     for same in by_kind.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        _broadcast(flat, collectives, group)
+        comm.broadcast(flat, 0)
         for t, piece in zip(same, flat.split([t.numel() for t in same])):
             t.copy_(piece.view_as(t))
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .replicas import all_reduce_
+from ..communicator import Communicator
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
@@ -46,7 +46,7 @@ class _SyncBN(torch.autograd.Function):
         stats = torch.cat([xd.sum(dims), (xd * xd).sum(dims),
                            torch.tensor([x.numel() // C if C else 0], dtype=torch.float64, device=x.device)])
         if dist.get_world_size(group) > 1:
-            all_reduce_(stats, "sum", collectives, group)
+            Communicator(collectives, group).all_reduce(stats, "sum")
         n = stats[-1]
         if n < 2 and running_var is not None:
             raise ValueError(f"SyncBatchNorm (rank {dist.get_rank(group)}): {int(n)} value(s) per "
@@ -75,7 +75,7 @@ class _SyncBN(torch.autograd.Function):
         grad_b = sum_dy.clone() if weight is not None else None
         both = torch.cat([sum_dy, sum_dy_xhat])
         if dist.get_world_size(ctx.group) > 1:
-            all_reduce_(both, "sum", ctx.collectives, ctx.group)
+            Communicator(ctx.collectives, ctx.group).all_reduce(both, "sum")
         g_dy, g_dy_xhat = both[:C], both[C:]
         scale = invstd if weight is None else invstd * weight
         dx = _bcast(scale / ctx.n, dy) * (ctx.n * dy - _bcast(g_dy, dy) - xhat * _bcast(g_dy_xhat, dy))

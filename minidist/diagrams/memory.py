@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from .. import calc
+from ..planner import calc
 
 __all__ = ["K_MIXED_ADAM", "parallelism_memory", "largest_fitting", "draw_parallelism_memory"]
 

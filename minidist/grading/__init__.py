@@ -24,16 +24,20 @@ Example (a grading cell)::
 Files: ``core.py`` (Result, Report, check, compare, check_on_ranks), ``collectives.py``
 (grade_collective and its calling conventions, ``REFERENCES``), ``ddp.py`` (exercise 04's
 bucket layout and DDP wrapper against torch's DDP), ``walls.py`` (exercise 00, against
-``minidist.calc``), ``composition.py`` (exercise 02: collectives from broadcast/reduce, busbw
+``minidist.planner.calc``), ``composition.py`` (exercise 02: collectives from broadcast/reduce, busbw
 factors), ``sampling.py`` (exercise 05: sampler and exact evaluation), ``launch_env.py``
 (exercise 08: launch variables and broken launch logs, against ``minidist.env``), ``cost.py``
-(exercise 13: GPUs for a deadline, spot wall time, Young's interval, against ``minidist.cost``),
-``hybrid.py`` (exercise 12: the global gradient norm of a dp x tp x pp model, against
-``torch.nn.utils.clip_grad_norm_`` on one process; names the counting rule a wrong norm breaks).
+(exercise 13: GPUs for a deadline, spot wall time, Young's interval, against ``minidist.planner.cost``),
+``context_parallel.py`` (exercise 14: the log-sum-exp merge, the zigzag split, and a ring
+attention built from them, against full attention on one process), ``hybrid.py`` (exercise 12: the global gradient norm of a dp x tp x pp model, against
+``torch.nn.utils.clip_grad_norm_`` on one process; names the counting rule a wrong norm breaks),
+``moe.py`` (exercise 15: capacity rule, aux loss, permute/un-permute, against
+``minidist.expert_parallel`` and the dense MoE; names the slip a wrong answer matches).
 """
 
 from .collectives import REFERENCES, grade_collective  # noqa: F401
-from . import composition, cost, hybrid, launch_env, sampling, walls  # noqa: F401  (exercises 02, 13, 12, 08, 05, 00)
+from . import composition, cost, hybrid, launch_env, moe, sampling, walls  # noqa: F401  (exercises 02, 13, 12, 08, 15, 05, 00)
+from . import context_parallel  # noqa: F401  (exercise 14)
 from .ddp import grade_bucket_layout, grade_ddp  # noqa: F401
 from .core import (Report, Result, check, check_on_ranks, compare,  # noqa: F401
                    describe_exception)

@@ -1,4 +1,4 @@
-"""Grade exercise 13: what a run costs, against ``minidist.cost``.
+"""Grade exercise 13: what a run costs, against ``minidist.planner.cost``.
 
 The learner writes (see ``exercises/13_cost.ipynb``; units: FLOPs, FLOP/s, seconds):
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 
-from .. import calc
-from .. import cost as reference
+from ..planner import calc
+from ..planner import cost as reference
 from .core import Report
 
 __all__ = ["DEADLINE_CASES", "SPOT_CASES", "YOUNG_CASES", "grade_gpus_for_deadline",

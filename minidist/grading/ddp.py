@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..lessons.ddp_reference import global_batch, make_model, max_abs_diff, shard, torch_ddp
-from ..lessons.ddp_reference import train_ddp, train_single
+from ..references.ddp import global_batch, make_model, max_abs_diff, shard, torch_ddp
+from ..references.ddp import train_ddp, train_single
 from ..models import MLP
 from .core import Report, check_on_ranks
 

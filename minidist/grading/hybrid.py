@@ -55,7 +55,7 @@ def _rank(rank, world, dims, fn):
 
     from ..grid import ProcessGrid
     from ..hybrid import HybridGPT, train_step, wrap_stages
-    from ..lessons.hybrid_demo import batch
+    from ..references.hybrid import batch
     dp, tp, pp = dims
     cfg = _cfg()
     grid = ProcessGrid(dp, pp, tp)
@@ -83,7 +83,7 @@ def _run(dims, fn, timeout):
 
 
 def _reference_norm() -> float:
-    from ..lessons.hybrid_demo import reference
+    from ..references.hybrid import reference
     return reference(max_norm=float("inf"), cfg=_cfg(), n=N)["grad_norm"]
 
 

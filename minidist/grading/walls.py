@@ -1,4 +1,4 @@
-"""Grade exercise 00: the memory wall and the time wall as calculations, against ``minidist.calc``.
+"""Grade exercise 00: the memory wall and the time wall as calculations, against ``minidist.planner.calc``.
 
 The learner writes (see ``exercises/00_memory_and_time.ipynb``):
 
@@ -17,7 +17,7 @@ means.
 
 from __future__ import annotations
 
-from .. import calc
+from ..planner import calc
 from .core import Report
 
 __all__ = ["grade_bytes_per_param", "grade_training_memory", "grade_flops_and_days",

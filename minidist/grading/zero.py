@@ -2,7 +2,7 @@
 
 The learner's class is built as ``cls(model.parameters(), optimizer_class, **hyper)`` on every
 rank and trained for 3 steps on the rank's shard of a global batch (the toy model of
-:mod:`minidist.lessons.sharding_reference`: tied weights, a frozen parameter, a buffer, no size
+:mod:`minidist.references.sharding`: tied weights, a frozen parameter, a buffer, no size
 divisible by W). It must end with the parameters of torch's ``ZeroRedundancyOptimizer`` (gradients
 averaged by an all-reduce, as DDP does) and of one process on the global batch, within 1e-6 (the
 sums run in a different order), on 1–4 ranks, with SGD+momentum and with AdamW. Feedback names the
@@ -27,7 +27,7 @@ OPTIMIZERS = {"SGD+momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
 def _train(rank, world, make_opt, averaged: bool, after_backward=None):
     import torch.distributed as dist
 
-    from ..lessons.sharding_reference import local_batch, loss_fn, make_model, named_state
+    from ..references.sharding import local_batch, loss_fn, make_model, named_state
     model = make_model()
     start = named_state(model)
     opt = make_opt(model)
@@ -87,7 +87,7 @@ def _rank_check(rank, world, cls, opt_name, stage):
 
 
 def _trainable():
-    from ..lessons.sharding_reference import make_model
+    from ..references.sharding import make_model
     return [p for p in make_model().parameters() if p.requires_grad]
 
 

@@ -13,8 +13,12 @@ module                  what it holds
                         check_grid (a grid that does not divide the model is a ValueError)
 ``dp``                  the three DP modes: flat, bucketed (PipelineBucketedDDP), zero1
                         (ZeRO1Optimizer: reduce-scatter, clip on slices, step, all-gather)
+``dp_pipeline``         dp_pipeline_step: the pipeline engine composed with data parallelism
+                        (the replicas' gradient average; loss and token count over replicas)
 ``clip``                global gradient norm and clipping across TP shards and stages
 ``step``                train_step: one step (pipeline, gradient duties, clip, optimizer)
+``reshard``             layout-free checkpoints: full weights and optimizer state (AdamW moments,
+                        ZeRO-1 slices consolidated), saved at one (dp, pp, tp), loaded at any
 ======================  =====================================================================
 
 Usage (on every rank, inside ``minidist.run`` or after ``minidist.init()``)::
@@ -26,12 +30,15 @@ Usage (on every rank, inside ``minidist.run`` or after ``minidist.init()``)::
     out = train_step(model, opt, modules, ids, targets, microbatches=4, dp_mode="bucketed")
 """
 
-from . import clip, dp, stages, step  # noqa: F401
+from . import clip, dp, dp_pipeline, reshard, stages, step  # noqa: F401
 from .clip import clip_grad_norm_, global_grad_norm  # noqa: F401
 from .dp import DP_MODES, PipelineBucketedDDP, ZeRO1Optimizer, make_optimizer  # noqa: F401
-from .stages import GPTStage, HybridGPT, check_grid, stage_bounds  # noqa: F401
+from .dp_pipeline import dp_pipeline_step, sync_gradients  # noqa: F401
+from .reshard import load_layout_free, save_layout_free  # noqa: F401
+from .stages import CPGPTStage, GPTStage, HybridGPT, check_grid, stage_bounds  # noqa: F401
 from .step import StepOutput, make_loss_fn, train_step, wrap_stages  # noqa: F401
 
-__all__ = ["HybridGPT", "GPTStage", "check_grid", "stage_bounds", "PipelineBucketedDDP", "ZeRO1Optimizer",
+__all__ = ["HybridGPT", "GPTStage", "CPGPTStage", "check_grid", "stage_bounds", "PipelineBucketedDDP", "ZeRO1Optimizer",
            "make_optimizer", "DP_MODES", "global_grad_norm", "clip_grad_norm_", "train_step",
-           "wrap_stages", "make_loss_fn", "StepOutput"]
+           "wrap_stages", "make_loss_fn", "StepOutput", "dp_pipeline_step", "sync_gradients",
+           "save_layout_free", "load_layout_free"]

@@ -14,8 +14,8 @@ model-parallel rank, ``mp_rank_XX_YYY/model_optim_rng.pt``, with the RNG states 
   ranks draw different dropout masks;
 * **data position**: ``step`` and, if given, ``sampler.state_dict()`` (anything with
   ``state_dict``/``load_state_dict``: epoch and position, or a data generator's state);
-* **who wrote it**: the grid ``(dp, pp, tp)``, model chunks, sequence parallelism and the model
-  config, checked on load.
+* **who wrote it**: the grid ``(dp, pp, tp)`` and ``cp``, model chunks, sequence parallelism and
+  the model config, checked on load.
 
 Files: ``folder`` is a folder of generations (:mod:`minidist.checkpoint_io`): each save writes
 ``folder/gen-NNNNNN/rank{r:05d}.pt`` on every rank (each write checked, flushed and fsync'ed),
@@ -29,7 +29,8 @@ never a resume from a mix of two steps.
 Resuming on the grid that wrote the checkpoint continues the run bit for bit: the same losses
 and, in fp32, the same parameters (``==``) as a run that never stopped. Another grid (or chunks,
 sequence parallelism, model config) is a ``ValueError`` naming the rank and both grids: the shards
-would not fit (reshard by gathering the full model first, e.g. ``HybridGPT.gather``).
+would not fit: to change the layout, save a layout-free checkpoint
+(:func:`~.reshard.save_layout_free`: full weights and optimizer state, loadable on any grid).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 from ..checkpoint_io import (agree, check_tensors, flatten, newest, open_newest, read_part,
                              save_generation)
@@ -69,14 +69,17 @@ def rank_file(folder: str | os.PathLike, rank: int) -> str:
 def _layout(model) -> dict:
     g = model.grid
     cfg = model.cfg
-    return {"dp": g.dp_size, "pp": g.pp_size, "tp": g.tp_size, "world": g.world_size,
+    return {"dp": g.dp_size, "pp": g.pp_size, "tp": g.tp_size, "cp": getattr(g, "cp_size", 1),
+            "world": g.world_size,
             "chunks": getattr(model, "chunks", 1),
             "sequence_parallel": bool(getattr(model, "sequence_parallel", False)),
             "cfg": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))}
 
 
 def _describe(layout: dict) -> str:
-    return (f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']} chunks={layout['chunks']} "
+    cp = layout.get("cp", 1)
+    return (f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']}"
+            f"{f' cp={cp}' if cp != 1 else ''} chunks={layout['chunks']} "
             f"sequence_parallel={layout['sequence_parallel']}")
 
 
@@ -110,11 +113,11 @@ def save_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, ste
     if not all(hasattr(model, a) for a in ("stages", "grid", "cfg")):
         raise TypeError("save_hybrid_checkpoint: model must be a HybridGPT (stages, grid, cfg), "
                         f"got {type(model).__name__}; use minidist.data_parallel.save_checkpoint "
-                        "or minidist.sharding.checkpoint for other models")
+                        "or minidist.sharding.checkpoints for other models")
     grid = model.grid
     state = {
         "format": FORMAT, "rank": grid.rank, "step": int(step), "layout": _layout(model),
-        "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank),
+        "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank, getattr(grid, "cp_rank", 0)),
         "model": {int(s): m.state_dict() for s, m in sorted(model.stages.items())},
         "optimizer": _optimizer_state(optimizer),
         "rng": {**rank_state(sampler), "numpy": _numpy_state(),

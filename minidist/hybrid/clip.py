@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import collectives as C
+from ..data_parallel.clip import clip_by_global_norm_
 
 __all__ = ["global_grad_norm", "clip_grad_norm_"]
 
@@ -35,8 +36,15 @@ def global_grad_norm(model, norm_type: float = 2.0) -> float:
     if float(norm_type) != 2.0:
         raise ValueError(f"global_grad_norm (rank {model.grid.rank}): only the 2-norm is "
                          f"implemented, got norm_type={norm_type}")
-    grid = model.grid
-    params = model.parameters()
+    total = _local_sum_sq(model)
+    _reduce_tp_pp(model.grid)(total)
+    return float(total.sqrt())
+
+
+def _local_sum_sq(model) -> torch.Tensor:
+    """This rank's share of the squared norm: each parameter once (the tied copy and a replicated
+    parameter's copies on TP ranks > 0 skipped), in fp64."""
+    grid, params = model.grid, model.parameters()
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for p in params:
@@ -45,20 +53,26 @@ def global_grad_norm(model, norm_type: float = 2.0) -> float:
         if not getattr(p, "tensor_model_parallel", False) and grid.tp_rank != 0:
             continue
         total += p.grad.detach().double().pow(2).sum()
-    if grid.tp_size > 1:
-        C.all_reduce(total, "sum", group=grid.tp_group)
-    if grid.pp_size > 1:
-        C.all_reduce(total, "sum", group=grid.pp_group)
-    return float(total.sqrt())
+    return total
+
+
+def _reduce_tp_pp(grid, dp: bool = False):
+    """Sum in place over the grid's TP and PP groups (and DP×CP, for ZeRO-1's slices: the ranks
+    holding the same parameters, the DP group without context parallelism)."""
+    def reduce(t):
+        for size, group in (((len(grid.dp_cp_ranks), grid.dp_cp_group),) if dp else ()) + (
+                (grid.tp_size, grid.tp_group), (grid.pp_size, grid.pp_group)):
+            if size > 1:
+                C.all_reduce(t, "sum", group=group)
+    return reduce
 
 
 def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0) -> float:
     """Scale every gradient of ``model`` in place by ``min(1, max_norm / (norm + 1e-6))`` (as
     ``torch.nn.utils.clip_grad_norm_``) and return the global norm before clipping (a float)."""
-    norm = global_grad_norm(model, norm_type)
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return norm
+    if float(norm_type) != 2.0:
+        raise ValueError(f"clip_grad_norm_ (rank {model.grid.rank}): only the 2-norm is "
+                         f"implemented, got norm_type={norm_type}")
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return float(clip_by_global_norm_(_local_sum_sq(model), grads, max_norm,
+                                      _reduce_tp_pp(model.grid)))

@@ -1,7 +1,7 @@
 """Data parallelism across the DP group of a 3-D grid: the three ways minidist averages gradients.
 
-``"flat"``: after the rank's last backward, the pipeline engine averages all of its stages'
-gradients as one flat buffer (:func:`minidist.pipeline_parallel.engine.sync_gradients`).
+``"flat"``: after the rank's last backward, all of its stages' gradients are averaged as one flat
+buffer (:func:`minidist.hybrid.dp_pipeline.sync_gradients`).
 
 ``"bucketed"``: each stage (model chunk) is wrapped in :class:`PipelineBucketedDDP`, minidist's
 :class:`~minidist.data_parallel.BucketedDDP` whose sync decision is taken per *backward*: a
@@ -28,9 +28,10 @@ import contextlib
 
 import torch
 
-from .. import collectives as C
 from ..data_parallel.bucketed import BucketedDDP
+from ..data_parallel.clip import clip_by_global_norm_
 from ..sharding.zero import ShardedOptimizer
+from .clip import _reduce_tp_pp
 
 __all__ = ["DP_MODES", "PipelineBucketedDDP", "ZeRO1Optimizer", "make_optimizer"]
 
@@ -71,7 +72,7 @@ class ZeRO1Optimizer(ShardedOptimizer):
             model.last.head.weight if model.last is not None else None) if p is not None]
         rest = [p for p in model.parameters() if all(p is not t for t in tied)]
         groups = [{"params": [t]} for t in tied] + ([{"params": rest}] if rest else [])
-        super().__init__(groups, optimizer_class, group=model.grid.dp_group, stage=1,
+        super().__init__(groups, optimizer_class, group=model.grid.dp_cp_group, stage=1,
                          grads="local", **defaults)
         self.model, self._reduced = model, False
         tp_rank = model.grid.tp_rank
@@ -85,7 +86,15 @@ class ZeRO1Optimizer(ShardedOptimizer):
             self._counted.append(b.layout.shard(mask).double())
 
     def reduce_gradients(self) -> None:
-        """Reduce-scatter every buffer's gradients: this rank's slice of the DP average."""
+        """Reduce-scatter every buffer's gradients: this rank's slice of the DP average.
+        ``RuntimeError`` naming the parameters whose ``requires_grad`` changed since
+        construction (the norm masks are per buffer: rebuild the optimizer after a change)."""
+        changed = [f"parameter {i} {tuple(p.shape)}" for i, p in enumerate(self.all_params)
+                   if p.requires_grad != (p in self._where)]
+        if changed:
+            raise RuntimeError(f"ZeRO1Optimizer (rank {self.rank}): requires_grad changed since "
+                               f"it was built for {', '.join(changed)}; build a new optimizer "
+                               "(state_dict()/load_state_dict() carry the state)")
         self._stage1_grads()
         self._reduced = True
 
@@ -94,22 +103,13 @@ class ZeRO1Optimizer(ShardedOptimizer):
         ``min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_``."""
         if not self._reduced:
             self.reduce_gradients()
-        grid = self.model.grid
         total = torch.zeros(1, dtype=torch.float64, device=self._counted[0].device)
         for b, mask in zip(self.buckets, self._counted):
             if b.shard.grad is not None:
                 total += (b.shard.grad.double().pow(2) * mask).sum()
-        for size, group in ((grid.dp_size, grid.dp_group), (grid.tp_size, grid.tp_group),
-                            (grid.pp_size, grid.pp_group)):
-            if size > 1:
-                C.all_reduce(total, "sum", group=group)
-        norm = float(total.sqrt())
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for b in self.buckets:
-                if b.shard.grad is not None:
-                    b.shard.grad.mul_(coef)
-        return norm
+        grads = [b.shard.grad for b in self.buckets if b.shard.grad is not None]
+        return float(clip_by_global_norm_(total, grads, max_norm,
+                                          _reduce_tp_pp(self.model.grid, dp=True)))
 
     @torch.no_grad()
     def full_gradients_(self) -> None:

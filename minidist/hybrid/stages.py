@@ -4,9 +4,10 @@ The tiny GPT (:class:`minidist.models.gpt.GPT`) is cut into ``P·v`` pipeline st
 pipeline size, ``v`` model chunks per rank for the interleaved schedule): its ``n_layer`` blocks
 are split as evenly as possible (:func:`minidist.pipeline_parallel.partition.balanced_bounds`),
 stage 0 also holds the token and position embeddings, the last stage ``ln_f`` and the head.
-Inside a stage every layer is tensor-parallel over the grid's TP group, as in
-:class:`minidist.tensor_parallel.gpt.TPGPT` (VocabParallelEmbedding, ParallelSelfAttention and
-ParallelMLP in the plain ``Block``, a vocabulary-parallel head; optionally sequence parallelism).
+Inside a stage every layer is tensor-parallel over the grid's TP group: each stage is a
+:class:`minidist.tensor_parallel.gpt.GPTStage` (VocabParallelEmbedding, ParallelSelfAttention and
+ParallelMLP in the plain ``Block``, a vocabulary-parallel head; optionally sequence parallelism),
+the same code :class:`~minidist.tensor_parallel.gpt.TPGPT` is (one stage holding every layer).
 Rank ``r`` holds stages ``r, r+P, ...`` (chunk order) of its pipeline. Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2-3.
 
@@ -23,6 +24,13 @@ layout: rows of the padded vocabulary), and after backward the two copies' gradi
 
 Shapes: stage 0 takes ids ``[b, s]``; between stages the hidden state ``[b, s, h]`` (``[b, s/tp, h]``
 with sequence parallelism); the last stage returns this rank's logits ``[b, s, Vp/tp]``.
+
+Context parallelism (a grid with ``cp > 1``): each rank holds ``s/cp`` positions of every sample,
+cut by the zigzag split (:mod:`minidist.context_parallel.sharding`); stage 0 embeds them at their
+*global* positions, attention is ring attention over the CP group
+(:class:`~minidist.context_parallel.attention.ContextParallelSelfAttention`), everything else is
+per token and unchanged. ``s`` must divide by ``2·cp``; no sequence parallelism or attention
+dropout with CP.
 """
 
 from __future__ import annotations
@@ -31,18 +39,16 @@ import torch
 from torch import nn
 
 from .. import collectives as C
-from ..models.gpt import GPT, Block, GPTConfig
+from ..context_parallel.attention import ContextParallelSelfAttention
+from ..context_parallel.ring import group_rank_world
+from ..context_parallel.sharding import positions as cp_positions
+from ..models.gpt import GPT, GPTConfig
 from ..pipeline_parallel.partition import balanced_bounds
-from ..tensor_parallel import accounting, regions as R
-from ..tensor_parallel.attention import ParallelSelfAttention
-from ..tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, mark_parameter,
-                                      pad_to_multiple)
-from ..tensor_parallel.mlp import ParallelMLP
-from ..tensor_parallel.random import Dropout
-from ..tensor_parallel.sequence import allreduce_sequence_parallel_grads, mark_sequence_parallel
+from ..tensor_parallel.gpt import GPTStage
+from ..tensor_parallel.sequence import allreduce_sequence_parallel_grads
 from ..tensor_parallel.sharding import gather_state_dict, shard_state_dict
 
-__all__ = ["GPTStage", "HybridGPT", "stage_bounds", "check_grid"]
+__all__ = ["GPTStage", "CPGPTStage", "HybridGPT", "stage_bounds", "check_grid"]
 
 
 def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
@@ -52,13 +58,25 @@ def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
 
 def check_grid(cfg: GPTConfig, dp: int, pp: int, tp: int, chunks: int = 1,
                sequence_parallel: bool = False, rank: int | None = None, seq_len: int | None = None,
-               batch: int | None = None, microbatches: int | None = None) -> None:
+               batch: int | None = None, microbatches: int | None = None, cp: int = 1) -> None:
     """Raise ``ValueError`` (naming ``rank`` and what to change) when the grid does not divide the
     model or the batch: fewer layers than ``pp·chunks`` stages, ``n_head % tp``, ``seq_len % tp``
     with sequence parallelism, a global batch not divisible by ``dp``, fewer samples per replica
-    than ``microbatches``, or ``microbatches % pp`` with the interleaved schedule (``chunks > 1``).
+    than ``microbatches``, or ``microbatches % pp`` with the interleaved schedule (``chunks > 1``);
+    with ``cp > 1``: ``seq_len % (2·cp)`` (the zigzag split), sequence parallelism, attention dropout.
     Every rank raises the same error before any communication, so nothing hangs."""
-    who = f"hybrid GPT (rank {rank}, grid dp={dp} pp={pp} tp={tp} chunks={chunks})"
+    who = f"hybrid GPT (rank {rank}, grid dp={dp} pp={pp} tp={tp} chunks={chunks}" + (
+        f" cp={cp})" if cp > 1 else ")")
+    if cp > 1:
+        if sequence_parallel:
+            raise ValueError(f"{who}: sequence parallelism and context parallelism together are "
+                             "not supported; turn sequence_parallel off")
+        if cfg.attn_dropout:
+            raise ValueError(f"{who}: attention dropout ({cfg.attn_dropout}) is not supported "
+                             "with context parallelism; set attn_dropout=0")
+        if seq_len is not None and seq_len % (2 * cp):
+            raise ValueError(f"{who}: the zigzag split needs the sequence length ({seq_len}) "
+                             f"divisible by 2·cp = {2 * cp}")
     if cfg.n_layer < pp * chunks:
         raise ValueError(f"{who}: {cfg.n_layer} layers cannot fill pp x chunks = {pp * chunks} "
                          f"stages (each needs a block); use n_layer >= {pp * chunks} or fewer "
@@ -84,67 +102,36 @@ def check_grid(cfg: GPTConfig, dp: int, pp: int, tp: int, chunks: int = 1,
                          f"be a multiple of pp={pp}")
 
 
-class GPTStage(nn.Module):
-    """Stage ``index`` of ``n_stages``: blocks ``layers`` (global indices), plus the embeddings on
-    the first stage and ``ln_f`` + head on the last, tensor-parallel over ``group``."""
+class CPGPTStage(GPTStage):
+    """:class:`~minidist.tensor_parallel.gpt.GPTStage` on a context-parallel group: each block's
+    attention is :class:`~minidist.context_parallel.attention.ContextParallelSelfAttention` (ring
+    attention over ``cp_group``) and stage 0 embeds this rank's ``s/cp`` tokens at their global
+    zigzag positions. Same parameters (names, shapes) as the plain stage."""
 
-    def __init__(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group=None,
-                 sequence_parallel: bool = False):
-        super().__init__()
-        sp = sequence_parallel
-        self.cfg, self.index, self.group, self.sequence_parallel = cfg, index, group, sp
-        self.is_first, self.is_last = index == 0, index == n_stages - 1
-        self.tp_rank, self.tp_size = R.tp_rank_world(group)
-        if self.is_first:
-            self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, group, sp)
-            self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
-            mark_parameter(self.pos_emb.weight, sequence_parallel=sp)
-            self.drop = Dropout(cfg.dropout, "replicated", group, sp)
-        self.blocks = nn.ModuleDict()
-        for i in layers:
-            attn = ParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout, cfg.dropout,
-                                         group, sp)
-            mlp = ParallelMLP(cfg.n_embd, 4 * cfg.n_embd, cfg.dropout, group, sp)
-            self.blocks[str(i)] = block = Block(cfg, attn, mlp)
-            if sp:
-                mark_sequence_parallel(block.ln1), mark_sequence_parallel(block.ln2)
-        if self.is_last:
-            self.ln_f = nn.LayerNorm(cfg.n_embd)
-            self.head = ColumnParallelLinear(cfg.n_embd, cfg.vocab_size, bias=False, group=group,
-                                             sequence_parallel=sp,
-                                             padded_out_features=pad_to_multiple(cfg.vocab_size,
-                                                                                 self.tp_size))
-            if sp:
-                mark_sequence_parallel(self.ln_f)
+    def __init__(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group,
+                 sequence_parallel: bool, cp_group):
+        nn.Module.__init__(self)        # cp_group first: make_attention needs it during the build
+        self.cp_group = cp_group
+        self._build(cfg, index, n_stages, layers, group, sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            s = x.shape[1]
-            if s > self.cfg.block_size:
-                raise ValueError(f"GPTStage 0 (TP rank {self.tp_rank}): sequence length {s} "
-                                 f"exceeds block_size {self.cfg.block_size}")
-            with accounting.scope("embed"):
-                tok = self.tok_emb(x)
-                pos = self.pos_emb(torch.arange(s, device=x.device))
-                if self.sequence_parallel:
-                    pos = R.split_along(pos, 0, self.group, "GPTStage sequence split")
-                x = self.drop(tok + pos)
-        for i, block in self.blocks.items():
-            with accounting.scope(f"block{i}"):
-                x = block(x)
-        if self.is_last:
-            with accounting.scope("head"):
-                x = self.head(self.ln_f(x))
-        return x
+    def make_attention(self, cfg: GPTConfig, group, sequence_parallel: bool) -> nn.Module:
+        return ContextParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout, cfg.dropout,
+                                            group, sequence_parallel, self.cp_group, "zigzag")
+
+    def positions(self, s: int, device) -> tuple[int, torch.Tensor]:
+        cp_rank, cp = group_rank_world(self.cp_group)   # this rank's zigzag positions of cp·s
+        return s * cp, cp_positions("zigzag", s * cp, cp, cp_rank).to(device)
 
 
 class HybridGPT:
     """This rank's stages of ``GPT(cfg)`` on a :class:`minidist.grid.ProcessGrid`.
 
-    Args: ``cfg``; ``grid`` (``ProcessGrid(dp, pp, tp)``); ``chunks`` = ``v`` model chunks per
-    rank (interleaved 1F1B); ``sequence_parallel``; ``seed`` for the full model's weights.
+    Args: ``cfg``; ``grid`` (``ProcessGrid(dp, pp, tp)``, or ``(..., cp=c)``: context
+    parallelism); ``chunks`` = ``v`` model chunks per rank (interleaved 1F1B);
+    ``sequence_parallel``; ``seed`` for the full model's weights.
 
-    Attributes: ``stages`` {stage index: :class:`GPTStage`} (this rank's), ``n_stages`` = pp·v,
+    Attributes: ``stages`` {stage index: :class:`GPTStage`, a :class:`CPGPTStage` with cp > 1}
+    (this rank's), ``n_stages`` = pp·v,
     ``bounds`` (block ranges per stage), ``tied`` (tied embeddings held as two copies).
 
     Raises ``ValueError`` from :func:`check_grid`.
@@ -152,8 +139,9 @@ class HybridGPT:
 
     def __init__(self, cfg: GPTConfig, grid, chunks: int = 1, sequence_parallel: bool = False,
                  seed: int = 0):
+        cp = getattr(grid, "cp_size", 1)
         check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, chunks, sequence_parallel,
-                   grid.rank)
+                   grid.rank, cp=cp)
         self.cfg, self.grid, self.chunks, self.sequence_parallel = cfg, grid, chunks, sequence_parallel
         self.n_stages = grid.pp_size * chunks
         self.bounds = stage_bounds(cfg.n_layer, self.n_stages)
@@ -162,8 +150,10 @@ class HybridGPT:
         self.stages = {}
         for c in range(chunks):
             s = c * grid.pp_size + grid.pp_rank
-            stage = GPTStage(cfg, s, self.n_stages, range(*self.bounds[s]), grid.tp_group,
-                             sequence_parallel)
+            layers = range(*self.bounds[s])
+            stage = (CPGPTStage(cfg, s, self.n_stages, layers, grid.tp_group, sequence_parallel,
+                                grid.cp_group) if cp > 1 else
+                     GPTStage(cfg, s, self.n_stages, layers, grid.tp_group, sequence_parallel))
             stage.load_state_dict(shard_state_dict(full, stage, grid.tp_group))
             self.stages[s] = stage
         last, first = self.n_stages - 1, 0
@@ -180,7 +170,8 @@ class HybridGPT:
         for s in sorted(self.stages):
             for p in self.stages[s].parameters():
                 if id(p) not in seen:
-                    seen.add(id(p)), out.append(p)
+                    seen.add(id(p))
+                    out.append(p)
         return out
 
     def is_tied_copy(self, p: nn.Parameter) -> bool:

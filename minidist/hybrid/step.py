@@ -4,11 +4,12 @@
 
 1. zero the gradients;
 2. take this replica's shard of the global batch (``tensor_split`` over ``dp``) and run the
-   pipeline schedule (:func:`minidist.pipeline_parallel.engine.pipeline_step`: 1F1B, interleaved
-   1F1B, GPipe) over the PP group; the loss is the vocabulary-parallel cross-entropy on the TP
-   group, reduced as ``loss_reduction`` says; DP averaging by the engine (``"flat"``), by the
-   bucketed wrappers during each stage's last backward (``"bucketed"``), or by ZeRO-1's
-   reduce-scatter after step 4 (``"zero1"``: recorded as ``"dp_sync"``; see :mod:`.dp`);
+   pipeline schedule over the PP group composed with data parallelism over the DP group
+   (:func:`~.dp_pipeline.dp_pipeline_step` around the engine's 1F1B, interleaved 1F1B or GPipe);
+   the loss is the vocabulary-parallel cross-entropy on the TP group, reduced as
+   ``loss_reduction`` says; DP averaging as one flat buffer after the last backward
+   (``"flat"``), by the bucketed wrappers during each stage's last backward (``"bucketed"``), or
+   by ZeRO-1's reduce-scatter after step 4 (``"zero1"``: recorded as ``"dp_sync"``; see :mod:`.dp`);
 3. sum the sequence-parallel parameters' partial gradients over the TP group;
 4. sum the tied embedding's two copies' gradients over the embedding group;
 5. clip by the global norm (:mod:`.clip`; ZeRO-1: from its averaged slices) when ``max_norm`` is
@@ -17,6 +18,12 @@
 
 With ``record=True`` steps 3-6 are Events on the engine's timeline too ("sp grads", "tied grads",
 "clip", "optimizer"), for :mod:`minidist.hybrid.timeline`.
+
+Context parallelism (``grid.cp_size > 1``): after the DP slice, each rank keeps its zigzag
+positions of every sample (:func:`minidist.context_parallel.sharding.shard`); the gradients and
+the loss are reduced over the DP×CP group (``grid.dp_cp_group``) where they were over DP: the
+parameters are replicated over both. ``"per_token"`` is exact for any ignored tokens; ``"mean"``
+averages equal-sized shards' means (exact without ignored tokens), as it does over DP replicas.
 
 Steps 2's DP average, 3 and 4 are linear and act on different groups, so their order does not
 change the result (beyond fp32 rounding). Returns a :class:`StepOutput` whose ``loss`` is the
@@ -32,12 +39,14 @@ from dataclasses import dataclass
 import torch
 
 from .. import collectives as C
-from ..pipeline_parallel.engine import StepResult, pipeline_step
+from ..context_parallel.sharding import shard
+from ..pipeline_parallel.engine import StepResult
 from ..pipeline_parallel.schedules import make_schedule
 from ..trace import Event
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from .clip import clip_grad_norm_
 from .dp import DP_MODES, PipelineBucketedDDP
+from .dp_pipeline import dp_pipeline_step
 from .stages import check_grid
 
 __all__ = ["StepOutput", "train_step", "wrap_stages", "make_loss_fn"]
@@ -80,7 +89,7 @@ def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> d
                          f"{DP_MODES}, got {dp_mode!r}")
     if dp_mode != "bucketed":
         return dict(model.stages)
-    return {s: PipelineBucketedDDP(m, group=model.grid.dp_group, bucket_cap_mb=bucket_cap_mb)
+    return {s: PipelineBucketedDDP(m, group=model.grid.dp_cp_group, bucket_cap_mb=bucket_cap_mb)
             for s, m in sorted(model.stages.items())}
 
 
@@ -92,7 +101,7 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
 
     ``model``: a :class:`~.stages.HybridGPT`; ``modules``: from :func:`wrap_stages` with the same
     ``dp_mode``; ``optimizer``: from :func:`~.dp.make_optimizer` (or None with ``step=False``: the
-    gradients are then averaged by the engine's all-reduce, also for ``"zero1"``, whose optimizer
+    gradients are then averaged by one flat all-reduce, also for ``"zero1"``, whose optimizer
     otherwise reduce-scatters them: ``p.grad`` then stays this replica's, and
     ``optimizer.full_gradients_()`` writes the averaged, clipped ones back);
     ``schedule``: ``"1f1b"`` (``"interleaved"`` when ``model.chunks > 1``) or ``"gpipe"``.
@@ -109,8 +118,9 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     if any(wrapped) != (dp_mode == "bucketed") or len(set(wrapped)) > 1:
         raise ValueError(f"train_step (rank {grid.rank}): modules do not match dp_mode="
                          f"{dp_mode!r}; build them with wrap_stages(model, {dp_mode!r})")
+    cp = getattr(grid, "cp_size", 1)
     check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, model.chunks,
-               model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches)
+               model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches, cp)
     if model.chunks > 1 and schedule != "interleaved":
         schedule = "interleaved"
     sched = make_schedule(schedule, grid.pp_size, microbatches, v=model.chunks)
@@ -119,12 +129,14 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
         optimizer.zero_grad(set_to_none=True)
     x = ids.tensor_split(grid.dp_size)[grid.dp_rank]
     y = targets.tensor_split(grid.dp_size)[grid.dp_rank]
+    if cp > 1:   # this rank's positions of every sample
+        x, y = (shard(t, "zigzag", cp, grid.cp_rank, dim=1) for t in (x, y))
     bucketed, zero1 = dp_mode == "bucketed", dp_mode == "zero1" and optimizer is not None
     ctx = (lambda s, m, last: modules[s].backward_sync(last)) if bucketed else None
-    result = pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),
-                           group=grid.pp_group, dp_group=grid.dp_group, record=record,
-                           loss_reduction=loss_reduction, sync_dp=not (bucketed or zero1),
-                           backward_context=ctx, device=_device(model))
+    result = dp_pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),
+                              grid.pp_group, grid.dp_cp_group, loss_reduction=loss_reduction,
+                              average=not (bucketed or zero1), record=record,
+                              backward_context=ctx, device=_device(model))
     with _timed(result, record, "sp grads", grid.pp_rank, model.sequence_parallel):
         model.finish_sequence_parallel_grads()
     with _timed(result, record, "tied grads", grid.pp_rank, grid.embedding_group is not None
@@ -161,7 +173,7 @@ def _device(model):
 
 
 def _global_loss(model, result: StepResult, loss_reduction: str) -> float:
-    """"sum"/"per_token": the engine already reduced it. "mean": the last stage's replica mean,
+    """"sum"/"per_token": dp_pipeline_step already reduced it. "mean": the last stage's replica mean,
     sent to every stage (a sum where only the last stage is non-zero), averaged over replicas."""
     if result.global_loss is not None:
         return result.global_loss
@@ -169,6 +181,6 @@ def _global_loss(model, result: StepResult, loss_reduction: str) -> float:
     t = torch.tensor([result.loss or 0.0], dtype=torch.float64, device=_device(model))
     if grid.pp_size > 1:
         C.all_reduce(t, "sum", group=grid.pp_group)
-    if grid.dp_size > 1:
-        C.all_reduce(t, "avg", group=grid.dp_group)
+    if len(grid.dp_cp_ranks) > 1:
+        C.all_reduce(t, "avg", group=grid.dp_cp_group)
     return float(t)

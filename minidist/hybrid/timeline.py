@@ -38,7 +38,7 @@ from collections import defaultdict
 import torch.distributed as dist
 
 from ..tensor_parallel import accounting
-from ..trace import Event, Timeline
+from ..trace import Event, Timeline, align
 from .step import train_step
 
 __all__ = ["KINDS", "kind_of", "record_step", "align", "time_by_kind", "plot_step_timeline"]
@@ -117,18 +117,6 @@ def record_step(model, optimizer, modules: dict, ids, targets, microbatches: int
     return out, sorted(events, key=lambda e: e.start)
 
 
-def align(events) -> list[Event]:
-    """A flat list (from one list per rank, or flat), shifted so the earliest event starts at 0."""
-    flat = [e for per_rank in events for e in per_rank] \
-        if events and isinstance(events[0], (list, tuple)) and not isinstance(events[0], Event) \
-        else list(events)
-    if not flat:
-        return []
-    t0 = min(e.start for e in flat)
-    return sorted((e._replace(start=e.start - t0, end=e.end - t0) for e in flat),
-                  key=lambda e: (e.rank, e.start))
-
-
 def time_by_kind(events) -> dict[int, dict[str, float]]:
     """``{rank: {kind: seconds}}`` summed over the events (TP time is also inside compute)."""
     out: dict = defaultdict(lambda: dict.fromkeys(KINDS, 0.0))
@@ -153,7 +141,7 @@ def plot_step_timeline(events, title: str = "", ax=None, n_ranks: int | None = N
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.5 * P + 1.4), dpi=80)
     order = {"compute": 0, "other": 1, "dp": 2, "pp": 3, "tp": 4}
-    legend = {}
+    legend: dict = {}
     for e in sorted(events, key=lambda e: order[kind_of(e)]):
         if e.duration <= 0 or e.rank >= P:
             continue

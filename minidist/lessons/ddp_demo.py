@@ -7,7 +7,7 @@ global batches (:func:`~.ddp_training.global_batches`), plus replica equality. A
 
 from __future__ import annotations
 
-from .ddp_reference import max_abs_diff
+from ..references.ddp import max_abs_diff
 from .ddp_training import train_digits
 
 __all__ = ["demo_rows"]

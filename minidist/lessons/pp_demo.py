@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..launch import run
+from ..hybrid.dp_pipeline import dp_pipeline_step
 from ..pipeline_parallel.engine import local_stages, pipeline_step
 from ..pipeline_parallel.schedules import make_schedule
 from ..pipeline_parallel.simulator import PipelineDeadlock, bubble_formula, simulate
@@ -64,8 +65,7 @@ def _dp_pp_rank(rank, world):
     mods = local_stages(list(_model(2)), sched, grid.pp_rank)
     x, y = _batch(12)
     x, y = x.tensor_split(2)[grid.dp_rank], y.tensor_split(2)[grid.dp_rank]
-    pipeline_step(sched, mods, x, y, nn.functional.mse_loss, group=grid.pp_group,
-                  dp_group=grid.dp_group)
+    dp_pipeline_step(sched, mods, x, y, nn.functional.mse_loss, grid.pp_group, grid.dp_group)
     return _grads(mods, 2)
 
 

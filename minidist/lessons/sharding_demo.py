@@ -12,7 +12,7 @@ import torch
 from ..comm import p2p
 from ..launch import run
 from ..sharding import ShardedOptimizer, account, fully_shard, full_state_dict, zero_formula
-from .sharding_reference import Block, local_batch, loss_fn, make_model, max_abs_diff, named_state
+from ..references.sharding import Block, local_batch, loss_fn, make_model, max_abs_diff, named_state
 
 __all__ = ["demo_rows"]
 

@@ -1,7 +1,7 @@
 """The tensor-parallel section of ``minidist demo``: a few end-to-end checks in a few seconds.
 
 Each row compares a TP computation with its single-process reference (the checks of
-:mod:`.tp_checks`, which the tests and the lesson use too): the f/g MLP, vocab-parallel
+:mod:`minidist.references.tp`, which the tests and the lesson use too): the f/g MLP, vocab-parallel
 cross-entropy with 1e4 logits and a padded vocabulary, the tiny GPT (plain TP and with sequence parallelism), and the communication of one
 block against the formula.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .. import launch
 from ..tensor_parallel import accounting
-from .tp_checks import TOL, cross_entropy_error, gpt_errors, mlp_error
+from ..references.tp import TOL, cross_entropy_error, gpt_errors, mlp_error
 
 __all__ = ["demo_rows"]
 

@@ -3,6 +3,8 @@
 ``resnet18`` for the DDP benchmark comes from torchvision (``torchvision.models.resnet18``).
 """
 
-from . import cnn, mlp  # noqa: F401
-from .cnn import SmallCNN  # noqa: F401
-from .mlp import MLP  # noqa: F401
+from . import cnn, mlp
+from .cnn import SmallCNN
+from .mlp import MLP
+
+__all__ = ["cnn", "mlp", "SmallCNN", "MLP"]

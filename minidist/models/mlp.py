@@ -18,7 +18,8 @@ class MLP(nn.Module):
                  num_classes: int = 10, batchnorm: bool = False):
         super().__init__()
         hidden = (hidden,) if isinstance(hidden, int) else tuple(hidden)
-        layers, width = [], in_features
+        layers: list[nn.Module] = []
+        width = in_features
         for h in hidden:
             layers.append(nn.Linear(width, h))
             if batchnorm:

@@ -13,10 +13,12 @@ here.
 
 from .schedules import (Op, Schedule, ScheduleError, gpipe, interleaved_one_f_one_b,  # noqa: F401
                         make_schedule, one_f_one_b, validate)
+from .engine import StepResult, local_stages, pipeline_step
 from .simulator import (PipelineDeadlock, SimResult, bubble_formula, message_order_mismatches,  # noqa: F401
                         peak_inflight, simulate)
 from ..trace import Event, bubble_fraction, plot_timeline  # noqa: F401
 
 __all__ = ["Op", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_one_f_one_b",
            "make_schedule", "validate", "simulate", "SimResult", "PipelineDeadlock", "bubble_formula",
-           "peak_inflight", "message_order_mismatches", "Event", "bubble_fraction", "plot_timeline"]
+           "peak_inflight", "message_order_mismatches", "Event", "bubble_fraction", "plot_timeline",
+           "pipeline_step", "local_stages", "StepResult"]

@@ -11,17 +11,17 @@ For each op of ``schedule[rank]`` (see ``schedules.py``):
 
 Because each micro-batch's mean loss is weighted by its share of the batch, the summed loss and
 the accumulated gradients equal one process on the whole batch (to fp32 rounding), for any batch
-size N >= M. With data parallelism (``dp_group``), each stage's gradients are averaged over its DP
-replicas once, right after the rank's last backward — the point where they are final
-(Narayanan et al. 2021 do the same for PipeDream-Flush).
+size N >= M. The engine knows stages and micro-batches only: composing it with data parallelism
+(the replicas' gradient average, the loss and token count over replicas) is
+:func:`minidist.hybrid.dp_pipeline.dp_pipeline_step`'s.
 
 That weighting is right for a loss that is a mean over *samples*. Two other reductions
-(``loss_reduction``, see :mod:`.microbatch`): ``"sum"`` (each micro-batch's sum, weight 1; over
-DP replicas the sum, not the mean) and ``"per_token"`` — ``loss_fn`` returns ``(sum, count)``,
+(``loss_reduction``, see :mod:`.microbatch`): ``"sum"`` (each micro-batch's sum, weight 1) and
+``"per_token"`` — ``loss_fn`` returns ``(sum, count)``,
 e.g. the cross-entropy summed over the positions that are not ``ignore_index`` and their number;
 each backward starts from the sum, and after the last one the gradients are divided by the
 *global* count (summed over micro-batches, sent from the last stage to every stage of the
-pipeline, summed over the DP replicas). Megatron-Core's ``calculate_per_token_loss``. Weighting
+pipeline). Megatron-Core's ``calculate_per_token_loss``. Weighting
 a per-micro-batch token mean by ``n_m/N`` instead is wrong whenever micro-batches hold different
 numbers of counted tokens.
 """
@@ -38,13 +38,12 @@ from torch import nn
 
 from .. import collectives as C, env
 from ..trace import Event
-from ..data_parallel.flat import average_flat
 from . import microbatch
-from .memory import ActivationMeter
+from .memory import StageActivationMeter
 from .schedules import Schedule
 from .transport import Transport
 
-__all__ = ["pipeline_step", "StepResult", "local_stages", "sync_gradients", "recv_plan"]
+__all__ = ["pipeline_step", "StepResult", "local_stages", "recv_plan"]
 
 
 @dataclass
@@ -71,25 +70,6 @@ def local_stages(stages: list[nn.Module], schedule: Schedule, rank: int) -> dict
     return {s: stages[s] for s in schedule.stages_of(rank)}
 
 
-def sync_gradients(modules: dict[int, nn.Module], dp_group) -> None:
-    """Average every parameter gradient of ``modules`` over ``dp_group``, as one flat buffer
-    (:func:`minidist.data_parallel.flat.average_flat`, as FlatDDP does).
-
-    A parameter with no gradient counts as zero (so replicas stay in step); one that no replica
-    used keeps ``grad=None``, as in one process (a zero gradient would still move it under
-    momentum or weight decay). The usage mask travels in the same buffer: no extra collective.
-    """
-    params = [p for s in sorted(modules) for p in modules[s].parameters() if p.requires_grad]
-    if not params or dist.get_world_size(dp_group) == 1:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-    *averaged, anywhere = average_flat(grads + [used], group=dp_group)
-    for p, avg, a in zip(params, averaged, anywhere.tolist()):
-        if a > 0:
-            p.grad = avg.clone()
-
-
 def recv_plan(schedule: Schedule, rank: int) -> list[tuple]:
     """The receives ``rank`` makes, in schedule order: (peer, kind, mb, from_stage, to_stage)."""
     last, plan = schedule.n_stages - 1, []
@@ -110,7 +90,7 @@ class _StepState:
     rank: int
     device: object
     transport: Transport
-    meter: ActivationMeter
+    meter: StageActivationMeter
     clock: object
     loss_fn: object
     mb_inputs: list | None = None     # on the rank holding stage 0
@@ -182,9 +162,9 @@ def _backward_op(st: _StepState, m: int, s: int) -> None:
 
 
 def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
-                  group=None, dp_group=None, record: bool = False, device=None,
+                  group=None, record: bool = False, device=None,
                   prefetch: bool | None = None, loss_reduction: str = "mean",
-                  sync_dp: bool = True, backward_context=None) -> StepResult:
+                  backward_context=None) -> StepResult:
     """Run one training step's forwards and backwards of ``schedule`` on this rank.
 
     Args:
@@ -195,13 +175,9 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         loss_fn: ``loss_fn(output, target) -> scalar``, a *mean* over the micro-batch (or as
             ``loss_reduction`` says).
         group: the pipeline process group (ranks inside it are pipeline ranks); default: world.
-        dp_group: if given, gradients are averaged over it once, after this rank's last backward
-            (unless ``sync_dp=False``: then it only sums the loss and token count over replicas).
         loss_reduction: ``"mean"`` (over samples; weights ``n_m/N``), ``"sum"`` or
             ``"per_token"`` (``loss_fn`` returns ``(sum, count)``; gradients divided by the global
-            count). With DP, ``"mean"`` assumes equal shards per replica.
-        sync_dp: False when something else averages the gradients over ``dp_group`` (a DDP
-            wrapper's hooks, ZeRO).
+            count).
         backward_context: ``f(stage, mb, last) -> context manager`` entered around each backward;
             ``last`` is True for the stage's last backward of the step (where a bucketed DDP wrapper
             must synchronise, Narayanan et al. 2021 §3.3).
@@ -243,7 +219,7 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
         return time.perf_counter() - t0
 
     transport = Transport(group, device, clock if record else None)
-    st = _StepState(schedule, modules, rank, device, transport, ActivationMeter(modules), clock,
+    st = _StepState(schedule, modules, rank, device, transport, StageActivationMeter(modules), clock,
                     loss_fn, mb_inputs, mb_targets, weights, loss_reduction, backward_context,
                     {op.stage: op.mb for op in schedule[rank] if op.kind == "B"})
     if prefetch if prefetch is not None else dist.get_backend(group) == "gloo":
@@ -253,11 +229,7 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
     transport.finish()
     global_loss = tokens = None
     if loss_reduction != "mean":
-        global_loss, tokens = _reduce_loss(st, modules, group, dp_group, loss_reduction)
-    if dp_group is not None and sync_dp:
-        start = clock()
-        sync_gradients(modules, dp_group)
-        st.events.append(Event("dp_sync", start, clock(), rank=rank))
+        global_loss, tokens = _reduce_loss(st, modules, group, loss_reduction)
     events = []
     if record:
         events = st.events + [Event(k, a, b, rank=rank, mb=mb, stage=s)
@@ -270,22 +242,19 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
                       global_loss, tokens)
 
 
-def _reduce_loss(st: _StepState, modules, group, dp_group, reduction: str):
+def _reduce_loss(st: _StepState, modules, group, reduction: str):
     """Sum [loss, count] over the pipeline (only the last stage's are non-zero: a broadcast to
-    every stage) and over the DP replicas; scale this rank's gradients so the DP average that
-    follows gives the gradient of the global sum ("sum") or of the global token mean."""
+    every stage); "per_token": divide this rank's gradients by the count, so they are the
+    gradient of the batch's token mean."""
     stats = torch.tensor([0.0 if st.total is None else float(st.total), st.count],
                          dtype=torch.float64, device=st.device)
     if dist.get_world_size(group) > 1:
         C.all_reduce(stats, "sum", group=group)
-    dp = 1 if dp_group is None else dist.get_world_size(dp_group)
-    if dp > 1:
-        C.all_reduce(stats, "sum", group=dp_group)
     loss_sum, count = stats.tolist()
     if reduction == "sum":
-        scale, value, count = float(dp), loss_sum, None
+        scale, value, count = 1.0, loss_sum, None
     else:  # count 0 (every position ignored): nan, as F.cross_entropy's mean
-        scale = dp / count if count else float("nan")
+        scale = 1 / count if count else float("nan")
         value = loss_sum / count if count else float("nan")
     if scale != 1.0:
         seen = set()

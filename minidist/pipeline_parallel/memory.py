@@ -14,10 +14,10 @@ import contextlib
 import torch
 from torch import nn
 
-__all__ = ["ActivationMeter"]
+__all__ = ["StageActivationMeter"]
 
 
-class ActivationMeter:
+class StageActivationMeter:
     """Running saved-activation bytes per stage: ``with meter.forward(stage, mb): y = module(x)``,
     then ``meter.backward(stage, mb)`` after its backward. ``meter.peak_bytes`` = {stage: peak}."""
 
@@ -28,7 +28,7 @@ class ActivationMeter:
         self.peak_bytes = {s: 0 for s in modules}
         self.inflight = {s: 0 for s in modules}
         self.peak_inflight = {s: 0 for s in modules}
-        self.per_mb = {}  # (stage, mb) -> bytes
+        self.per_mb: dict = {}  # (stage, mb) -> bytes
 
     @contextlib.contextmanager
     def forward(self, stage: int, mb: int):

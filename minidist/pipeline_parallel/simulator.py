@@ -73,9 +73,9 @@ def _dependency(op: Op, n_stages: int) -> Op | None:
 
 def peak_inflight(schedule: Schedule) -> dict:
     """{stage: peak number of micro-batches with saved activations} from the op order alone."""
-    peak = {}
+    peak: dict = {}
     for row in schedule.ops:
-        live = {}
+        live: dict = {}
         for op in row:
             live[op.stage] = live.get(op.stage, 0) + (1 if op.kind == "F" else -1)
             peak[op.stage] = max(peak.get(op.stage, 0), live[op.stage])
@@ -95,7 +95,7 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
     cost = {"F": t_f / v, "B": t_b / v}
     ptr = [0] * P
     free = [0.0] * P
-    done = {}  # op -> end time
+    done: dict = {}  # op -> end time
     events = []
     remaining = sum(len(row) for row in schedule.ops)
     while remaining:
@@ -140,7 +140,8 @@ def message_order_mismatches(schedule: Schedule) -> list[tuple]:
     ``[(src, dst, sent, received), ...]``; empty for GPipe, 1F1B and interleaved 1F1B.
     """
     last = schedule.n_stages - 1
-    sent, recvd = {}, {}
+    sent: dict = {}
+    recvd: dict = {}
     for r, row in enumerate(schedule.ops):
         for op in row:
             if op.kind == "F":

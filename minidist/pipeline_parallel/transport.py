@@ -148,7 +148,8 @@ class Transport:
         plan = [p for p in plan if p[0] != self.rank]
         if not plan:
             return
-        self._ready, self._error, self._cv = {}, None, threading.Condition()
+        self._ready: dict = {}
+        self._error, self._cv = None, threading.Condition()
 
         def loop():
             try:

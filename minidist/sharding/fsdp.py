@@ -1,263 +1,60 @@
-"""ZeRO-3 / fully sharded data parallelism: :func:`fully_shard`, a flat sharded parameter per unit.
+"""ZeRO-3 / fully sharded data parallelism: :func:`fully_shard`.
 
 Each call turns one module into a *unit* (Zhao et al. 2023, "PyTorch FSDP", §3.2; Rajbhandari et
-al. 2020, ZeRO, §5.3, P_os+g+p). The unit's trainable parameters — those not already in a unit
-below it — are packed into a flat buffer padded to W·S elements (:class:`~.flat.FlatBuffer`);
-rank r keeps only its [S] slice, registered on the module as the parameter ``flat_shard`` (so an
-ordinary optimizer built afterwards keeps state for 1/W of the model). Per training step:
+al. 2020, ZeRO, §5.3, P_os+g+p) owning every parameter of the module that no unit below it owns
+(so ``fully_shard(model)`` after its blocks owns the embedding and head, as FSDP2's root does).
+Two layouts, one machinery (:mod:`.fsdp_flat`'s unit hooks; this file holds :func:`fully_shard`):
 
-1. **before the unit's forward** its flat buffer is all-gathered (in ``param_dtype``) and the
-   original parameter names become views of it; the next unit's all-gather is *prefetched* on the
-   communication thread (order recorded during the first step);
+* **per parameter** (default, :class:`~.fsdp_param.ParamShardUnit`, FSDP2's design): each
+  parameter — trainable or frozen — is cut on dim 0, rank r keeps its [ceil(d0/W), ...] rows as
+  the same ``nn.Parameter`` object under its own name, so the optimizer sees one sharded tensor
+  per original parameter (param groups by name or ``p.dim()`` work) and ``requires_grad`` can
+  change after wrapping; communication goes through one flat buffer per unit;
+* **flat** (``per_parameter=False``, :class:`~.fsdp_flat.FlatParamUnit`, FSDP1's ``FlatParameter``, the
+  first design, kept to teach why it was replaced): the unit's *trainable* parameters are packed
+  into one flat buffer padded to W·S elements (:class:`~.flat.FlatBuffer`); rank r keeps its [S]
+  slice as the parameter ``flat_shard``. Frozen parameters stay unsharded; one that later
+  requires a gradient is a ``RuntimeError`` at the next forward naming it.
+
+Per training step:
+
+1. **before the unit's forward** its parameters are all-gathered (in ``param_dtype``) and the
+   original parameter names point at the gathered tensors; the next unit's all-gather is
+   *prefetched* on the communication thread (order recorded during the first step);
 2. **after its forward** the gathered storage is freed (``reshard_after_forward``);
 3. **before its backward** (a hook on the unit's outputs) it is all-gathered again into the *same*
    storage, so the tensors autograd saved (views of it) are valid again; the unit that comes next
    in backward is prefetched;
-4. **when its flat gradient is complete** (a post-accumulate-grad hook), it is cast to
+4. **when its gradient is complete** (a post-accumulate-grad hook), it is cast to
    ``reduce_dtype`` and reduce-scattered (average) on the communication thread; each rank keeps
-   its [S] slice in ``flat_shard.grad`` (fp32 master dtype); the gathered storage is freed again.
+   its slice as the shards' ``.grad`` (master dtype); the gathered storage is freed again.
 
 Per step a rank therefore sends 3·(W-1)/W·Ψ elements (two all-gathers and one reduce-scatter):
-1.5x plain data parallelism (ZeRO §7.2.2). Parameters with ``requires_grad=False`` and buffers are
-not sharded (replicated as in DDP). A parameter tied between two units must belong to a unit that
-contains both uses (e.g. the root): anything else is a ``ValueError``.
+1.5x plain data parallelism (ZeRO §7.2.2).
+
+**Synced at construction**: per-parameter units broadcast their parameters (trainable and frozen)
+and their modules' buffers from rank 0; flat units broadcast the packed (trainable) parameters
+only. **Supports**: tied parameters inside one unit, frozen parameters and ``requires_grad``
+changes (per parameter), gradient accumulation (:func:`set_requires_gradient_sync`), mixed
+precision (:class:`MixedPrecisionPolicy`; per-parameter units cast frozen weights too, as FSDP2),
+recomputation inside units, no_grad/eval forwards. **Refuses** (``ValueError``): a module sharded
+twice, a parameter tied across two units, 0-d parameters and mixed dtypes without a policy (per
+parameter); :func:`~.fsdp_state.clip_grad_norm_` and :func:`~.fsdp_state.full_state_dict` refuse
+a model whose trainable parameters belong to no unit (their gradients are never averaged).
+Buffers are not cast by a mixed-precision policy (as FSDP2): an fp32 buffer added to bf16
+activations makes them fp32.
 """
 
 from __future__ import annotations
 
-import weakref
-
-import torch
 from torch import nn
 
-from .comms import Collectives, CommWorker
-from .flat import FlatBuffer
-from .mixed_precision import MixedPrecision, cast_floating
+from ..communicator import Communicator
+from .fsdp_flat import FlatParamUnit, _Context
+from .fsdp_param import ParamShardUnit
+from .mixed_precision import MixedPrecisionPolicy
 
-__all__ = ["fully_shard", "MixedPrecision", "FlatParamUnit", "units", "set_requires_gradient_sync"]
-
-
-class _Context:
-    """What the units under one root share: the comm thread, the order, pending reduce-scatters."""
-
-    def __init__(self, kind, group):
-        self.kind, self.group, self._worker = kind, group, None
-        self.order: list = []            # units in forward order (recorded in step 1)
-        self.recording = True
-        self.pending: list = []          # (unit, handle, reduced shard) of this backward
-        self.in_backward = False
-        self.prefetched = 0              # all-gathers that were started early on the comm thread
-
-    @property
-    def worker(self) -> CommWorker:
-        """Created at first use (the first forward, on every rank): only the root's is ever made."""
-        if self._worker is None:
-            self._worker = CommWorker(self.kind, self.group)
-        return self._worker
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-
-
-class FlatParamUnit:
-    """The state :func:`fully_shard` attaches to a module as ``module._fsdp``."""
-
-    def __init__(self, module: nn.Module, comm: Collectives, mp: MixedPrecision,
-                 reshard_after_forward: bool, prefetch: bool):
-        self.module, self.comm, self.mp = module, comm, mp
-        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        self.rank, self.world_size = comm.rank, comm.world_size
-        self.slots, params, seen = [], [], {}   # slots: (submodule, name, index into params)
-        for mod_name, sub in _own_modules(module):
-            for name, p in list(sub._parameters.items()):
-                if p is None or not p.requires_grad:
-                    continue
-                if id(p) not in seen:
-                    seen[id(p)] = len(params)
-                    params.append(p)
-                self.slots.append((sub, name, seen[id(p)], f"{mod_name}{name}"))
-        self.names = [next(fq for _, _, i, fq in self.slots if i == k) for k in range(len(params))]
-        self.layout = FlatBuffer(params, self.world_size, self.rank) if params else None
-        _claim(params, self.names, type(module).__name__)
-        self.ctx, self.sync, self.state, self.handle = None, True, "sharded", None
-        self.full, self.unsharded_grad = None, None
-        if self.layout is None:
-            return
-        with torch.no_grad():
-            flat = self.layout.pack(params)
-            comm.broadcast(flat, 0)                      # every rank starts from rank 0's values
-            shard = self.layout.shard(flat).clone()
-        for sub, name, _, _ in self.slots:
-            del sub._parameters[name]
-        self.flat_shard = nn.Parameter(shard)             # [S] fp32 master, what optimizers see
-        module.register_parameter("flat_shard", self.flat_shard)
-        self.compute_dtype = mp.param_dtype or shard.dtype
-        self.full = torch.zeros(self.layout.padded, dtype=self.compute_dtype,
-                                device=shard.device).requires_grad_()
-        self.full.register_post_accumulate_grad_hook(lambda t: self._on_grad())
-        self._set_views()
-        self._free()
-        for p in params:                                  # the full copies are not kept
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-
-    # ------------------------------------------------------------------ gather / free
-    def _alloc(self) -> None:
-        nbytes = self.layout.padded * self.full.element_size()
-        if self.full.untyped_storage().size() != nbytes:
-            self.full.untyped_storage().resize_(nbytes)
-
-    def _free(self) -> None:
-        self.full.untyped_storage().resize_(0)
-        self.state = "sharded"
-
-    def _gather_into(self, comm: Collectives) -> None:
-        comm.all_gather(self.full.data, self.flat_shard.detach().to(self.compute_dtype))
-
-    def gather(self, comm_thread: bool = False) -> None:
-        """All-gather now (main thread), or start it on the comm thread (``comm_thread=True``)."""
-        if self.layout is None or self.state != "sharded" or self.handle is not None:
-            return
-        self._alloc()
-        if comm_thread and self.ctx is not None:
-            self.handle = self.ctx.worker.submit(f"all-gather of unit {self.unit_name()} "
-                                                 f"(rank {self.rank})", _gather, self)
-        else:
-            self._gather_into(self.comm)
-            self.state = "gathered"
-
-    def wait_gathered(self) -> None:
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle, self.state = None, "gathered"
-            self.ctx.prefetched += 1
-        self.gather()
-
-    def _set_views(self) -> None:
-        views = self.layout.views(self.full)
-        for sub, name, i, _ in self.slots:
-            setattr(sub, name, views[i])
-
-    def unit_name(self) -> str:
-        return type(self.module).__name__
-
-    # ------------------------------------------------------------------ hooks
-    def pre_forward(self, module, args, kwargs):
-        ctx = self.ctx
-        if ctx.recording and self not in ctx.order:
-            ctx.order.append(self)
-        if self.layout is not None:
-            self.wait_gathered()
-            self._set_views()                 # fresh views, recorded by autograd if grad is on
-        if self.prefetch and not ctx.recording and not ctx.in_backward:
-            i = ctx.order.index(self)
-            if i + 1 < len(ctx.order):
-                ctx.order[i + 1].gather(comm_thread=True)
-        if self.mp.param_dtype is not None:
-            args, kwargs = cast_floating((args, kwargs), self.mp.param_dtype)
-        return args, kwargs
-
-    def post_forward(self, module, args, output):
-        if self.layout is None:
-            return output
-        if torch.is_grad_enabled():
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(self._pre_backward_hook)
-        if self.reshard_after_forward and not self.ctx.in_backward:  # not while recomputing
-            self._free()
-        return output
-
-    def _pre_backward_hook(self, grad):
-        self.pre_backward()
-
-    def pre_backward(self) -> None:
-        ctx = self.ctx
-        if not ctx.in_backward:
-            ctx.in_backward, ctx.recording = True, False
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self.wait_gathered()
-        if self.prefetch and self in ctx.order:   # next in backward: the previous unit in forward
-            i = ctx.order.index(self)
-            ctx.order[i - 1 if i > 0 else -1].gather(comm_thread=True)
-
-    def _on_grad(self) -> None:
-        grad = self.full.grad
-        self.full.grad = None
-        rdtype = self.mp.reduce_dtype or self.flat_shard.dtype
-        grad = grad.to(rdtype)
-        if self.unsharded_grad is not None:
-            grad = grad + self.unsharded_grad
-            self.unsharded_grad = None
-        if not self.sync:                               # no_sync: keep the full sum locally
-            self.unsharded_grad = grad
-        else:
-            out = torch.empty(self.layout.shard_numel, dtype=rdtype, device=grad.device)
-            h = self.ctx.worker.submit(f"reduce-scatter of unit {self.unit_name()} (rank "
-                                       f"{self.rank})", _reduce_scatter, out, grad)
-            self.ctx.pending.append((self, h, out))
-        self._free()
-
-    def _finish_backward(self) -> None:
-        ctx = self.ctx
-        ctx.in_backward = False
-        pending, ctx.pending = ctx.pending, []
-        with torch.no_grad():
-            for unit, h, out in pending:
-                h.wait()
-                g = out.to(unit.flat_shard.dtype)
-                if unit.flat_shard.grad is None:
-                    unit.flat_shard.grad = g
-                else:
-                    unit.flat_shard.grad.add_(g)
-        for unit in ctx.order:                # units whose gradient never came: free them too
-            if unit.layout is not None and unit.handle is not None:
-                unit.wait_gathered()
-            if unit.layout is not None and unit.state != "sharded":
-                unit._free()
-
-
-_CLAIMED: dict = {}   # id(parameter) -> (weak reference, unit name): which unit packed it
-
-
-def _claim(params, names, unit: str) -> None:
-    """Raise ``ValueError`` if a parameter was already packed by another unit (tied weights used in
-    two units); else record that ``unit`` owns them."""
-    for p, name in zip(params, names):
-        ref, owner = _CLAIMED.get(id(p), (None, None))
-        if ref is not None and ref() is p:
-            raise ValueError(f"fully_shard: parameter {name} of {unit} is tied to one already "
-                             f"packed by unit {owner}; a tied parameter must belong to one unit: "
-                             "shard a module that contains every use of it (e.g. the root)")
-    for p in params:
-        _CLAIMED[id(p)] = (weakref.ref(p), unit)
-
-
-def _gather(comm, unit: FlatParamUnit) -> None:
-    unit._gather_into(comm)
-
-
-def _reduce_scatter(comm, out, grad) -> None:
-    comm.reduce_scatter(out, grad, "avg")
-
-
-def _own_modules(module: nn.Module, prefix: str = ""):
-    """(qualified name prefix, submodule) of ``module`` and its descendants outside other units."""
-    yield prefix, module
-    for name, child in module.named_children():
-        if getattr(child, "_fsdp", None) is None:
-            yield from _own_modules(child, f"{prefix}{name}.")
-
-
-def _tensors(obj):
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "FlatParamUnit", "units", "set_requires_gradient_sync"]
 
 
 def units(module: nn.Module) -> list[FlatParamUnit]:
@@ -274,27 +71,34 @@ def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
 
 
 def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built",
-                auto_wrap: tuple = (), mp_policy: MixedPrecision | None = None,
-                reshard_after_forward: bool = True, prefetch: bool = True) -> nn.Module:
+                auto_wrap: tuple = (), mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool = True, prefetch: bool = True,
+                per_parameter: bool = True) -> nn.Module:
     """Shard ``module`` as one unit (after sharding its submodules of the classes in
     ``auto_wrap`` as units of their own) and return it. Call on children first, then the root.
 
     Args: ``group`` (data-parallel process group, e.g. ``ProcessGrid.dp_group``), ``collectives``
-    (``"hand-built"`` or ``"torch"``), ``mp_policy`` (:class:`MixedPrecision`),
+    (``"hand-built"`` or ``"torch"``), ``mp_policy`` (:class:`MixedPrecisionPolicy`),
     ``reshard_after_forward`` (free after forward; False keeps it gathered until backward),
-    ``prefetch`` (all-gather the next unit on the comm thread).
-    Raises ``ValueError`` for a module sharded twice or a parameter tied across two units.
+    ``prefetch`` (all-gather the next unit on the comm thread), ``per_parameter`` (True: dim-0
+    shards per parameter, FSDP2; False: one flat shard per unit, FSDP1 — see the module doc).
+    Syncs parameters (and, per parameter, frozen ones and buffers) from rank 0. Raises
+    ``ValueError`` for a module sharded twice, a parameter tied across two units, and (per
+    parameter) a 0-d parameter or mixed dtypes without ``mp_policy.param_dtype``.
     """
     if getattr(module, "_fsdp", None) is not None:
         raise ValueError(f"fully_shard: {type(module).__name__} is already a unit")
     opts = dict(group=group, collectives=collectives, mp_policy=mp_policy,
-                reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+                reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+                per_parameter=per_parameter)
     if auto_wrap:
         for sub in list(module.modules())[1:][::-1]:
             if isinstance(sub, tuple(auto_wrap)) and getattr(sub, "_fsdp", None) is None:
                 fully_shard(sub, **opts)
-    unit = FlatParamUnit(module, Collectives(collectives, group), mp_policy or MixedPrecision(),
-                         reshard_after_forward, prefetch)
+    cls = ParamShardUnit if per_parameter else FlatParamUnit
+    unit = cls(module, Communicator(collectives, group, where="sharding"),
+               mp_policy or MixedPrecisionPolicy(),
+               reshard_after_forward, prefetch)
     module._fsdp = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)

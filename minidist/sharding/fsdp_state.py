@@ -7,12 +7,17 @@
   a dict at *any* world size and keeps this rank's slices.
 * :func:`full_optim_state_dict` / :func:`load_full_optim_state_dict` — the same for an optimizer
   built on the shards, keyed by parameter name (so it reloads at another world size).
-* :func:`save_sharded` / :func:`load_sharded` — one file per rank with its slices only, as a new
-  generation of a checkpoint folder (:mod:`.checkpoint`); reloads at the same world size only
-  (else ``ValueError``).
-* :func:`clip_grad_norm_` — the global L2 norm of all gradients is sqrt(all-reduce of every
-  rank's sum of squares of its slices) (the zero padding adds nothing); every rank scales its
-  slices by ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``.
+* :func:`save_sharded` / :func:`load_sharded` — one file per rank with its slices only (no
+  communication); reloads at the same world size only (else ``ValueError``). For checkpoints that
+  survive a crash or a full disk (generations, checksums, every rank's outcome agreed) use
+  :func:`minidist.sharding.checkpoints.save_sharded_checkpoint`, built on this module's functions.
+* :func:`clip_grad_norm_` — the global p-norm of all gradients is (all-reduce of every rank's
+  sum of |g|^p over its slices)^(1/p), the max over ranks for p = inf (the zero padding adds
+  nothing); every rank scales its slices by ``min(1, max_norm / (norm + 1e-6))``, as
+  ``torch.nn.utils.clip_grad_norm_``.
+
+Both unit layouts (per-parameter and flat, :mod:`.fsdp`) are handled; dict keys are the names of
+the unsharded model either way.
 """
 
 from __future__ import annotations
@@ -25,19 +30,47 @@ from torch import nn
 from .fsdp import units
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_optim_state_dict",
-           "load_full_optim_state_dict", "save_sharded", "load_sharded", "clip_grad_norm_"]
+           "load_full_optim_state_dict", "save_sharded", "load_sharded", "clip_grad_norm_",
+           "check_covered"]
 
 
 def _prefix(module: nn.Module) -> dict:
     return {id(m): (n + "." if n else "") for n, m in module.named_modules(remove_duplicate=False)}
 
 
-def _unit_entries(module: nn.Module):
-    """(unit, [(qualified name, index into the unit's parameters)])."""
+def _per_param(u) -> bool:
+    return hasattr(u, "params")
+
+
+def _unit_entries(module: nn.Module, per_param: bool):
+    """(unit, [(qualified name, index into the unit's parameters)]) for one kind of unit."""
     prefix = _prefix(module)
     for u in units(module):
-        if u.layout is not None:
+        if u.layout is not None and _per_param(u) == per_param:
             yield u, [(prefix[id(u.module)] + fq, i) for _, _, i, fq in u.slots]
+
+
+def check_covered(module: nn.Module, what: str) -> list:
+    """The units of ``module``; ``ValueError`` naming every module whose trainable parameters no
+    unit owns (wrap the root too: ``fully_shard(model)`` after its blocks owns what no block
+    owns, as FSDP2's root does). Frozen parameters outside units are fine (they never change)."""
+    us = units(module)
+    owned: set[int] = set()
+    for u in us:
+        owned.update(id(p) for p in getattr(u, "params", []))
+        owned.update(id(p) for _, p in u.frozen)
+        if getattr(u, "flat_shard", None) is not None:
+            owned.add(id(u.flat_shard))
+    outside = [n for n, p in module.named_parameters() if id(p) not in owned and p.requires_grad]
+    if outside or not us:
+        mods = sorted({n.rpartition(".")[0] or "<root>" for n in outside})
+        raise ValueError(f"{what}: parameters {', '.join(outside) or '(none)'} of modules "
+                         f"{', '.join(mods) or '(none)'} belong to no fully_shard unit"
+                         + (" (the model has no unit at all)" if not us else "")
+                         + "; their gradients would never be averaged and they would be left "
+                           "out. Call fully_shard(model) on the root after its blocks: the root "
+                           "owns what no unit below it owns")
+    return us
 
 
 def _gather_flat(u, shard: torch.Tensor) -> list[torch.Tensor]:
@@ -46,16 +79,40 @@ def _gather_flat(u, shard: torch.Tensor) -> list[torch.Tensor]:
     return [v.clone() for v in u.layout.views(full)]
 
 
+def _gather_param(u, i: int, shard: torch.Tensor) -> torch.Tensor:
+    """Parameter ``i`` of a per-parameter unit: every rank's [c, *rest] rows → [d0, *rest]."""
+    shape, c = u.layout.shapes[i], u.layout.rows[i]
+    full = torch.empty((u.world_size * c,) + shape[1:], dtype=shard.dtype, device=shard.device)
+    if full.numel():
+        u.comm.all_gather(full.view(-1), shard.detach().reshape(-1))
+    return full[:shape[0]].clone()
+
+
+def _rows_of(u, i: int, full: torch.Tensor, dtype=None) -> torch.Tensor:
+    """This rank's padded [c, *rest] rows of a full parameter-shaped tensor."""
+    c = u.layout.rows[i]
+    rows = torch.zeros((u.world_size * c,) + tuple(full.shape[1:]),
+                       dtype=dtype or full.dtype, device=full.device)
+    rows[:full.shape[0]].copy_(full)
+    return rows[u.rank * c:(u.rank + 1) * c].clone()
+
+
 def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """The unsharded ``state_dict`` (fp32 masters). Collective. ``rank0_only``: others get {}."""
-    out = {}
-    for u, entries in _unit_entries(module):
+    """The unsharded ``state_dict`` (fp32 masters). Collective. ``rank0_only``: others get {}.
+
+    Raises ``ValueError`` naming the modules whose trainable parameters belong to no unit: their
+    gradients were never averaged, so every rank holds a different value."""
+    check_covered(module, "full_state_dict")
+    out = {name: t.detach().clone() for name, t in module.state_dict().items()
+           if not name.endswith("flat_shard")}
+    for u, entries in _unit_entries(module, per_param=False):
         views = _gather_flat(u, u.flat_shard)
         for name, i in entries:
             out[name] = views[i]
-    for name, t in module.state_dict().items():
-        if not name.endswith("flat_shard"):
-            out[name] = t.detach().clone()
+    for u, entries in _unit_entries(module, per_param=True):
+        full = [_gather_param(u, i, p) for i, p in enumerate(u.params)]
+        for name, i in entries:
+            out[name] = full[i]
     rank = next((u.rank for u in units(module)), 0)
     return {} if rank0_only and rank != 0 else out
 
@@ -63,24 +120,28 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
 def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load an unsharded state dict (from any world size); no communication."""
     with torch.no_grad():
-        for u, entries in _unit_entries(module):
-            first = {}
+        done = set()
+        for u, entries in _unit_entries(module, per_param=False):
+            first: dict = {}
             for name, i in entries:
                 first.setdefault(i, state[name])
+                done.add(name)
             flat = u.layout.pack([first[i] for i in range(len(first))],
                                  dtype=u.flat_shard.dtype)
             u.flat_shard.copy_(u.layout.shard(flat))
-        rest = {k: v for k, v in state.items() if k in module.state_dict()
-                and not k.endswith("flat_shard")}
+        for u, entries in _unit_entries(module, per_param=True):
+            for name, i in entries:
+                u.params[i].copy_(_rows_of(u, i, state[name]))
+                done.add(name)
         for name, t in module.state_dict().items():
-            if name in rest:
-                t.copy_(rest[name])
+            if name in state and name not in done and not name.endswith("flat_shard"):
+                t.copy_(state[name])
 
 
 def full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """``{"state": {param name: {key: tensor}}, "param_groups": [...]}`` unsharded. Collective."""
-    state = {}
-    for u, entries in _unit_entries(module):
+    state: dict = {}
+    for u, entries in _unit_entries(module, per_param=False):
         own = optimizer.state.get(u.flat_shard, {})
         for key in sorted(own):
             val = own[key]
@@ -91,6 +152,19 @@ def full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -
             else:
                 for name, _ in entries:
                     state.setdefault(name, {})[key] = val.clone() if torch.is_tensor(val) else val
+    for u, entries in _unit_entries(module, per_param=True):
+        # every rank must make the same all-gathers: a state every rank has (same keys)
+        for i, p in enumerate(u.params):
+            own = optimizer.state.get(p, {})
+            for key in sorted(own):
+                val = own[key]
+                if torch.is_tensor(val) and val.shape == p.shape and val.dim() > 0:
+                    val = _gather_param(u, i, val)
+                else:
+                    val = val.clone() if torch.is_tensor(val) else val
+                for name, j in entries:
+                    if j == i:
+                        state.setdefault(name, {})[key] = val
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return {"state": state, "param_groups": groups}
 
@@ -100,8 +174,8 @@ def load_full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimiz
     """Load :func:`full_optim_state_dict`'s output (from any world size) into ``optimizer``."""
     for mine, saved in zip(optimizer.param_groups, osd["param_groups"]):
         mine.update(saved)
-    for u, entries in _unit_entries(module):
-        per = {}
+    for u, entries in _unit_entries(module, per_param=False):
+        per: dict = {}
         for name, i in entries:
             per.setdefault(i, osd["state"].get(name, {}))
         per = [per[i] for i in range(len(per))]
@@ -114,36 +188,89 @@ def load_full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimiz
                 new[key] = vals[0].clone() if torch.is_tensor(vals[0]) else vals[0]
         if new:
             optimizer.state[u.flat_shard] = new
+    for u, entries in _unit_entries(module, per_param=True):
+        for name, i in entries:
+            saved = osd["state"].get(name)
+            if not saved:
+                continue
+            new = {}
+            for key, val in saved.items():
+                if torch.is_tensor(val) and val.dim() > 0 and tuple(val.shape) == u.layout.shapes[i]:
+                    new[key] = _rows_of(u, i, val)
+                else:
+                    new[key] = val.clone() if torch.is_tensor(val) else val
+            optimizer.state[u.params[i]] = new
+
+
+def _path(prefix: str, rank: int) -> str:
+    return f"{prefix}.rank{rank}.pt"
 
 
 def save_sharded(module: nn.Module, prefix: str, optimizer=None) -> str:
-    """Write this rank's slices (and optimizer state) as a new generation of the checkpoint
-    folder ``prefix`` (:func:`~.checkpoint.save_sharded_checkpoint`: the previous one survives a
-    crash or a full disk); collective. Returns this rank's file."""
-    from .checkpoint import save_sharded_checkpoint, shard_name
-    folder = save_sharded_checkpoint(prefix, module, optimizer)
-    return os.path.join(folder, shard_name(units(module)[0].rank))
+    """Write this rank's slices (and optimizer state) to ``{prefix}.rank{r}.pt``; returns it."""
+    us = units(module)
+    rank, world = us[0].rank, us[0].world_size
+    blob = {"world_size": world, "model": {k: v.detach().clone()
+                                          for k, v in module.state_dict().items()}}
+    if optimizer is not None:
+        blob["optim"] = optimizer.state_dict()
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    torch.save(blob, _path(prefix, rank))
+    return _path(prefix, rank)
 
 
 def load_sharded(module: nn.Module, prefix: str, optimizer=None) -> None:
-    """Read this rank's part of the newest generation of ``prefix``; collective. Raises
-    ``ValueError`` if saved at another world size (or truncated, corrupted, another shape)."""
-    from .checkpoint import load_sharded_checkpoint
-    load_sharded_checkpoint(prefix, module, optimizer)
+    """Read ``{prefix}.rank{r}.pt``. Raises ``ValueError`` if saved at another world size."""
+    us = units(module)
+    rank, world = us[0].rank, us[0].world_size
+    blob = torch.load(_path(prefix, rank), weights_only=False)
+    if blob["world_size"] != world:
+        raise ValueError(f"load_sharded (rank {rank}): checkpoint was written by "
+                         f"{blob['world_size']} ranks, this run has {world}; a sharded checkpoint "
+                         "reloads at the same world size (use full_state_dict to change it)")
+    module.load_state_dict(blob["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(blob["optim"])
 
 
 @torch.no_grad()
-def clip_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip by the global norm across shards; returns the norm (fp32 scalar). Collective."""
-    us = [u for u in units(module) if u.layout is not None]
-    sq = torch.zeros(1, dtype=torch.float32, device=us[0].flat_shard.device)
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip by the global ``norm_type`` norm across shards (as ``torch.nn.utils.clip_grad_norm_``:
+    any p > 0 or ``inf``); returns the norm (fp32 scalar). Collective.
+
+    Raises ``ValueError`` if a parameter of ``module`` belongs to no unit (it would be left out
+    of the norm), ``RuntimeError`` for a non-finite norm with ``error_if_nonfinite``.
+    """
+    us = [u for u in check_covered(module, "clip_grad_norm_") if u.layout is not None]
+    p = float(norm_type)
+    if not us:
+        return torch.zeros(())
+    grads = []
     for u in us:
-        if u.flat_shard.grad is not None:
-            sq += u.flat_shard.grad.float().pow(2).sum()
-    us[0].comm.all_reduce(sq, "sum")
-    norm = sq.sqrt()[0]
+        if _per_param(u):
+            grads += [q.grad for q in u.params if q.grad is not None]
+        elif u.flat_shard.grad is not None:
+            grads.append(u.flat_shard.grad)
+    device = us[0].full.device
+    if p == float("inf"):
+        local = torch.zeros(1, dtype=torch.float32, device=device)
+        for g in grads:
+            if g.numel():
+                local = torch.maximum(local, g.detach().abs().max().float().view(1))
+        every = torch.empty(us[0].world_size, dtype=torch.float32, device=device)
+        us[0].comm.all_gather(every, local)
+        norm = every.max()
+    else:
+        sq = torch.zeros(1, dtype=torch.float32, device=device)
+        for g in grads:
+            sq += g.detach().float().abs().pow(p).sum()
+        us[0].comm.all_reduce(sq, "sum")
+        norm = sq.pow(1.0 / p)[0]
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(f"clip_grad_norm_ (rank {us[0].rank}): the total norm of order {p} "
+                           "is non-finite; pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for u in us:
-        if u.flat_shard.grad is not None:
-            u.flat_shard.grad.mul_(coef.to(u.flat_shard.grad.dtype))
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
     return norm

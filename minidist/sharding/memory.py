@@ -61,7 +61,7 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _sum(tensors) -> int:
-    seen = {}
+    seen: dict = {}
     for t in tensors:
         if t is not None:
             ptr, n = _storage(t)

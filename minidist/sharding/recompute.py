@@ -3,9 +3,10 @@
 ``y = checkpoint(fn, *args)`` runs ``fn`` once, but every tensor autograd wants to *save* for the
 backward of the operations inside ``fn`` is replaced by a ticket number (a saved-tensor "pack"
 hook, ``torch.autograd.graph.saved_tensors_hooks``). The first time backward asks for one of them
-("unpack"), ``fn`` is run again on the same inputs under ``enable_grad`` with the RNG state it had
-the first time (so dropout draws the same mask), and the tensors that run saves, numbered in the
-same order, are handed to the original graph one by one. No nested backward runs, so gradient
+("unpack"), ``fn`` is run again on the same inputs under ``enable_grad`` with the RNG states it
+had the first time — torch's CPU and CUDA generators and the tensor-parallel dropout tracker's
+generators (:mod:`minidist.tensor_parallel.random`) — so dropout draws the same masks, and the
+tensors that run saves, numbered in the same order, are handed to the original graph one by one. No nested backward runs, so gradient
 hooks (bucketed DDP's, ZeRO-2's, ZeRO-3's) fire once, in the outer backward, exactly as without
 recomputation. This is the design of torch's non-reentrant ``torch.utils.checkpoint``; the
 reentrant one instead runs a whole nested backward in a custom autograd function.
@@ -34,24 +35,32 @@ class _Frame:
 
 
 def _rng_state(args):
+    """Every generator the forward may draw from: torch's CPU one, the CUDA ones of the inputs'
+    devices, and the tensor-parallel dropout tracker's (Megatron's ``checkpoint`` saves
+    ``get_cuda_rng_tracker().get_states()`` for the same reason)."""
+    from ..tensor_parallel.random import get_rng_tracker
     devices = sorted({a.device for a in args if torch.is_tensor(a) and a.device.type == "cuda"},
                      key=str)
-    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+    return (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices},
+            get_rng_tracker().get_states())
 
 
 def _set_rng_state(state) -> None:
-    cpu, devs = state
+    from ..tensor_parallel.random import get_rng_tracker
+    cpu, devs, tracker = state
     torch.set_rng_state(cpu)
     for d, s in devs.items():
         torch.cuda.set_rng_state(s, d)
+    get_rng_tracker().set_states(tracker)
 
 
 def checkpoint(fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, saving only ``args`` for backward and recomputing the rest there.
 
     Shapes: whatever ``fn`` takes and returns. Gradients equal those without recomputation
-    (bit for bit on CPU), including dropout. Raises ``RuntimeError`` if the recomputation saves a
-    different number of tensors than the first run.
+    (bit for bit on CPU), including dropout from torch's generators and from the global
+    tensor-parallel tracker (a dropout given a ``tracker=`` of its own is not replayed). Raises
+    ``RuntimeError`` if the recomputation saves a different number of tensors than the first run.
     """
     rng = _rng_state(args)
     frame = _Frame()

@@ -21,17 +21,25 @@ frees ``p.grad``; a full bucket is reduce-scattered on a communication thread wh
 continues (the overlap of :class:`minidist.data_parallel.BucketedDDP`); each rank keeps only its
 [S] slice of the averaged gradient. Backward then accumulates (micro-batches add up in the slices).
 
-Parameters with ``requires_grad=False`` are left as they are (never stepped, no state). Tied
-parameters appear once. A trainable parameter without a gradient at :meth:`step` is a
-``RuntimeError`` (torch's optimizers would skip it; a flat slice cannot skip part of itself).
+Parameters with ``requires_grad=False`` are left as they are (never stepped, no state) until they
+require a gradient: at the next :meth:`step` they get flat buffers of their own in their param
+group (fresh optimizer state, as torch creates it at a parameter's first step; stage 2 also hooks
+them for the following backwards), so staged fine-tuning ("unfreeze the backbone after N steps")
+trains like one process. A parameter frozen *after* construction that shares a flat buffer with
+parameters that still train is a ``RuntimeError`` naming it at the next step (torch would skip
+only it; a flat slice cannot skip part of itself). Tied parameters appear once. A trainable
+parameter without a gradient at :meth:`step` is a ``RuntimeError`` naming it.
+
+Construction syncs nothing: every rank must pass the same parameters (ZeRO-1/2 assume identical
+replicas, e.g. after :class:`~minidist.data_parallel.DDP`'s broadcast or a seeded init).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..communicator import CommThread, Communicator
 from ..data_parallel.buckets import check_bucket_cap
-from .comms import Collectives, CommWorker
 from .flat import FlatBuffer, plan_buckets
 
 __all__ = ["ShardedOptimizer"]
@@ -72,7 +80,7 @@ class ShardedOptimizer:
         if grads not in ("averaged", "local"):
             raise ValueError("ShardedOptimizer: grads must be 'averaged' or 'local', "
                              f"got {grads!r}")
-        self.comm = Collectives(collectives, group)
+        self.comm = Communicator(collectives, group, where="sharding")
         self.rank, self.world_size, self.stage, self.grads = (self.comm.rank, self.comm.world_size,
                                                               stage, grads)
         groups = list(params)
@@ -88,7 +96,7 @@ class ShardedOptimizer:
             bucket_cap_mb = 25.0
         cap = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
         self.all_params, seen, inner_groups, self.buckets = [], set(), [], []
-        self._group_meta = []
+        self._group_meta, self._group_params, self._cap = [], [], cap
         for gi, g in enumerate(groups):
             ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
             for p in ps:
@@ -96,26 +104,60 @@ class ShardedOptimizer:
                     raise ValueError("ShardedOptimizer: a parameter appears in two param groups")
                 seen.add(id(p))
             self.all_params.extend(ps)
-            trainable = [p for p in reversed(ps) if p.requires_grad]
-            where = {id(p): i for i, p in enumerate(ps)}
-            mine = []
-            for chunk in plan_buckets(trainable, cap):
-                names = [f"group {gi} param {where[id(p)]} {tuple(p.shape)}" for p in chunk]
-                b = _Bucket(chunk, names, FlatBuffer(chunk, self.world_size, self.rank), gi)
-                self.buckets.append(b)
-                mine.append(b.shard)
+            self._group_params.append(ps)
+            mine = [b.shard for b in self._add_buckets(gi, [p for p in ps if p.requires_grad])]
             opts = {k: v for k, v in g.items() if k != "params"}
             inner_groups.append({"params": mine, **opts})
             self._group_meta.append(len(ps))
         if not self.buckets:
             raise ValueError("ShardedOptimizer: no parameter requires a gradient")
         self.optim = optimizer_class(inner_groups, **defaults)
-        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._handles, self._in_backward, self._next = [], False, 0
         if stage == 2:
-            self.worker = CommWorker(collectives, group)
-            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
-                             for p in self._where]
+            self.worker = CommThread(collectives, group, name="zero-comm")
+            self._hook(list(self._where))
+
+    def _add_buckets(self, gi: int, params: list) -> list[_Bucket]:
+        """Flat buckets for ``params`` of group ``gi`` (reverse order: backward's), appended."""
+        where = {id(p): i for i, p in enumerate(self._group_params[gi])}
+        new = []
+        for chunk in plan_buckets(list(reversed(params)), self._cap):
+            names = [f"group {gi} param {where[id(p)]} {tuple(p.shape)}" for p in chunk]
+            new.append(_Bucket(chunk, names, FlatBuffer(chunk, self.world_size, self.rank), gi))
+        self.buckets.extend(new)
+        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        return new
+
+    def _hook(self, params: list) -> None:
+        self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _take_in_thawed(self) -> list[_Bucket]:
+        """Parameters frozen when this optimizer was built that require a gradient now (staged
+        fine-tuning): give them buckets of their own in their param group — fresh optimizer state,
+        as torch's optimizers create it at a parameter's first step — and, for stage 2, hooks for
+        the next backward. Every rank does the same (``requires_grad`` is set the same way on
+        every rank). Returns the new buckets (their ``p.grad`` is still this rank's own)."""
+        new = []
+        for gi, ps in enumerate(self._group_params):
+            thawed = [p for p in ps if p.requires_grad and p not in self._where]
+            if thawed:
+                bs = self._add_buckets(gi, thawed)
+                self.optim.param_groups[gi]["params"].extend(b.shard for b in bs)
+                new += bs
+        if new and self.stage == 2:
+            self._hook([p for b in new for p in b.params])
+        return new
+
+    def _refuse_refrozen(self) -> None:
+        for b in self.buckets:
+            cold = [n for p, n in zip(b.params, b.names) if not p.requires_grad]
+            if cold and len(cold) < len(b.params):
+                raise RuntimeError(
+                    f"ShardedOptimizer (rank {self.rank}): {', '.join(cold)} required a gradient "
+                    "when the optimizer was built and is frozen now, in a flat buffer with "
+                    "parameters that still train; a flat slice cannot skip part of itself (torch "
+                    "would skip only the frozen one). Build a new ShardedOptimizer after freezing "
+                    "(state_dict()/load_state_dict() carry the state)")
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -145,6 +187,9 @@ class ShardedOptimizer:
         b.filled += 1
         while self._next < len(self.buckets):            # launch in bucket order on every rank
             nb = self.buckets[self._next]
+            if not any(q.requires_grad for q in nb.params):   # frozen since: no gradient comes
+                self._next += 1
+                continue
             if nb.grad_flat is None or nb.filled < len(nb.params):
                 break
             nb.reduced = torch.empty(nb.layout.shard_numel, dtype=nb.layout.dtype,
@@ -156,16 +201,22 @@ class ShardedOptimizer:
 
     def _finish_backward(self) -> None:
         self._in_backward = False
-        missing = [n for b in self.buckets if b.grad_flat is None or b.filled < len(b.params)
-                   for n in b.names]
+        active = [b for b in self.buckets if any(q.requires_grad for q in b.params)]
+        missing = [(n, p) for b in active if b.grad_flat is None or b.filled < len(b.params)
+                   for n, p in zip(b.names, b.params)]
         if missing:
             for b in self.buckets[:self._next]:
-                b.handle.wait()
+                if b.handle is not None:
+                    b.handle.wait()
+            cold = [n for n, p in missing if not p.requires_grad]
             raise RuntimeError(f"ShardedOptimizer (rank {self.rank}): stage 2 got no gradient for "
-                               f"{', '.join(missing)} in this backward; freeze them "
-                               "(requires_grad=False) before building the optimizer")
+                               f"{', '.join(n for n, _ in missing)} in this backward"
+                               + (f"; {', '.join(cold)} were frozen after the optimizer was built "
+                                  "and share a flat buffer with parameters that train: build a "
+                                  "new ShardedOptimizer after freezing" if cold else
+                                  "; freeze them (requires_grad=False) or use them in the loss"))
         with torch.no_grad():
-            for b in self.buckets:
+            for b in active:
                 b.handle.wait()
                 if b.shard.grad is None:
                     b.shard.grad = b.reduced
@@ -175,19 +226,22 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def _stage1_grads(self) -> None:
-        for b in self.buckets:
+    def _stage1_grads(self, buckets=None, local: bool | None = None) -> None:
+        buckets = self.buckets if buckets is None else buckets
+        local = self.grads == "local" if local is None else local
+        for b in buckets:
             grads = [p.grad for p in b.params]
             if all(g is None for g in grads):
                 b.shard.grad = None
                 continue
             if any(g is None for g in grads):
+                self._refuse_refrozen()
                 bad = [n for n, g in zip(b.names, grads) if g is None]
                 raise RuntimeError(f"ShardedOptimizer (rank {self.rank}): no gradient for "
                                    f"{', '.join(bad)}; freeze it or use it in the loss")
             flat = b.layout.pack(grads)
             shard = b.layout.shard(flat)
-            if self.grads == "local":
+            if local:
                 self.comm.reduce_scatter(shard, flat, divisor=self.gradient_divisor())
             b.shard.grad = shard.clone()
 
@@ -205,30 +259,37 @@ class ShardedOptimizer:
         steps. Returns None."""
         if closure is not None:
             raise ValueError("ShardedOptimizer.step: closures are not supported")
+        self._refuse_refrozen()
+        new = self._take_in_thawed()
         if self.stage == 1:
-            self._stage1_grads()
-        if grad_scaler is not None and not self._unscale_and_agree(grad_scaler):
+            self._stage1_grads(self.buckets, self.grads == "local")
+        elif new:                             # thawed since the last step: no hook saw them yet
+            self._stage1_grads(new, True)
+        if grad_scaler is not None and not self._unscale_and_agree(grad_scaler, new):
             for b in self.buckets:
-                if self.stage == 1:
+                if self.stage == 1 or b in new:
                     b.shard.grad = None
             return None
         self.optim.step()
         with torch.no_grad():
             for b in self.buckets:
                 self.comm.all_gather(b.flat, b.shard)
-                if self.stage == 1:
+                if self.stage == 1 or b in new:
                     b.shard.grad = None       # stage 1: the slice was a temporary
 
     @torch.no_grad()
-    def _unscale_and_agree(self, scaler) -> bool:
+    def _unscale_and_agree(self, scaler, new=()) -> bool:
         """Unscale the slices' gradients; True when every rank's are finite (collective)."""
         from torch.amp.grad_scaler import OptState
         state = scaler._per_optimizer_states[id(self)]
         grads = [b.shard.grad for b in self.buckets if b.shard.grad is not None]
-        # stage 1 makes its slices in step(), after any unscale_(): they are still scaled
-        if self.stage == 1 or state["stage"] is not OptState.UNSCALED:
-            inv = scaler._get_scale_async().double().reciprocal().float()
-            for g in grads:
+        # stage 1 makes its slices in step(), after any unscale_(): they are still scaled (so are
+        # stage 2's buckets thawed since the last step, made in step() too)
+        inv = scaler._get_scale_async().double().reciprocal().float()
+        unscaled = state["stage"] is OptState.UNSCALED and self.stage == 2
+        for b in self.buckets:
+            g = b.shard.grad
+            if g is not None and (not unscaled or b in new):
                 g.mul_(inv.to(g.device, g.dtype) if g.dtype != inv.dtype else inv.to(g.device))
         bad = any(not bool(torch.isfinite(g).all()) for g in grads)
         device = grads[0].device if grads else self.buckets[0].shard.device
@@ -307,5 +368,5 @@ class ShardedOptimizer:
             self.optim.state[b.shard] = new
 
 
-def _reduce_scatter(comm: Collectives, out, flat, divisor) -> None:
+def _reduce_scatter(comm: Communicator, out, flat, divisor) -> None:
     comm.reduce_scatter(out, flat, divisor=divisor)

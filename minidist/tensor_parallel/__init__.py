@@ -16,25 +16,36 @@ module                  what it holds
 ======================  =====================================================================
 
 Demos and the checks against the single-process model live in :mod:`minidist.lessons`
-(``tp_checks``, ``tp_demo``). Every function takes ``group=None`` (the world) or a process group,
+(``minidist.references.tp``, ``minidist.lessons.tp_demo``). Every function takes ``group=None`` (the world) or a process group,
 so a 3-D grid can pass its TP group.
 """
 
-from . import (accounting, attention, cross_entropy, gpt, layers, mlp, random,  # noqa: F401
+from . import (accounting, attention, cross_entropy, gpt, layers, mlp, random,
                regions, sequence, sharding)
-from .attention import ParallelSelfAttention  # noqa: F401
-from .cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
-from .gpt import TPGPT, use_tracker_dropout  # noqa: F401
-from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,  # noqa: F401
+from .attention import ParallelSelfAttention
+from .cross_entropy import vocab_parallel_cross_entropy
+from .gpt import GPTStage, TPGPT, use_tracker_dropout
+from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                      pad_to_multiple)
-from .mlp import ParallelMLP  # noqa: F401
-from .random import Dropout, get_rng_tracker, model_parallel_seed  # noqa: F401
-from .regions import (copy_to_tensor_model_parallel_region,  # noqa: F401
+from .mlp import ParallelMLP
+from .random import Dropout, get_rng_tracker, model_parallel_seed
+from .regions import (copy_to_tensor_model_parallel_region,
                       gather_from_sequence_parallel_region,
                       gather_from_tensor_model_parallel_region,
                       reduce_from_tensor_model_parallel_region,
                       reduce_scatter_to_sequence_parallel_region,
                       scatter_to_sequence_parallel_region,
                       scatter_to_tensor_model_parallel_region)
-from .sequence import allreduce_sequence_parallel_grads  # noqa: F401
-from .sharding import gather_state_dict, gather_tensor, parameter_bytes, shard_state_dict  # noqa: F401
+from .sequence import allreduce_sequence_parallel_grads
+from .sharding import gather_state_dict, gather_tensor, parameter_bytes, shard_state_dict
+
+__all__ = ["accounting", "attention", "cross_entropy", "gpt", "layers", "mlp", "random", "regions",
+           "sequence", "sharding", "ParallelSelfAttention", "vocab_parallel_cross_entropy",
+           "GPTStage", "TPGPT", "use_tracker_dropout", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "pad_to_multiple", "ParallelMLP", "Dropout",
+           "get_rng_tracker", "model_parallel_seed", "copy_to_tensor_model_parallel_region",
+           "gather_from_sequence_parallel_region", "gather_from_tensor_model_parallel_region",
+           "reduce_from_tensor_model_parallel_region",
+           "reduce_scatter_to_sequence_parallel_region", "scatter_to_sequence_parallel_region",
+           "scatter_to_tensor_model_parallel_region", "allreduce_sequence_parallel_grads",
+           "gather_state_dict", "gather_tensor", "parameter_bytes", "shard_state_dict"]

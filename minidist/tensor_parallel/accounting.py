@@ -83,7 +83,7 @@ def record(scope_name: str, op: str, phase: str, payload_bytes: int, bytes_sent:
 
 def summarize(log, by=("scope", "phase", "op")) -> dict:
     """``{key: {"count", "payload_bytes", "bytes_sent"}}`` with key the tuple of the ``by`` fields."""
-    out = defaultdict(lambda: {"count": 0, "payload_bytes": 0, "bytes_sent": 0})
+    out: dict = defaultdict(lambda: {"count": 0, "payload_bytes": 0, "bytes_sent": 0})
     for e in log:
         row = out[tuple(getattr(e, f) for f in by)]
         row["count"] += 1

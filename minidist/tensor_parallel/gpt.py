@@ -1,6 +1,9 @@
 """The tiny GPT of :mod:`minidist.models.gpt`, tensor-parallel (Megatron-LM, Shoeybi et al. 2019).
 
-``TPGPT`` is :class:`~minidist.models.gpt.GPT` built from this package: VocabParallelEmbedding,
+:class:`GPTStage` is a pipeline stage of it (some blocks; the embeddings on the first stage, the
+head on the last) and ``TPGPT`` the one stage holding everything, so 3-D training
+(:mod:`minidist.hybrid`) and TP alone run the same code. ``TPGPT`` is
+:class:`~minidist.models.gpt.GPT` built from this package: VocabParallelEmbedding,
 ParallelSelfAttention, ParallelMLP (inside the plain model's ``Block``), a vocabulary-parallel head
 and vocab-parallel cross-entropy, optionally with sequence parallelism. Both have the same
 parameter names and, built after the same ``torch.manual_seed``, the same full weights; so
@@ -30,11 +33,90 @@ from .random import Dropout
 from .sequence import (allreduce_sequence_parallel_grads, mark_sequence_parallel,
                        track_sequence_parallel_grads)
 
-__all__ = ["TPGPT", "use_tracker_dropout"]
+__all__ = ["GPTStage", "TPGPT", "LayerDict", "use_tracker_dropout"]
 
 
-class TPGPT(nn.Module):
-    """:class:`~minidist.models.gpt.GPT` split over the TP ``group`` (default: the world).
+class LayerDict(nn.ModuleDict):
+    """Blocks by their *global* layer index (``blocks[5]`` or ``blocks["5"]``): a stage holding
+    layers 4-7 names its parameters ``blocks.5.attn...``, as the one-process GPT does."""
+
+    def __getitem__(self, key):
+        return super().__getitem__(str(key))
+
+    def __setitem__(self, key, module):
+        super().__setitem__(str(key), module)
+
+
+class GPTStage(nn.Module):
+    """Stage ``index`` of ``n_stages``: blocks ``layers`` (global indices), plus the embeddings on
+    the first stage and ``ln_f`` + head on the last, tensor-parallel over ``group``."""
+
+    def __init__(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group=None,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self._build(cfg, index, n_stages, layers, group, sequence_parallel)
+
+    def make_attention(self, cfg: GPTConfig, group, sequence_parallel: bool) -> nn.Module:
+        """Each block's attention (a subclass swaps it: context parallelism's ring attention)."""
+        return ParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout, cfg.dropout, group,
+                                     sequence_parallel)
+
+    def positions(self, s: int, device) -> tuple[int, torch.Tensor]:
+        """Stage 0: ``(full sequence length, position ids [s])`` of this rank's ``s`` tokens
+        (here ``0..s-1``; a subclass holding a slice of the sequence returns its global ones)."""
+        return s, torch.arange(s, device=device)
+
+    def _build(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group,
+               sequence_parallel: bool) -> None:
+        sp = sequence_parallel
+        self.cfg, self.index, self.group, self.sequence_parallel = cfg, index, group, sp
+        self.is_first, self.is_last = index == 0, index == n_stages - 1
+        self.tp_rank, self.tp_size = R.tp_rank_world(group)
+        if self.is_first:
+            self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, group, sp)
+            self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+            mark_parameter(self.pos_emb.weight, sequence_parallel=sp)
+            self.drop = Dropout(cfg.dropout, "replicated", group, sp)
+        self.blocks = LayerDict()
+        for i in layers:
+            attn = self.make_attention(cfg, group, sp)
+            mlp = ParallelMLP(cfg.n_embd, 4 * cfg.n_embd, cfg.dropout, group, sp)
+            self.blocks[str(i)] = block = Block(cfg, attn, mlp)
+            if sp:
+                mark_sequence_parallel(block.ln1), mark_sequence_parallel(block.ln2)
+        if self.is_last:
+            self.ln_f = nn.LayerNorm(cfg.n_embd)
+            self.head = ColumnParallelLinear(cfg.n_embd, cfg.vocab_size, bias=False, group=group,
+                                             sequence_parallel=sp,
+                                             padded_out_features=pad_to_multiple(cfg.vocab_size,
+                                                                                 self.tp_size))
+            if sp:
+                mark_sequence_parallel(self.ln_f)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            s, pos_ids = self.positions(x.shape[1], x.device)
+            if s > self.cfg.block_size:
+                raise ValueError(f"GPTStage 0 (TP rank {self.tp_rank}): sequence length {s} "
+                                 f"exceeds block_size {self.cfg.block_size}")
+            with accounting.scope("embed"):
+                tok = self.tok_emb(x)
+                pos = self.pos_emb(pos_ids)
+                if self.sequence_parallel:
+                    pos = R.split_along(pos, 0, self.group, "GPTStage sequence split")
+                x = self.drop(tok + pos)
+        for i, block in self.blocks.items():
+            with accounting.scope(f"block{i}"):
+                x = block(x)
+        if self.is_last:
+            with accounting.scope("head"):
+                x = self.head(self.ln_f(x))
+        return x
+
+
+class TPGPT(GPTStage):
+    """:class:`~minidist.models.gpt.GPT` split over the TP ``group`` (default: the world): the one
+    :class:`GPTStage` that holds every layer (the code every 3-D pipeline stage runs too).
 
     With ``sequence_parallel=True`` the LayerNorms, dropouts and residual stream work on sequence
     shards (``s`` must be divisible by the TP size) and, after ``loss.backward()``, you must call
@@ -42,51 +124,21 @@ class TPGPT(nn.Module):
     """
 
     def __init__(self, cfg: GPTConfig, group=None, sequence_parallel: bool = False):
-        super().__init__()
-        self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
-        sp = sequence_parallel
-        self.tp_rank, self.tp_size = R.tp_rank_world(group)
+        # same construction order as GPT (embeddings, blocks, ln_f, head): the same RNG calls
+        super().__init__(cfg, 0, 1, range(cfg.n_layer), group, sequence_parallel)
         self.padded_vocab = pad_to_multiple(cfg.vocab_size, self.tp_size)
-        self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, group, sp)
-        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
-        mark_parameter(self.pos_emb.weight, sequence_parallel=sp)
-        self.drop = Dropout(cfg.dropout, "replicated", group, sp)
-        self.blocks = nn.ModuleList()
-        for _ in range(cfg.n_layer):    # same construction order as GPT: same RNG calls
-            attn = ParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout, cfg.dropout,
-                                         group, sp)
-            mlp = ParallelMLP(cfg.n_embd, 4 * cfg.n_embd, cfg.dropout, group, sp)
-            self.blocks.append(Block(cfg, attn, mlp))   # LayerNorms draw no random numbers
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.head = ColumnParallelLinear(cfg.n_embd, cfg.vocab_size, bias=False, group=group,
-                                         sequence_parallel=sp, padded_out_features=self.padded_vocab)
-        if sp:
-            for block in self.blocks:
-                mark_sequence_parallel(block.ln1), mark_sequence_parallel(block.ln2)
-            mark_sequence_parallel(self.ln_f)
+        if sequence_parallel:
             track_sequence_parallel_grads(self)  # finish_grads may follow every micro-batch
 
     def forward(self, ids, targets=None, label_smoothing: float = 0.0):
         s = ids.shape[1]
-        if s > self.cfg.block_size:
-            raise ValueError(f"TPGPT (rank {self.tp_rank}): sequence length {s} exceeds "
-                             f"block_size {self.cfg.block_size}")
         if self.sequence_parallel and s % self.tp_size:
             raise ValueError(f"TPGPT (rank {self.tp_rank}): sequence parallelism needs the sequence "
                              f"length ({s}) divisible by the tensor-parallel size {self.tp_size}")
-        with accounting.scope("embed"):
-            tok = self.tok_emb(ids)              # [b, s, h], or [b, s/W, h] with SP
-            pos = self.pos_emb(torch.arange(s, device=ids.device))
-            if self.sequence_parallel:
-                pos = R.split_along(pos, 0, self.group, "TPGPT sequence split")
-            x = self.drop(tok + pos)
-        for i, block in enumerate(self.blocks):
-            with accounting.scope(f"block{i}"):  # attention and MLP add ".attn" / ".mlp"
-                x = block(x)
+        logits = super().forward(ids)            # [b, s, Vp/W]
+        if targets is None:
+            return logits, None
         with accounting.scope("head"):
-            logits = self.head(self.ln_f(x))     # [b, s, Vp/W]
-            if targets is None:
-                return logits, None
             loss = vocab_parallel_cross_entropy(logits, targets, self.cfg.vocab_size,
                                                 label_smoothing, group=self.group)
         return logits, loss

@@ -24,7 +24,7 @@ __all__ = ["pad_and_split", "shard_tensor", "gather_tensor", "shard_state_dict",
 
 def _meta(model) -> dict:
     return {name: (getattr(p, "partition_dim", None), getattr(p, "full_size", None))
-            for name, p in model.named_parameters()}
+            for name, p in model.named_parameters(remove_duplicate=False)}  # tied: every name
 
 
 def pad_and_split(full: torch.Tensor, dim: int, padded: int, group=None,

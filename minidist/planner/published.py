@@ -1,9 +1,9 @@
-"""Published numbers the planner (:mod:`minidist.plan`) is checked against, and its hardware defaults.
+"""Published numbers the planner (:mod:`minidist.planner`) is checked against, and its hardware defaults.
 
 Every figure carries its source; nothing here is measured on this machine.
 
 **Links.** Per-direction bandwidth of one GPU's link, as ``beta = 1 / bandwidth`` (s/byte), the
-quantity :func:`minidist.calc.comm_time` takes. Spec sheets give bandwidth, never a latency: the
+quantity :func:`minidist.planner.calc.comm_time` takes. Spec sheets give bandwidth, never a latency: the
 ``alpha`` values are an assumption of the order of one NCCL ring step (a few microseconds inside a
 node, ~10 µs across InfiniBand), not a published figure. Sources (vendor spec sheets, dated by
 their edition):

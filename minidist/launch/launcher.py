@@ -16,7 +16,7 @@ What the launcher guarantees (each point is a real trap; see docs/ARCHITECTURE.m
 * Results travel as cloudpickled bytes (never shared-memory tensor handles that die with the child),
   and the parent drains the queue while it waits, so large results cannot deadlock.
 * If a rank raises or dies, the others are stopped within seconds and one :class:`RankError` shows
-  the root-cause rank first (see ``launch_errors.py``).
+  the root-cause rank first (see ``errors.py``).
 * Every run has a timeout. When it fires, :class:`RankTimeoutError` shows every rank: the call it
   was in (op, peer, bytes, sequence number) and the learner's own line it was stuck on.
 * What ranks print appears in the caller's output prefixed with ``[rank r]``; with
@@ -43,10 +43,11 @@ import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
-from . import env as _env, rank_process
-from .launch_errors import (RankError, RankTimeoutError, StartupFailure, failure,
+from .. import env as _env
+from . import rank_process
+from .errors import (RankError, RankTimeoutError, StartupFailure, failure,
                             is_startup_failure, stack_of, timeout_error)
-from . import launch_errors as _errors
+from . import errors as _errors
 
 __all__ = ["run", "RankError", "RankTimeoutError"]
 
@@ -180,7 +181,8 @@ def _clean_up(procs, out, q, tmp) -> None:
     _kill(procs)
     out.finish()
     q.close()
-    os.environ.get("MINIDIST_KEEP_TMP") or shutil.rmtree(tmp, ignore_errors=True)
+    if not os.environ.get("MINIDIST_KEEP_TMP"):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _without_interrupts(fn, *args) -> None:
@@ -188,7 +190,8 @@ def _without_interrupts(fn, *args) -> None:
     (a notebook's stop button pressed twice) must not leave ranks running or the run's folder
     behind. The held-back interrupt is raised afterwards."""
     if threading.current_thread() is not threading.main_thread():
-        return fn(*args)
+        fn(*args)
+        return
     held = []
     previous = signal.signal(signal.SIGINT, lambda *_: held.append(True))
     try:
@@ -279,7 +282,9 @@ class _Output:
     """Prefixes each line a rank prints with ``[rank r]``; live, or grouped by rank at the end."""
 
     def __init__(self, ordered: bool):
-        self.ordered, self.held, self.at_line_start = ordered, [], {}
+        self.ordered = ordered
+        self.held: list = []
+        self.at_line_start: dict = {}
 
     def add(self, rank: int, stream: str, text: str) -> None:
         if self.ordered:

@@ -71,7 +71,8 @@ def load_full_checkpoint(path, model, optimizer=None, group=None) -> dict:
     rank, _ = _rank_world(group)
     where = f"load_full_checkpoint (rank {rank})"
     expected = fsdp_state.full_state_dict(model)  # collective, before any rank can fail
-    error, state = None, None
+    error: Exception | None = None
+    state: dict = {}
     try:
         folder, manifest = open_newest(path, where, kind="full-zero3")
         state = read_part(folder, manifest, FILE, where)
@@ -117,7 +118,9 @@ def load_sharded_checkpoint(path, model, optimizer=None, group=None) -> dict:
     rank, world = _rank_world(group)
     where = f"load_sharded_checkpoint (rank {rank})"
     zero3 = _sharded_model(model)
-    error, state, model_state = None, None, None
+    error: Exception | None = None
+    state: dict = {}
+    model_state: dict = {}
     try:
         if not zero3 and not isinstance(optimizer, ShardedOptimizer):
             _sharded_parts(model, optimizer, where, rank)   # the same TypeError as the save
@@ -128,8 +131,15 @@ def load_sharded_checkpoint(path, model, optimizer=None, group=None) -> dict:
             state["model"] if rank == 0 else read_part(folder, manifest, shard_name(0),
                                                        where)["model"])
         target = model if zero3 else unwrap(model)
-        check_tensors(where, os.path.join(folder, shard_name(rank if zero3 else 0)),
-                      model_state, target.state_dict())
+        try:
+            check_tensors(where, os.path.join(folder, shard_name(rank if zero3 else 0)),
+                          model_state, target.state_dict())
+        except ValueError as e:
+            if not zero3:
+                raise
+            # per-parameter units keep the original names; the shapes are this rank's rows
+            raise ValueError(f"{e} (shapes of this rank's dim-0 shards: the checkpoint was "
+                             "written for parameters of other shapes)") from None
         if isinstance(optimizer, ShardedOptimizer):
             saved = state["optimizer"]["shard_numels"]
             if list(saved) != optimizer.shard_numels():

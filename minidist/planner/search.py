@@ -7,7 +7,7 @@ then dp), so a TP group spans t devices, a pipeline t·p, the DP group all of th
 
 **Memory per device** (the worst pipeline stage: ceil(L/(p·v))·v layers plus the embedding or the
 head): weights, gradients and optimizer state from the bytes per parameter of
-:data:`~minidist.plan_reference.PRECISIONS`, the state ZeRO shards divided by dp (Rajbhandari et
+:data:`~minidist.planner.published.PRECISIONS`, the state ZeRO shards divided by dp (Rajbhandari et
 al. 2020, §5); activations per layer per micro-batch from Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", §4, Table 2 (16-bit, scaled by
 ``act_bytes``/2): sbh(10 + 24/t + 5as/(ht)); sbh(34/t + 5as/(ht)) with sequence parallelism;
@@ -20,7 +20,7 @@ the first stage (Narayanan et al. 2021, §2.2.1), times 1 + (p-1)/(p·v) when in
 layer and 2bshV for the logits (Narayanan §5.1), backward twice that, plus one more forward of the
 layers with full recomputation (only the 4bs²h attention core with selective), divided by t and
 the device's FLOP rate. Bubble: (p-1)/(v·m) of the compute (Narayanan §2.2). Communication, by
-:func:`minidist.calc.comm_time` (ring, alpha-beta) on the link the group spans:
+:func:`minidist.planner.calc.comm_time` (ring, alpha-beta) on the link the group spans:
 TP — per layer and micro-batch 2 all-reduces of bsh forward, 2 backward, 2 more when recomputing,
 plus the embedding's and the head's, and 3 small ones of vocab-parallel cross-entropy: all exposed;
 PP — 2(v·m + p - 1) point-to-point messages of bsh, and the tied embedding's gradient all-reduce
@@ -29,6 +29,11 @@ gradients, ZeRO-1 reduce-scatters them and all-gathers the weights, ZeRO-2 reduc
 micro-batch, ZeRO-3 also all-gathers the weights twice per micro-batch. The gradient traffic
 overlaps ``overlap`` × the backward of the last micro-batch (every micro-batch's for ZeRO-2/3,
 whose gathers also hide behind the forward); the final weight all-gather of ZeRO-1/2 is exposed.
+
+Context parallelism (the sequence split over ``cp`` ranks): activation memory per rank divided by
+cp, the ring's K/V traffic and its overlap with the block compute, and the longest context that
+fits a device — :func:`activation_bytes`, :func:`ring_time`, :func:`longest_context` from
+:mod:`minidist.context_parallel.cost`, re-exported here.
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ import math
 from dataclasses import dataclass, field
 
 from . import calc
-from .plan_reference import LINKS, PRECISIONS
+from ..context_parallel.cost import activation_bytes, longest_context, ring_time  # noqa: F401
+from .published import LINKS, PRECISIONS
 
 __all__ = ["ModelSpec", "Link", "Links", "Config", "Prediction", "predict", "plan", "format_table",
-           "this_machine", "predict_step_seconds", "calibrate_overhead", "load_link", "spearman"]
+           "RECOMPUTE", "LEGEND",
+           "activation_bytes", "ring_time", "longest_context"]
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -267,7 +274,3 @@ def format_table(preds: list[Prediction], top: int | None = 20) -> str:
                              for x, (_, w) in zip(vals, cols)))
     return "\n".join(rows + [LEGEND])
 
-
-# the mode for this machine (CPU ranks sharing cores) and the measured-link loader live apart
-from .plan_machine import (calibrate_overhead, load_link, predict_step_seconds,  # noqa: E402
-                           spearman, this_machine)

@@ -3,7 +3,7 @@
 Units: FLOPs, FLOP/s, seconds and bytes (``GB`` = 10^9 bytes) in and out of every function.
 Prices are in the units bills use — per GPU-hour, per GB, per GB-month (a month = 730 hours, as
 cloud bills count it) — in the currency of your prices. Compute time and FLOPs come from
-:mod:`minidist.calc` (6·N·D, the GPU table, time at an MFU), which this module extends.
+:mod:`minidist.planner.calc` (6·N·D, the GPU table, time at an MFU), which this module extends.
 
 Sources:
 

@@ -31,7 +31,7 @@ the step times the model is checked against.
 
 Also here: :func:`load_link` (a link from numbers, a preset, or the alpha-beta JSON) and
 :func:`spearman`, to compare a predicted ranking of configurations with a measured one.
-Re-exported by :mod:`minidist.plan`.
+Exported with the rest of the planner by :mod:`minidist.planner`.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import json
 import math
 import os
 
-from .plan import Config, Link, Links, ModelSpec, Prediction, plan, predict
-from .plan_reference import LINKS
+from .search import Config, Link, Links, ModelSpec, Prediction, plan, predict
+from .published import LINKS
 
 __all__ = ["this_machine", "predict_step_seconds", "calibrate_overhead", "load_link", "spearman",
            "busy_ranks", "optimizer_fraction"]
@@ -102,7 +102,7 @@ def this_machine(model: ModelSpec, global_batch: int, n_ranks: int, flop_rate: f
                  cores: int | None = None, memory: float | None = None, layer_overhead: float = 0.0,
                  group_links: dict | None = None, bubble_frees_cores: bool = False,
                  optimizer_s: float = 0.0, **kw) -> list[Prediction]:
-    """:func:`~minidist.plan.plan` for ``n_ranks`` processes on this machine (module docstring).
+    """:func:`~minidist.planner.plan` for ``n_ranks`` processes on this machine (module docstring).
     ``cores``: default ``len(os.sched_getaffinity(0))``; ``memory``: bytes per rank, default the
     machine's RAM / ranks; ``layer_overhead``: seconds, single-rank (:func:`calibrate_overhead`).
     Contention terms (module docstring; default off): ``group_links`` {group size n: Link (or what
@@ -157,7 +157,7 @@ def calibrate_overhead(model: ModelSpec, global_batch: int, measured_step_s: flo
 
 def load_link(source, world_size: int | None = None) -> Link:
     """A Link from a Link, (alpha, beta), {"alpha": .., "beta": ..}, a preset name of
-    :data:`~minidist.plan_reference.LINKS`, or the JSON file of ``minidist bench alpha-beta``
+    :data:`~minidist.planner.published.LINKS`, or the JSON file of ``minidist bench alpha-beta``
     (format ``minidist-alpha-beta/1``: its all-reduce fits, torch's first, nearest
     ``world_size``). Raises ValueError for a file without fits."""
     if isinstance(source, Link):

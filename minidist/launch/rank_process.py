@@ -38,8 +38,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import env as _env
-from .comm import p2p, threads
+from .. import env as _env
+from ..comm import p2p, threads
 
 class _QueueWriter:
     """Replaces sys.stdout/sys.stderr in a rank: forwards text to the parent line by line."""

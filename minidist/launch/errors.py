@@ -208,7 +208,7 @@ _FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+
 def stack_of(dump_path: str) -> list[tuple[str, int, str]]:
     """The main thread's frames from a faulthandler dump, innermost first: ``(path, line, func)``.
 
-    Frames below the rank's entry point (``minidist/rank_process.py``, multiprocessing) are cut.
+    Frames below the rank's entry point (``minidist/launch/rank_process.py``, multiprocessing) are cut.
     """
     try:
         with open(dump_path) as f:
@@ -222,7 +222,7 @@ def stack_of(dump_path: str) -> list[tuple[str, int, str]]:
     frames = []
     for m in _FRAME.finditer(block):
         path = m["path"]
-        if path.endswith(os.path.join("minidist", "rank_process.py")) or "multiprocessing" + os.sep in path:
+        if path.endswith(os.path.join("minidist", "launch", "rank_process.py")) or "multiprocessing" + os.sep in path:
             break
         frames.append((path, int(m["line"]), m["func"]))
     return frames

@@ -1,0 +1,257 @@
+"""Ring attention: each rank keeps its queries; the K/V blocks travel around the ring.
+
+Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers" §3; the zigzag split of
+Megatron-LM's context parallelism and zhuzilin/ring-flash-attention. On a context-parallel group
+of ``W`` ranks, rank ``r`` holds the queries, keys and values of its positions (``split``, see
+:mod:`.sharding`). **Forward**: at step ``t = 0..W-1`` it holds the K/V block of rank
+``(r - t) mod W``; it first posts the transfer of that block to rank ``r+1`` and the receive of
+the next from ``r-1`` (so the communication can run during the compute), then attends its queries
+to the block — per (query run, key run) pair: full, diagonal (masked by global positions) or
+skipped — and merges the partial result into the running ``(out, lse)`` with the log-add-exp of
+:func:`.blocks.merge`. ``W - 1`` rotations: K and V travel as one message ``[2, b, h_kv, s, d]``.
+
+**Backward** (an autograd Function; no autograd through communication): from the saved *global*
+``lse`` and ``delta = Σ dO·O``, each block's ``P`` is recomputed; ``dQ`` accumulates locally; the
+K/V blocks travel the ring again (``W - 1`` messages) and each block's ``dK/dV`` accumulator
+travels *with* it (one message ``[2, b, h_kv, s, d]`` per step, ``W`` in all), collecting every
+rank's contribution, until the last hop brings it home to its owner.
+
+Messages sent per rank: forward ``W - 1``, backward ``2W - 1`` (none at W=1); bytes:
+:func:`ring_traffic`. Traffic is counted under ``"cp/ring_attention/forward"`` and
+``"cp/ring_attention/backward"`` (:func:`minidist.comm.p2p.traffic`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..comm import p2p
+from ..trace import Event
+from .blocks import block_backward, block_forward, compute_dtype, merge
+from .sharding import SPLITS, block_kind, chunks
+
+__all__ = ["ring_attention", "RingAttention", "ring_traffic", "group_rank_world", "recording"]
+
+_KV, _DKV = 1, 2   # tags: the K/V block and its gradient accumulator are different messages
+
+
+def group_rank_world(group=None) -> tuple[int, int]:
+    """``(rank in group, group size)``; ``(0, 1)`` when no process group is initialised."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class _Layout:
+    """Every rank's runs of positions, and where each run sits in that rank's local tensors."""
+
+    def __init__(self, split, seq_len, world, causal):
+        self.world, self.causal = world, causal
+        self.runs = [chunks(split, seq_len, world, r) for r in range(world)]
+        self.sizes = [sum(int(x.numel()) for x in rr) for rr in self.runs]
+        self.slices = []
+        for rr in self.runs:
+            at, sl = 0, []
+            for x in rr:
+                sl.append(slice(at, at + x.numel()))
+                at += x.numel()
+            self.slices.append(sl)
+
+    def pairs(self, me, src, device):
+        """(query slice, query positions, key slice, key positions, kind) of non-skipped pairs."""
+        for qs, qp in zip(self.slices[me], self.runs[me]):
+            for ks, kp in zip(self.slices[src], self.runs[src]):
+                kind = block_kind(qp, kp, self.causal)
+                if kind != "skipped":
+                    yield qs, qp.to(device), ks, kp.to(device), kind
+
+
+def _check(q, k, v, split, seq_len, rank, world):
+    where = f"ring_attention (rank {rank} of {world})"
+    if split not in SPLITS:
+        raise ValueError(f"{where}: split must be one of {SPLITS}, got {split!r}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{where}: q, k, v must be [batch, heads, seq, head_dim]; got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+        raise ValueError(f"{where}: k and v must be [b, h_kv, s, d] matching q {tuple(q.shape)} "
+                         f"in batch, sequence and head_dim; got {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{where}: {q.shape[1]} query heads are not a multiple of the "
+                         f"{k.shape[1]} key/value heads")
+    if seq_len is None:
+        seq_len = q.shape[2] * world
+    expected = sum(int(x.numel()) for x in chunks(split, seq_len, world, rank))
+    if q.shape[2] != expected:
+        raise ValueError(f"{where}: q holds {q.shape[2]} positions, but the {split} split of a "
+                         f"sequence of {seq_len} over {world} ranks gives this rank {expected}; "
+                         "shard with context_parallel.shard(x, split, world, rank, dim=2) and pass "
+                         "seq_len= when the sequence does not divide evenly")
+    return seq_len
+
+
+_RECORD: list | None = None   # set by recording(): where each step's compute and wait go
+
+
+@contextlib.contextmanager
+def recording():
+    r"""``with recording() as events:`` — every ring step inside appends two
+    :class:`~minidist.trace.Event`\ s (``perf_counter`` seconds): ``"fwd t"``/``"bwd t"`` on lane
+    ``"compute"`` (the block's attention) and ``"wait"`` on lane ``"comm"`` (the time spent
+    waiting for the transfer after the compute: the part of the communication *not* hidden)."""
+    global _RECORD
+    previous, _RECORD = _RECORD, []
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = previous
+
+
+def _note(name, lane, start, end, rank, step):
+    if _RECORD is not None:
+        _RECORD.append(Event(name, start, end, lane=lane, rank=rank, stage=step))
+
+
+def _advance(current: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+    """The block the backward works on next: the one just received. (A test replaces this with
+    ``lambda current, received: current`` — the stale-K/V bug — to show the check catches it.)"""
+    return received
+
+
+class RingAttention(torch.autograd.Function):
+    """``(out, lse) = RingAttention.apply(q, k, v, group, split, seq_len, causal, scale)``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, split, seq_len, causal, scale):
+        rank, world = group_rank_world(group)
+        lay = _Layout(split, seq_len, world, causal)
+        cdt = compute_dtype(q.dtype)
+        qc = q.to(cdt)
+        b, h, s, d = q.shape
+        out = torch.zeros(b, h, s, d, dtype=cdt, device=q.device)
+        lse = torch.full((b, h, s), float("-inf"), dtype=cdt, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        with p2p.collective("cp/ring_attention/forward"):
+            for t in range(world):
+                src = (rank - t) % world
+                works = []
+                if t < world - 1:   # post the next block's transfer before this block's compute
+                    incoming = kv.new_empty(2, b, k.shape[1], lay.sizes[(src - 1) % world], d)
+                    works = [p2p.irecv(incoming, prv, group, _KV), p2p.isend(kv, nxt, group, _KV)]
+                t0 = time.perf_counter()
+                kc = kv.to(cdt)
+                for qs, qp, ks, kp, kind in lay.pairs(rank, src, q.device):
+                    o, l = block_forward(qc[:, :, qs], kc[0][:, :, ks], kc[1][:, :, ks], qp, kp,
+                                         kind, scale)
+                    out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, l)
+                t1 = time.perf_counter()
+                p2p.wait_all(works)
+                _note(f"fwd {t}", "compute", t0, t1, rank, t)
+                _note("wait", "comm", t1, time.perf_counter(), rank, t)
+                if works:
+                    kv = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.lay, ctx.group, ctx.scale = lay, group, scale
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        lay, group, scale = ctx.lay, ctx.group, ctx.scale
+        rank, world = group_rank_world(group)
+        cdt = out.dtype
+        qc, do = q.to(cdt), dout.to(cdt)
+        delta = (do * out).sum(-1)
+        dq = torch.zeros_like(qc)
+        b, h_kv, d = k.shape[0], k.shape[1], k.shape[3]
+        kv = torch.stack([k, v]).contiguous()
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        dkv_in, dkv_works, sent = None, [], []
+        with p2p.collective("cp/ring_attention/backward"):
+            for t in range(world):
+                src = (rank - t) % world
+                works = []
+                if t < world - 1:
+                    incoming = kv.new_empty(2, b, h_kv, lay.sizes[(src - 1) % world], d)
+                    works = [p2p.irecv(incoming, prv, group, _KV), p2p.isend(kv, nxt, group, _KV)]
+                t0 = time.perf_counter()
+                kc = kv.to(cdt)
+                dkv = torch.zeros(2, b, h_kv, lay.sizes[src], d, dtype=cdt, device=q.device)
+                for qs, qp, ks, kp, kind in lay.pairs(rank, src, q.device):
+                    dq_, dk_, dv_ = block_backward(qc[:, :, qs], kc[0][:, :, ks], kc[1][:, :, ks],
+                                                   do[:, :, qs], lse[:, :, qs], delta[:, :, qs],
+                                                   qp, kp, kind, scale)
+                    dq[:, :, qs] += dq_
+                    dkv[0][:, :, ks] += dk_
+                    dkv[1][:, :, ks] += dv_
+                t1 = time.perf_counter()
+                if t > 0:   # the accumulator of this block, from the ranks that held it before
+                    p2p.wait_all(dkv_works)
+                    dkv += dkv_in
+                p2p.wait_all(works)
+                _note(f"bwd {t}", "compute", t0, t1, rank, t)
+                _note("wait", "comm", t1, time.perf_counter(), rank, t)
+                if world > 1:   # pass the accumulator on with its block; the last hop: home
+                    dkv_in = dkv.new_empty(2, b, h_kv, lay.sizes[(src - 1) % world], d)
+                    sent.append(dkv)
+                    dkv_works = [p2p.irecv(dkv_in, prv, group, _DKV),
+                                 p2p.isend(dkv, nxt, group, _DKV)]
+                if works:
+                    kv = _advance(kv, incoming)
+            if world > 1:
+                p2p.wait_all(dkv_works)
+                dkv = dkv_in
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
+                None)
+
+
+def ring_attention(q, k, v, group=None, split: str = "zigzag", seq_len: int | None = None,
+                   causal: bool = True, scale: float | None = None):
+    """Attention of this rank's queries to the whole (context-parallel) sequence.
+
+    Args:
+        q: ``[b, h, s_r, d]`` this rank's queries (positions from ``split``, see :func:`.shard`);
+        k, v: ``[b, h_kv, s_r, d]`` (``h % h_kv == 0``: grouped-query attention);
+        group: the context-parallel group (None: the world); split: ``"contiguous"``,
+            ``"zigzag"`` or ``"striped"``; seq_len: the global length ``S`` (default ``s_r · W``,
+            pass it when ``S`` does not divide evenly); causal; scale (default ``d ** -0.5``).
+
+    Returns:
+        ``(out [b, h, s_r, d] in q's dtype, lse [b, h, s_r] in the compute dtype)``, equal to
+        full attention on the whole sequence restricted to this rank's positions. Differentiable
+        in q, k, v (hand-written backward).
+
+    Raises:
+        ValueError: shapes, heads, or a local length that does not match the split (naming rank).
+    """
+    rank, world = group_rank_world(group)
+    seq_len = _check(q, k, v, split, seq_len, rank, world)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return RingAttention.apply(q, k, v, group, split, seq_len, causal, scale)
+
+
+def ring_traffic(split: str, seq_len: int, world: int, rank: int, batch: int, kv_heads: int,
+                 head_dim: int, element_size: int, grad_element_size: int | None = None) -> dict:
+    """The messages and bytes ``rank`` sends, forward and backward (formula, not measured).
+
+    Forward: at steps ``t = 0..W-2`` the block of rank ``(r - t) mod W``, K and V together
+    (``2·b·h_kv·s_j·d`` elements). Backward: the same ``W - 1`` blocks, plus at every step
+    ``t = 0..W-1`` the dK/dV accumulator of the block held then (``grad_element_size``: the
+    compute dtype's, default ``element_size``). Empty blocks are not sent (no message)."""
+    grad_element_size = element_size if grad_element_size is None else grad_element_size
+    sizes = [sum(int(x.numel()) for x in chunks(split, seq_len, world, r)) for r in range(world)]
+    per_pos = 2 * batch * kv_heads * head_dim
+    if world == 1:
+        return {"forward": (0, 0), "backward": (0, 0)}
+    kv = [sizes[(rank - t) % world] for t in range(world - 1)]
+    acc = [sizes[(rank - t) % world] for t in range(world)]
+    fwd = (sum(1 for s in kv if s), sum(kv) * per_pos * element_size)
+    bwd = (fwd[0] + sum(1 for s in acc if s),
+           fwd[1] + sum(acc) * per_pos * grad_element_size)
+    return {"forward": fwd, "backward": bwd}

@@ -1,0 +1,121 @@
+"""How a sequence of ``S`` tokens is split over the ``W`` ranks of a context-parallel group.
+
+Three splits, each given as the *global positions* a rank holds (a 1-D ``int64`` tensor), so any
+rank can compute what any other rank holds (ring attention sizes its receive buffers this way):
+
+* ``"contiguous"``: rank ``r`` holds the r-th of ``W`` consecutive chunks (``tensor_split``, so
+  ``S`` need not divide by ``W``). Under a causal mask rank ``W-1`` has the most work.
+* ``"zigzag"``: the sequence is cut into ``2W`` chunks and rank ``r`` holds chunks ``r`` and
+  ``2W-1-r`` — an early and a late one, so every rank has the same causal work (Megatron-LM's
+  context parallelism; torch's ``_HeadTailLoadBalancer``; picotron's docs). Uneven ``S`` allowed.
+* ``"striped"``: rank ``r`` holds positions ``r, r+W, r+2W, ...`` (Brandon et al. 2023, "Striped
+  Attention", §3): also balanced, every block a near-triangle.
+
+:func:`shard` takes a tensor's slice for one rank, :func:`unshard` puts the slices back
+(the inverse). :func:`causal_work` counts the (query, key) pairs a causal mask keeps per rank, the
+load-balance figure: contiguous at W=4, S=32 gives [36, 100, 164, 228]; zigzag gives 132 each.
+:func:`chunks` lists a rank's positions as contiguous runs; :func:`block_kind` says whether a
+(query run, key run) pair is ``"full"``, ``"diagonal"`` (needs the mask) or ``"skipped"``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SPLITS", "positions", "chunks", "shard", "unshard", "causal_work", "block_kind",
+           "block_table", "computed_work"]
+
+SPLITS = ("contiguous", "zigzag", "striped")
+
+
+def _check(split: str, seq_len: int, world: int, rank: int | None = None, op: str = "positions"):
+    if split not in SPLITS:
+        raise ValueError(f"context_parallel.{op}: split must be one of {SPLITS}, got {split!r}")
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"context_parallel.{op}: world size must be an int >= 1, got {world!r}")
+    if not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"context_parallel.{op}: seq_len must be an int >= 0, got {seq_len!r}")
+    if rank is not None and not 0 <= rank < world:
+        raise ValueError(f"context_parallel.{op}: rank {rank} is not in 0..{world - 1}")
+
+
+def chunks(split: str, seq_len: int, world: int, rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s global positions as a list of runs: one run (contiguous, striped) or two
+    (zigzag: chunk ``rank`` then chunk ``2W-1-rank``). Empty runs are dropped."""
+    _check(split, seq_len, world, rank, "chunks")
+    everything = torch.arange(seq_len)
+    if split == "contiguous":
+        runs = [everything.tensor_split(world)[rank]]
+    elif split == "zigzag":
+        parts = everything.tensor_split(2 * world)
+        runs = [parts[rank], parts[2 * world - 1 - rank]]
+    else:
+        runs = [everything[rank::world]]
+    return [r for r in runs if r.numel()]
+
+
+def positions(split: str, seq_len: int, world: int, rank: int) -> torch.Tensor:
+    """Global positions ``[S_r]`` (int64, increasing) held by ``rank`` under ``split``."""
+    runs = chunks(split, seq_len, world, rank)
+    return torch.cat(runs) if runs else torch.zeros(0, dtype=torch.long)
+
+
+def shard(x: torch.Tensor, split: str, world: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """The slice of ``x`` (sequence along ``dim``) that ``rank`` holds, contiguous."""
+    idx = positions(split, x.shape[dim], world, rank).to(x.device)
+    return x.index_select(dim, idx).contiguous()
+
+
+def unshard(parts: list[torch.Tensor], split: str, dim: int = 1) -> torch.Tensor:
+    """The inverse of :func:`shard`: the slices of every rank (rank order) back in sequence order."""
+    world = len(parts)
+    if world == 0:
+        raise ValueError("context_parallel.unshard: need the slices of at least one rank")
+    seq_len = sum(p.shape[dim] for p in parts)
+    shape = list(parts[0].shape)
+    shape[dim] = seq_len
+    out = parts[0].new_empty(shape)
+    for r, p in enumerate(parts):
+        idx = positions(split, seq_len, world, r).to(p.device)
+        if idx.numel() != p.shape[dim]:
+            raise ValueError(f"context_parallel.unshard: rank {r}'s slice has {p.shape[dim]} "
+                             f"positions along dim {dim}; the {split} split of {seq_len} over "
+                             f"{world} ranks gives it {idx.numel()}")
+        out.index_copy_(dim, idx, p)
+    return out
+
+
+def causal_work(split: str, seq_len: int, world: int) -> list[int]:
+    """Per rank, the number of (query, key) pairs a causal mask keeps: ``sum(p + 1)`` over the
+    rank's query positions ``p`` (query ``p`` sees keys ``0..p``). The figure of merit of a split's
+    load balance; the attention FLOPs of a rank are proportional to it."""
+    _check(split, seq_len, world, None, "causal_work")
+    return [int((positions(split, seq_len, world, r) + 1).sum()) for r in range(world)]
+
+
+def block_kind(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True) -> str:
+    """``"full"`` when every query sees every key, ``"skipped"`` when none sees any, else
+    ``"diagonal"`` (the block needs the element-wise mask ``k <= q``). Empty blocks are skipped."""
+    if q_pos.numel() == 0 or k_pos.numel() == 0:
+        return "skipped"
+    if not causal or int(k_pos.max()) <= int(q_pos.min()):
+        return "full"
+    if int(k_pos.min()) > int(q_pos.max()):
+        return "skipped"
+    return "diagonal"
+
+
+def block_table(split: str, seq_len: int, world: int, causal: bool = True) -> dict:
+    """``{(query rank, key rank): [kind of each (query run, key run) pair]}`` for the whole group:
+    what ring attention computes at each rotation."""
+    runs = [chunks(split, seq_len, world, r) for r in range(world)]
+    return {(i, j): [block_kind(a, b, causal) for a in runs[i] for b in runs[j]]
+            for i in range(world) for j in range(world)}
+
+
+def computed_work(split: str, seq_len: int, world: int, causal: bool = True) -> list[int]:
+    """Per rank, the (query, key) pairs ring attention actually multiplies: every pair of a full
+    or diagonal block (a diagonal block is computed whole, then masked), none of a skipped one."""
+    runs = [chunks(split, seq_len, world, r) for r in range(world)]
+    return [sum(a.numel() * b.numel() for j in range(world) for a in runs[i] for b in runs[j]
+                if block_kind(a, b, causal) != "skipped") for i in range(world)]

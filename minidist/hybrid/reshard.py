@@ -1,0 +1,180 @@
+"""Change the 3-D layout of a checkpoint: save at one (dp, pp, tp), resume at another.
+
+:mod:`.checkpoint` writes one file per rank and reloads only on the grid that wrote it (bit for
+bit). This file writes a **layout-free** checkpoint instead — what one process training
+``GPT(cfg)`` would hold:
+
+* ``model``: the full, unpadded parameters and buffers under the one-process GPT's names (each
+  stage's TP shards all-gathered over the TP group, the stages collected from every pipeline
+  rank);
+* ``optimizer``: per parameter name, its optimizer state (AdamW's ``exp_avg``/``exp_avg_sq`` and
+  ``step``; SGD's ``momentum_buffer``) in the parameter's full shape — TP shards gathered along the
+  parameter's ``partition_dim``; a :class:`~.dp.ZeRO1Optimizer`'s 1/dp slices consolidated first
+  (:meth:`~minidist.sharding.zero.ShardedOptimizer.state_dict`, a collective over DP); and the
+  hyperparameters of the first param group (every group of :func:`~.dp.make_optimizer` has the same);
+* ``step``, ``cfg``, the layout that wrote it, and ``not_carried``.
+
+Loading cuts every tensor again for the new rank (:func:`~minidist.tensor_parallel.sharding.
+shard_state_dict`, zero padding of the vocabulary included) and gives each optimizer its slices,
+so training continues as the unbroken run would (same numbers up to the order of sums, which a
+different layout changes). Like Megatron-LM's checkpoint conversion, what is per-rank by nature is
+**not carried**, and the file says so: the random states (torch's generators and the dropout
+tracker's: a new layout has other ranks, so dropout masks restart from the seeds) and any data
+sampler position (pass ``step`` and rebuild the sampler). A different model config is a
+``ValueError`` naming the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..data_parallel.checkpoint import atomic_save
+from ..sharding.zero import ShardedOptimizer
+from ..tensor_parallel.sharding import gather_tensor, shard_state_dict, shard_tensor
+
+__all__ = ["save_layout_free", "load_layout_free", "NOT_CARRIED", "FORMAT"]
+
+FORMAT = "minidist-layout-free-checkpoint/1"
+NOT_CARRIED = ("random states (torch generators, dropout tracker): dropout restarts from the seeds",
+               "data sampler position: rebuild it for the returned step",
+               "gradients (save between steps)")
+
+
+def _cfg(model) -> dict:
+    c = model.cfg
+    if dataclasses.is_dataclass(c) and not isinstance(c, type):
+        return dataclasses.asdict(c)
+    return dict(vars(c))
+
+
+def _named(model):
+    """(name, parameter, stage) of this rank's stages, every name of a tied parameter."""
+    for s in sorted(model.stages):
+        for name, p in model.stages[s].named_parameters(remove_duplicate=False):
+            yield name, p, model.stages[s]
+
+
+def _full_state(opt_state: dict, p, group) -> dict:
+    out = {}
+    for key in sorted(opt_state):
+        v = opt_state[key]
+        if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == tuple(p.shape):
+            v = gather_tensor(v, getattr(p, "partition_dim", None), getattr(p, "full_size", None),
+                              group)
+        out[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
+    return out
+
+
+def _optimizer_states(model, optimizer) -> tuple[dict, dict]:
+    """{param name: full state}, hyperparameters. Collective over TP (and DP for ZeRO-1)."""
+    if optimizer is None:
+        return {}, {}
+    tp = model.grid.tp_group
+    if isinstance(optimizer, ShardedOptimizer):
+        full = optimizer.state_dict()                       # consolidated over DP, by index
+        index = {id(p): i for i, p in enumerate(optimizer.all_params)}
+        per = {name: full["state"].get(index[id(p)], {}) for name, p, _ in _named(model)}
+        groups = full["param_groups"]
+    else:
+        per = {name: optimizer.state.get(p, {}) for name, p, _ in _named(model)}
+        groups = optimizer.state_dict()["param_groups"]
+    params = {name: p for name, p, _ in _named(model)}
+    states = {name: _full_state(per[name], params[name], tp) for name in sorted(per)}
+    hyper = {k: v for k, v in groups[0].items() if k != "params"} if groups else {}
+    return states, hyper
+
+
+def save_layout_free(path: str | os.PathLike, model, optimizer=None, step: int = 0) -> None:
+    """Write the layout-free checkpoint of ``model`` (a :class:`~.stages.HybridGPT`) and
+    ``optimizer`` (plain ``torch.optim`` or :class:`~.dp.ZeRO1Optimizer`) to ``path`` (rank 0
+    writes). Collective over the world: call on every rank, between steps."""
+    grid = model.grid
+    weights = {}
+    for s in sorted(model.stages):
+        from ..tensor_parallel.sharding import gather_state_dict
+        weights.update({k: v.cpu() for k, v in
+                        gather_state_dict(model.stages[s], grid.tp_group).items()})
+    states, hyper = _optimizer_states(model, optimizer)
+    mine = (weights, states) if grid.dp_rank == 0 and grid.tp_rank == 0 else None
+    every: list = [None] * grid.world_size
+    if dist.is_initialized() and grid.world_size > 1:
+        dist.all_gather_object(every, mine)
+    else:
+        every = [mine]
+    if grid.rank == 0:
+        full_w: dict = {}
+        full_s: dict = {}
+        for part in every:
+            if part is not None:
+                full_w.update(part[0])
+                full_s.update(part[1])
+        atomic_save({"format": FORMAT, "step": int(step), "cfg": _cfg(model),
+                     "layout": {"dp": grid.dp_size, "pp": grid.pp_size, "tp": grid.tp_size},
+                     "model": full_w, "optimizer": full_s, "hyper": hyper,
+                     "optimizer_kind": None if optimizer is None else type(optimizer).__name__,
+                     "not_carried": list(NOT_CARRIED)}, os.fspath(path))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_layout_free(path: str | os.PathLike, model, optimizer=None) -> dict:
+    """Load :func:`save_layout_free`'s file into ``model`` and ``optimizer`` on *any* grid.
+    Returns ``{"step", "saved_layout", "not_carried"}``. Raises ``ValueError`` (naming the rank)
+    for another model config or an optimizer given but none saved. No communication."""
+    grid = model.grid
+    where = f"load_layout_free (rank {grid.rank}, {os.fspath(path)!r})"
+    blob = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    if blob.get("format") != FORMAT:
+        raise ValueError(f"{where}: not a layout-free checkpoint (format {blob.get('format')!r})")
+    diff = sorted(k for k in set(blob["cfg"]) | set(_cfg(model))
+                  if blob["cfg"].get(k) != _cfg(model).get(k))
+    if diff:
+        raise ValueError(f"{where}: saved for another model config (differs in {diff})")
+    tp = grid.tp_group
+    with torch.no_grad():
+        for s in sorted(model.stages):
+            stage = model.stages[s]
+            dev = next(stage.parameters()).device
+            stage.load_state_dict({k: v.to(dev) for k, v in
+                                   shard_state_dict(blob["model"], stage, tp).items()})
+    if optimizer is not None:
+        if not blob["optimizer"] and blob["optimizer_kind"] is None:
+            raise ValueError(f"{where}: the checkpoint holds no optimizer state")
+        _load_optimizer(optimizer, model, blob, tp)
+    return {"step": blob["step"], "saved_layout": blob["layout"],
+            "not_carried": blob["not_carried"]}
+
+
+def _shard_state(full: dict, p, group) -> dict:
+    out = {}
+    for key, v in full.items():
+        if torch.is_tensor(v) and v.dim() > 0:
+            v = shard_tensor(v, getattr(p, "partition_dim", None), p.shape, group)
+            v = v.to(p.device)
+        elif torch.is_tensor(v):
+            v = v.clone()
+        out[key] = v
+    return out
+
+
+def _load_optimizer(optimizer, model, blob, tp) -> None:
+    saved = blob["optimizer"]
+    names: dict = {}
+    for name, p, _ in _named(model):
+        names.setdefault(id(p), name)
+    if isinstance(optimizer, ShardedOptimizer):
+        state = {i: _shard_state(saved.get(names[id(p)], {}), p, tp)
+                 for i, p in enumerate(optimizer.all_params)}
+        groups = [{**blob["hyper"], "params": []} for _ in optimizer.param_groups]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        return
+    for g in optimizer.param_groups:
+        g.update(blob["hyper"])
+        for p in g["params"]:
+            full = saved.get(names[id(p)], {})
+            if full:
+                optimizer.state[p] = _shard_state(full, p, tp)
