@@ -18,7 +18,11 @@ all_to_all         naive (pairwise)           ``dist.all_to_all``
 =================  =========================  ============================================
 
 Ops: ``sum``, ``avg`` (sum, then divide by the world size, on every backend), ``max``, ``min``
-(see ``minidist.comm.ops``). Ranks and roots are ranks inside ``group`` (default: the world).
+(see ``minidist.comm.ops``); on bool ``sum`` is a logical or, as torch's; complex tensors move as
+their real views (``max``/``min`` of complex are an error, as in torch). ``requires_grad`` is
+ignored, as by ``torch.distributed`` (for differentiable collectives see
+``minidist.tensor_parallel.regions``). Ranks and roots are ranks inside ``group`` (default: the
+world).
 Non-contiguous tensors are worked on as a contiguous copy that is copied back, so the call is still
 in place. Every function returns the output tensor for convenience.
 """
@@ -29,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import naive, p2p, recursive_doubling, ring, tree
-from .comm.ops import (check_exchange_sizes, check_same_across_ranks, check_sizes_agree,
+from .comm.ops import (check_exchange_sizes, check_group, check_same_across_ranks, check_sizes_agree,
                        contiguous, debug_enabled, finish_avg_, normalize_op)
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
@@ -51,6 +55,7 @@ def _setup(opname: str, algorithm: str, tensor, group):
                            "minidist.run(...) or call minidist.init() first")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{opname}: expected a torch.Tensor, got {type(tensor).__name__}")
+    check_group(opname, group)
     table = ALGORITHMS.get(opname)
     if opname == "all_reduce" and algorithm == "tree":
         raise ValueError("all_reduce: algorithm 'tree' is now called 'recursive_doubling' (log2 W "
@@ -59,6 +64,18 @@ def _setup(opname: str, algorithm: str, tensor, group):
     if table is not None and algorithm not in table:
         raise ValueError(f"{opname}: algorithm must be one of {sorted(table)}, got {algorithm!r}")
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _data(tensor):
+    """What the algorithms move: ``tensor`` without autograd (``torch.distributed`` ignores
+    ``requires_grad`` too: a leaf that requires grad is reduced in place, no error), and for a
+    complex dtype its real view ``[..., 2]`` (sum and avg act on both parts, as torch's do)."""
+    if isinstance(tensor, (list, tuple)):
+        return [_data(t) for t in tensor]
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    t = tensor.detach()
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _check_root(opname: str, root: int, rank: int, world: int) -> None:
@@ -78,7 +95,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", algorithm: str = "ring", group=No
     if debug_enabled(debug):
         check_same_across_ranks("all_reduce", group, shape=tuple(tensor.shape), dtype=tensor.dtype,
                                 op=op, algorithm=algorithm)
-    with contiguous(tensor) as t, p2p.collective(f"all_reduce/{algorithm}"):
+    with contiguous(_data(tensor)) as t, p2p.collective(f"all_reduce/{algorithm}"):
         if world > 1 and t.numel() > 0:
             ALGORITHMS["all_reduce"][algorithm](t.view(-1), op, rank, world, group)
         finish_avg_(t, op, world)
@@ -119,8 +136,11 @@ def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring
     """
     rank, world = _setup("reduce_scatter", algorithm, output, group)
     op = normalize_op(op, output.dtype, f"reduce_scatter (rank {rank})")
-    with contiguous(output) as out:
-        chunks = _as_chunks(input, out, rank, world, "reduce_scatter", "input")
+    pieces = _data(input)
+    if isinstance(pieces, list):                  # scratch space: contiguous copies are fine
+        pieces = [c if c.is_contiguous() else c.contiguous() for c in pieces]
+    with contiguous(_data(output)) as out:
+        chunks = _as_chunks(pieces, out, rank, world, "reduce_scatter", "input")
         if debug_enabled(debug):
             check_same_across_ranks("reduce_scatter", group, sizes=[c.numel() for c in chunks],
                                     dtype=out.dtype, op=op, algorithm=algorithm)
@@ -143,17 +163,24 @@ def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
     Traffic per rank (ring): (W-1) · input.numel() elements sent.
     """
     rank, world = _setup("all_gather", algorithm, input, group)
-    chunks = _as_chunks(output, input, rank, world, "all_gather", "output")
+    result, output, mine = output, _data(output), _data(input)
+    strided = isinstance(output, list) and any(not o.is_contiguous() for o in output)
+    if strided:                                   # gather into contiguous copies, copy back
+        targets, output = output, [o.contiguous() for o in output]
+    chunks = _as_chunks(output, mine, rank, world, "all_gather", "output")
     if debug_enabled(debug):
         check_same_across_ranks("all_gather", group, sizes=[c.numel() for c in chunks],
-                                dtype=input.dtype, algorithm=algorithm)
+                                dtype=mine.dtype, algorithm=algorithm)
     else:  # always on: cheap, and a disagreement would leave a stale element (ops.py)
-        check_sizes_agree("all_gather", group, [c.numel() for c in chunks], input.device)
+        check_sizes_agree("all_gather", group, [c.numel() for c in chunks], mine.device)
     chunks = [c.view(-1) for c in chunks]
-    chunks[rank].copy_(input.reshape(-1))
+    chunks[rank].copy_(mine.reshape(-1))
     with p2p.collective(f"all_gather/{algorithm}"):
         ALGORITHMS["all_gather"][algorithm](chunks, rank, world, group)
-    return output
+    if strided:
+        for target, work in zip(targets, output):
+            target.copy_(work)
+    return result
 
 
 def broadcast(tensor: torch.Tensor, src: int, algorithm: str = "tree", group=None,
@@ -166,7 +193,7 @@ def broadcast(tensor: torch.Tensor, src: int, algorithm: str = "tree", group=Non
                                 src=src, algorithm=algorithm)
     else:  # always on: cheap, and a disagreement would leave a stale element (ops.py)
         check_sizes_agree("broadcast", group, [tensor.numel()], tensor.device, root=src)
-    with contiguous(tensor) as t, p2p.collective(f"broadcast/{algorithm}"):
+    with contiguous(_data(tensor)) as t, p2p.collective(f"broadcast/{algorithm}"):
         if world > 1 and t.numel() > 0:
             ALGORITHMS["broadcast"][algorithm](t.view(-1), src, rank, world, group)
     return tensor
@@ -181,7 +208,7 @@ def reduce(tensor: torch.Tensor, dst: int, op="sum", algorithm: str = "tree", gr
     if debug_enabled(debug):
         check_same_across_ranks("reduce", group, shape=tuple(tensor.shape), dtype=tensor.dtype,
                                 op=op, dst=dst, algorithm=algorithm)
-    with contiguous(tensor) as t, p2p.collective(f"reduce/{algorithm}"):
+    with contiguous(_data(tensor)) as t, p2p.collective(f"reduce/{algorithm}"):
         if world > 1 and t.numel() > 0:
             ALGORITHMS["reduce"][algorithm](t.view(-1), op, dst, rank, world, group)
         if rank == dst:
@@ -212,5 +239,5 @@ def all_to_all(output: list, input: list, group=None, debug: bool | None = None)
         check_exchange_sizes("all_to_all", group, [t.numel() for t in input],
                              [t.numel() for t in output], input[0].device)
     with p2p.collective("all_to_all/naive"):
-        naive.all_to_all(list(output), list(input), rank, world, group)
+        naive.all_to_all(_data(list(output)), _data(list(input)), rank, world, group)
     return output

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from .comm import threads
+from .comm.ops import check_group
 
 __all__ = ["COLLECTIVES", "check_collectives", "Communicator", "CommThread", "Handle"]
 
@@ -54,14 +56,17 @@ class Communicator:
     """``all_reduce`` / ``all_gather`` / ``reduce_scatter`` / ``broadcast`` on ``group`` (default:
     the world) with the implementation ``collectives`` names.
 
-    Raises ``ValueError`` for an unknown ``collectives`` and ``RuntimeError`` without a process group.
+    Raises ``ValueError`` for an unknown ``collectives`` and ``RuntimeError`` without a process group;
+    a ``group`` that is not a process group of this rank is a ``TypeError`` / ``ValueError``
+    naming ``where`` (the caller: "data parallel", "sharding").
     """
 
-    def __init__(self, collectives: str = "hand-built", group=None):
+    def __init__(self, collectives: str = "hand-built", group=None, where: str = "communicator"):
         check_collectives(collectives)
         if not dist.is_initialized():
             raise RuntimeError("the process group is not initialised; run inside minidist.run(...) "
                                "or call minidist.init() first")
+        check_group(where, group)              # ``where`` names the caller in the error
         self.collectives, self.group = collectives, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
 
@@ -167,6 +172,7 @@ class CommThread:
         self._thread = threading.Thread(target=_serve, args=(self._queue,), daemon=True, name=name)
         self._thread.start()
         self._finalizer = weakref.finalize(self, self._queue.put, None)
+        threads.register(self._thread, self._finalizer)   # stopped before the group goes
 
     def submit(self, what: str, fn, *args) -> Handle:
         """Run ``fn(self.comm, *args)`` on the thread; returns a :class:`Handle`."""

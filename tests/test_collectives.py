@@ -202,8 +202,8 @@ def test_ring_does_not_deadlock_on_messages_too_large_to_buffer():
 def _bad_input_rank(rank, world, case):
     if case == "int-avg":
         C.all_reduce(torch.ones(3, dtype=torch.int64), op="avg")
-    elif case == "bool-sum":
-        C.all_reduce(torch.ones(3, dtype=torch.bool))
+    elif case == "bool-avg":
+        C.all_reduce(torch.ones(3, dtype=torch.bool), op="avg")
     elif case == "bad-op":
         C.all_reduce(torch.ones(3), op="prod")
     elif case == "bad-alg":
@@ -218,7 +218,7 @@ def _bad_input_rank(rank, world, case):
 
 @pytest.mark.parametrize("case,match", [
     ("int-avg", r"op='avg' on torch.int64 would truncate"),
-    ("bool-sum", r"undefined for bool"),
+    ("bool-avg", r"op='avg' on torch.bool would truncate"),
     ("bad-op", r"op must be one of"),
     ("bad-alg", r"algorithm must be one of"),
     ("bad-root", r"root must be a rank in 0..1"),

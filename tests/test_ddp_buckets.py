@@ -72,7 +72,7 @@ def test_timeline_records_comm_and_wait():
 
 
 def test_bad_cap_is_rejected():
-    with pytest.raises(minidist.RankError, match="bucket_cap_mb must be positive"):
+    with pytest.raises(minidist.RankError, match="bucket_cap_mb must be a positive number of MiB, got 0"):
         minidist.run(lambda r, w: BucketedDDP(MLP(), bucket_cap_mb=0), 1, timeout=30)
 
 

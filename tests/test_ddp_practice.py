@@ -11,7 +11,8 @@ from torch.utils.data import TensorDataset
 
 import minidist
 from minidist.data_parallel import BucketedDDP
-from minidist.data_parallel.checkpoint import load_checkpoint, save_checkpoint
+from minidist.checkpoint_io import newest
+from minidist.data_parallel.checkpoint import FILE, load_checkpoint, save_checkpoint
 from minidist.data_parallel.evaluate import evaluate
 from minidist.data_parallel.sampler import DistributedSampler
 from minidist.data_parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
@@ -188,8 +189,9 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     path = tmp_path / "ckpt.pt"
     straight = minidist.run(_train, 2, path, 5, timeout=30)
     minidist.run(_train, 2, path, 5, 2, timeout=30)
-    assert path.exists() and not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
-    state = torch.load(path, weights_only=True)
+    assert os.listdir(path) == ["gen-000001"], os.listdir(path)   # one complete generation
+    assert sorted(os.listdir(newest(path))) == ["checkpoint.pt", "manifest.json"]
+    state = torch.load(os.path.join(newest(path), FILE), weights_only=True)
     assert not any(k.startswith("module.") for k in state["model"])  # saved unwrapped
     resumed = minidist.run(_train, 2, path, 5, None, True, timeout=30)
     for a, b in zip(straight[0], resumed[0]):

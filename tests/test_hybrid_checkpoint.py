@@ -6,12 +6,14 @@ re-seeding) gives other losses, so the test sees the RNG state. Other grids, an 
 and a mix of two saves are clear errors."""
 
 import os
+import re
 import shutil
 
 import pytest
 import torch
 
 import minidist
+from minidist.checkpoint_io import newest
 from minidist.grid import ProcessGrid
 from minidist.hybrid import HybridGPT, make_optimizer, train_step, wrap_stages
 from minidist.hybrid.checkpoint import load_hybrid_checkpoint, rank_file, save_hybrid_checkpoint
@@ -95,7 +97,9 @@ def test_resume_is_bit_identical(tmp_path, dims, dp_mode, layout):
     world = dims[0] * dims[1] * dims[2]
     folder = str(tmp_path / "ckpt")
     straight = minidist.run(_straight, world, dims, dp_mode, folder, layout, timeout=300)
-    assert sorted(os.listdir(folder)) == ["manifest.pt"] + [f"rank{r:05d}.pt" for r in range(world)]
+    assert os.listdir(folder) == ["gen-000001"]
+    assert sorted(os.listdir(newest(folder))) == (["manifest.json"] +
+                                                  [f"rank{r:05d}.pt" for r in range(world)])
     resumed = minidist.run(_resumed, world, dims, dp_mode, folder, layout, timeout=300)
     for r, (a, b) in enumerate(zip(straight, resumed)):
         assert b["step"] == K and b["served"] == N
@@ -130,14 +134,18 @@ def test_other_grid_unfinished_save_and_mixed_files_are_clear_errors(tmp_path):
         assert kind == "ValueError" and msg.startswith(f"load_hybrid_checkpoint (rank {r}, "), msg
         assert ("saved on grid dp=2 pp=2 tp=1 chunks=1 sequence_parallel=False, this run is "
                 "dp=1 pp=2 tp=2 chunks=1") in msg, msg
-    shutil.copy(rank_file(b, 1), rank_file(a, 1))          # a save that died half-way
+    shutil.copy(rank_file(b, 1), rank_file(a, 1))          # a file of another save
     errors = minidist.run(_load_only, 4, (2, 2, 1), a, timeout=120)
-    assert errors[1][0] == "ValueError" and ("rank00001.pt is from step 1 (rank 1), the manifest "
-                                             "from step 0: a save was interrupted") in errors[1][1]
+    # its size or (same size) its SHA-256 differs from the manifest's
+    changed = re.compile(r"rank00001\.pt is (truncated or was changed|corrupted: its SHA-256)")
+    assert errors[1][0] == "ValueError" and changed.search(errors[1][1]), errors[1]
     for r in (0, 2, 3):   # the ranks that could load refuse too (else they would hang later)
-        assert errors[r] == ("RuntimeError", f"load_hybrid_checkpoint (rank {r}, {a!r}): rank(s) "
-                             "[1] could not load their part of the checkpoint (see their errors); "
-                             "no rank resumes"), errors[r]
-    os.remove(os.path.join(b, "manifest.pt"))
+        kind, msg = errors[r]
+        assert kind == "RuntimeError" and msg.startswith(
+            f"load_hybrid_checkpoint (rank {r}, {a!r}): rank(s) [1] could not load their part of "
+            "the checkpoint (rank 1: ValueError: "), errors[r]
+        assert changed.search(msg) and msg.endswith("no rank resumes"), msg
+    os.remove(os.path.join(newest(b), "manifest.json"))     # a save that did not finish
     for kind, msg in minidist.run(_load_only, 4, (2, 2, 1), b, timeout=120):
-        assert kind == "FileNotFoundError" and "no manifest.pt" in msg, msg
+        assert kind == "FileNotFoundError" and "no complete checkpoint" in msg, msg
+        assert "1 unfinished save(s) without manifest.json" in msg, msg

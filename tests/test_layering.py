@@ -5,8 +5,9 @@ Every module of the package is parsed (``ast``), every import counted — at the
 function, or relative — and compared with the floor of the module it imports from:
 
 * floor 0, the ground: ``env``, ``comm``, ``trace``, ``grid``, ``models``, ``data``, ``text``
-* floor 1, the launcher and the public collectives: ``collectives``, ``communicator`` (hand-built
-  or torch, bound to a group; the one communication thread), ``launch``
+* floor 1, the launcher, the public collectives and checkpoint generations: ``collectives``,
+  ``communicator`` (hand-built or torch, bound to a group; the one communication thread),
+  ``launch``, ``checkpoint_io``
 * floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``, ``sharding``,
   ``hybrid``, ``expert_parallel``, ``context_parallel``
 * floor 3, what reads or drives them, in sub-floors (3.0 < 3.1 < 3.2 < 3.3):
@@ -31,7 +32,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "minidist"
 
 FLOORS = {
     0: ("env", "comm", "trace", "grid", "models", "data", "text"),
-    1: ("collectives", "communicator", "launch"),
+    1: ("collectives", "communicator", "launch", "checkpoint_io"),
     2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding", "hybrid",
         "expert_parallel", "context_parallel"),
     3.0: ("references", "planner", "diagrams"),

@@ -97,3 +97,35 @@ def test_course_script_minidist_ddp_equals_torch_ddp_under_torchrun(tmp_path):
         digests[ranks[0]["ddp"]] = ranks[0]["params_sha256"]
     assert set(digests) == {"torch DDP", "minidist.BucketedDDP"}
     assert len(set(digests.values())) == 1, digests
+
+
+@pytest.mark.slow  # three torchrun launches (one restarts): ~30-45 s on 2 busy cores
+def test_max_restarts_resumes_from_the_newest_complete_checkpoint_to_the_same_parameters(tmp_path):
+    """``torchrun --max-restarts=1`` after rank 1 dies in epoch 1: the restarted workers load the
+    newest complete checkpoint generation (epoch 0) and finish with the parameters of a run that
+    never stopped (the sampler's order is a function of the epoch; SGD without momentum has no
+    state). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is the recipe's other half (see train.py)."""
+    env_restart = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    script = [str(TRAIN), "--epochs=3"]
+    straight = [*torchrun("--standalone", "--nproc_per_node=2"), *script,
+                f"--out={tmp_path / 'straight'}"]
+    restarted = [*torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=1"), *script,
+                 "--crash-rank=1", "--crash-epoch=1", f"--ckpt={tmp_path / 'ckpt'}",
+                 f"--out={tmp_path / 'restarted'}"]
+    old = {k: os.environ.get(k) for k in env_restart}
+    os.environ.update(env_restart)
+    try:
+        codes, outs = run_all([straight], timeout=180)
+        assert codes == [0], outs[0][-3000:]
+        codes, outs = run_all([restarted], timeout=180)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert codes == [0], outs[0][-3000:]
+    assert "injected crash in epoch 1" in outs[0] and "resumed from" in outs[0], outs[0][-3000:]
+    a, b = read_ranks(tmp_path / "straight"), read_ranks(tmp_path / "restarted")
+    assert {r["attempt"] for r in b} == {1}
+    assert {r["params_sha256"] for r in a} == {r["params_sha256"] for r in b}, (a, b)
+    from minidist.checkpoint_io import generations
+    assert [(n, done) for n, _, done in generations(tmp_path / "ckpt" / "checkpoint.pt")] == \
+        [(3, True)]   # epoch 0 before the crash, epochs 1 and 2 after it; only the newest is kept

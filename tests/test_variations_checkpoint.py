@@ -7,6 +7,8 @@ CUDA) generator and its sampler's position are saved and restored. Bucketed DDP 
 buckets, W = 2 and 4, resumed at an epoch boundary and in the middle of an epoch.
 """
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,8 @@ import torch.nn.functional as F
 
 import minidist
 from minidist.data_parallel import BucketedDDP
-from minidist.data_parallel.checkpoint import load_checkpoint, save_checkpoint
+from minidist.checkpoint_io import newest
+from minidist.data_parallel.checkpoint import FILE, load_checkpoint, save_checkpoint
 from minidist.data_parallel.sampler import DistributedSampler
 
 N, BATCH, TOTAL_STEPS = 96, 8, 10
@@ -69,7 +72,7 @@ def test_resume_with_dropout_is_bit_identical(world, where, tmp_path):
     for rank in range(world):
         for a, b in zip(straight[rank], resumed[rank]):
             assert torch.equal(a, b), f"rank {rank}: resumed run differs by {(a - b).abs().max()}"
-    state = torch.load(ckpt, weights_only=True)
+    state = torch.load(os.path.join(newest(ckpt), FILE), weights_only=True)
     assert len(state["ranks"]) == world
     assert not torch.equal(state["ranks"][0]["cpu"], state["ranks"][1]["cpu"])
 

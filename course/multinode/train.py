@@ -10,8 +10,15 @@ WORLD_SIZE from torchrun, SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS from srun)
 
 Every rank writes ``OUT/rank{r}.json`` (rank, local rank, node, hostname, a SHA-256 of its
 parameters, final accuracy): a test compares those files, not interleaved log text. Rank 0 saves
-``CKPT/checkpoint.pt`` (the unwrapped model, so keys have no ``module.`` prefix) after every epoch
-and every rank resumes from it, so ``torchrun --max-restarts=N`` continues where a crash stopped.
+a new generation of the checkpoint folder ``CKPT/checkpoint.pt/`` (the unwrapped model, so keys
+have no ``module.`` prefix; the previous generation is removed only once the new one is complete)
+after every epoch and every rank resumes from the newest complete one, so
+``torchrun --max-restarts=N`` continues where a crash stopped. With torch >= 2.4 set
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for restarts: otherwise the restarted workers reuse the
+rendezvous's TCP store of the failed attempt, and restarts fail or hang (chapter 08)::
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 python -m torch.distributed.run --standalone \
+        --nproc_per_node=2 --max-restarts=1 course/multinode/train.py --ckpt=CKPT
 
 Fault injection for the troubleshooting lab: ``--crash-rank R --crash-epoch E`` (raises once, on
 the first attempt only: TORCHELASTIC_RESTART_COUNT=0); ``--slow-rank R --slow-seconds S`` (sleeps
@@ -36,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import minidist
+from minidist.checkpoint_io import newest
 from minidist.data import load_digits
 from minidist.data_parallel import (BucketedDDP, DistributedSampler, evaluate, load_checkpoint,
                                     save_checkpoint)
@@ -97,7 +105,7 @@ def main(argv=None) -> int:
     model = MLP(64, (64,), 10).to(device)
     start_epoch = 0
     ckpt_path = os.path.join(args.ckpt, "checkpoint.pt") if args.ckpt else None
-    if ckpt_path and os.path.exists(ckpt_path):  # a shared folder: every rank reads rank 0's file
+    if ckpt_path and newest(ckpt_path):  # a shared folder: every rank reads rank 0's file
         start_epoch = load_checkpoint(ckpt_path, model, map_location=device)["epoch"] + 1
         if rank == 0:
             print(f"resumed from {ckpt_path} at epoch {start_epoch}", flush=True)

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["normalize_op", "combine_", "finish_avg_", "contiguous", "check_same_across_ranks",
+__all__ = ["check_group", "normalize_op", "combine_", "finish_avg_", "contiguous", "check_same_across_ranks",
            "CollectiveMismatchError", "debug_enabled", "check_sizes_agree",
            "check_exchange_sizes"]
 
@@ -27,19 +27,34 @@ class CollectiveMismatchError(RuntimeError):
     """Ranks called a collective with different shapes, dtypes or arguments (debug mode)."""
 
 
+def check_group(where: str, group) -> None:
+    """``group`` must be None (the world) or a process group this rank belongs to."""
+    if group is None:
+        return
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{where}: group must be None (the world) or a process group from "
+                        f"torch.distributed.new_group / ProcessGrid, got {type(group).__name__} "
+                        f"{group!r}")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{where}: this rank (global rank {dist.get_rank()}) is not a member of "
+                         f"the group {dist.get_process_group_ranks(group)}")
+
+
 def normalize_op(op, dtype: torch.dtype, where: str) -> str:
     """Return ``op`` as one of ``OPS``; raise ``ValueError``/``TypeError`` for unusable combinations."""
     name = op if isinstance(op, str) else getattr(op, "name", None) or str(op).rsplit(".", 1)[-1]
     name = name.lower()
     if name not in OPS:
         raise ValueError(f"{where}: op must be one of {OPS}, got {op!r}")
-    if name == "avg" and not dtype.is_floating_point:
+    if name == "avg" and not (dtype.is_floating_point or dtype.is_complex):
         raise TypeError(f"{where}: op='avg' on {dtype} would truncate; use op='sum' and divide, "
                         "or convert to a floating dtype first")
-    if dtype == torch.bool and name in ("sum", "avg"):
-        raise TypeError(f"{where}: op={name!r} is undefined for bool; use 'max' (any) or 'min' (all)")
-    if dtype.is_complex:
-        raise TypeError(f"{where}: complex tensors are not supported; use torch.view_as_real")
+    if dtype.is_complex and name in ("max", "min"):
+        raise TypeError(f"{where}: op={name!r} is undefined for complex tensors ({dtype}; "
+                        "torch.distributed refuses it too); reduce .abs() or "
+                        "torch.view_as_real(t) instead")
+    if dtype == torch.bool and name == "sum":
+        return "max"   # torch.distributed's SUM of bools is a logical or (any), i.e. max
     return name
 
 

@@ -64,7 +64,7 @@ class DataParallelBase(nn.Module):
             raise RuntimeError(f"{type(self).__name__}: the process group is not initialised; run "
                                "inside minidist.run(...) or call minidist.init() first")
         self.module = module
-        self.communicator = Communicator(collectives, group)
+        self.communicator = Communicator(collectives, group, where="data parallel")
         self.collectives, self.group = collectives, group
         self.rank, self.world_size = self.communicator.rank, self.communicator.world_size
         self.find_unused_parameters = find_unused_parameters

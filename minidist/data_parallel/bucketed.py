@@ -39,7 +39,7 @@ from torch import nn
 from ..communicator import CommThread, Communicator
 from ..trace import Timeline
 from .base import DataParallelBase
-from .buckets import Bucket, build_buckets, pack_by_size  # noqa: F401  (re-exported)
+from .buckets import Bucket, build_buckets, check_bucket_cap, pack_by_size  # noqa: F401  (re-exported)
 
 __all__ = ["BucketedDDP", "Bucket", "build_buckets", "pack_by_size", "allreduce_hook"]
 
@@ -61,8 +61,9 @@ class BucketedDDP(DataParallelBase):
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, timeline: Timeline | None = None,
                  first_bucket_cap_mb: float | None = None, **kwargs):
         super().__init__(module, **kwargs)
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        check_bucket_cap(f"BucketedDDP (rank {self.rank})", "bucket_cap_mb", bucket_cap_mb)
+        check_bucket_cap(f"BucketedDDP (rank {self.rank})", "first_bucket_cap_mb",
+                         first_bucket_cap_mb, allow_none=True)
         self.bucket_cap_mb = bucket_cap_mb
         self.timeline = timeline
         first = None if first_bucket_cap_mb is None else int(first_bucket_cap_mb * 2**20)

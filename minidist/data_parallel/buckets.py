@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Bucket", "pack_by_size", "build_buckets"]
+__all__ = ["Bucket", "pack_by_size", "build_buckets", "check_bucket_cap"]
 
 
 @dataclass
@@ -37,6 +37,18 @@ class Bucket:
 
     def slot(self, i: int) -> torch.Tensor:
         return self.buffer[self.offsets[i]: self.offsets[i] + self.params[i].numel()]
+
+
+def check_bucket_cap(where: str, name: str, value, allow_none: bool = False):
+    """A bucket size in MiB must be a finite number > 0 (None where ``allow_none``)."""
+    import math
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise ValueError(f"{where}: {name} must be a positive number of MiB"
+                         f"{' or None' if allow_none else ''}, got {value!r}")
+    return value
 
 
 def pack_by_size(nbytes: list[int], cap_bytes: int | None,

@@ -14,14 +14,17 @@ model-parallel rank, ``mp_rank_XX_YYY/model_optim_rng.pt``, with the RNG states 
   ranks draw different dropout masks;
 * **data position**: ``step`` and, if given, ``sampler.state_dict()`` (anything with
   ``state_dict``/``load_state_dict``: epoch and position, or a data generator's state);
-* **who wrote it**: the grid ``(dp, pp, tp)``, model chunks, sequence parallelism and the model
-  config, checked on load.
+* **who wrote it**: the grid ``(dp, pp, tp)`` and ``cp``, model chunks, sequence parallelism and
+  the model config, checked on load.
 
-Files: ``folder/rank{r:05d}.pt``, each written atomically (temporary file, fsync, ``os.replace``:
-:func:`minidist.data_parallel.checkpoint.atomic_save`); then a barrier; then rank 0 writes
-``folder/manifest.pt`` (grid, step, world size). A folder without a manifest, or a rank file from
-another step than the manifest's (a save that died half-way), is refused: never a resume from a
-mix of two steps.
+Files: ``folder`` is a folder of generations (:mod:`minidist.checkpoint_io`): each save writes
+``folder/gen-NNNNNN/rank{r:05d}.pt`` on every rank (each write checked, flushed and fsync'ed),
+agrees every rank's outcome, and only then rank 0 writes ``manifest.json`` (grid, step, world size,
+each file's size, SHA-256 and shapes) atomically and retires the previous generation. A rank killed
+or a disk full mid-save leaves the previous generation as the newest complete one: loading takes
+it (and warns that it skipped the unfinished one). A rank file that differs from the manifest
+(size, checksum: truncated, corrupted, or copied from another save) is refused naming the file:
+never a resume from a mix of two steps.
 
 Resuming on the grid that wrote the checkpoint continues the run bit for bit: the same losses
 and, in fp32, the same parameters (``==``) as a run that never stopped. Another grid (or chunks,
@@ -33,38 +36,50 @@ would not fit: to change the layout, save a layout-free checkpoint
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 
 import torch
-import torch.distributed as dist
 
-from ..data_parallel.checkpoint import atomic_save, rank_state, restore_rank_state
+from ..checkpoint_io import (agree, check_tensors, flatten, newest, open_newest, read_part,
+                             save_generation)
+from ..data_parallel.checkpoint import rank_state, restore_rank_state
 from ..sharding.zero import ShardedOptimizer
 from ..tensor_parallel.random import RNGTracker, get_rng_tracker
 
-__all__ = ["save_hybrid_checkpoint", "load_hybrid_checkpoint", "rank_file", "FORMAT"]
+__all__ = ["save_hybrid_checkpoint", "load_hybrid_checkpoint", "rank_file", "rank_name", "FORMAT"]
 
-FORMAT = "minidist-hybrid-checkpoint/1"
-MANIFEST = "manifest.pt"
+FORMAT = "minidist-hybrid-checkpoint/2"
+
+
+def rank_name(rank: int) -> str:
+    """The name of global rank ``rank``'s file inside a generation folder."""
+    return f"rank{rank:05d}.pt"
 
 
 def rank_file(folder: str | os.PathLike, rank: int) -> str:
-    """The path of global rank ``rank``'s file in ``folder``."""
-    return os.path.join(os.fspath(folder), f"rank{rank:05d}.pt")
+    """The path of global rank ``rank``'s file in the newest complete generation of ``folder``."""
+    gen = newest(folder)
+    if gen is None:
+        raise FileNotFoundError(f"rank_file: no complete checkpoint under {os.fspath(folder)!r}")
+    return os.path.join(gen, rank_name(rank))
 
 
 def _layout(model) -> dict:
     g = model.grid
     cfg = model.cfg
-    return {"dp": g.dp_size, "pp": g.pp_size, "tp": g.tp_size, "world": g.world_size,
+    return {"dp": g.dp_size, "pp": g.pp_size, "tp": g.tp_size, "cp": getattr(g, "cp_size", 1),
+            "world": g.world_size,
             "chunks": getattr(model, "chunks", 1),
             "sequence_parallel": bool(getattr(model, "sequence_parallel", False)),
             "cfg": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))}
 
 
 def _describe(layout: dict) -> str:
-    return (f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']} chunks={layout['chunks']} "
+    cp = layout.get("cp", 1)
+    return (f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']}"
+            f"{f' cp={cp}' if cp != 1 else ''} chunks={layout['chunks']} "
             f"sequence_parallel={layout['sequence_parallel']}")
 
 
@@ -87,30 +102,32 @@ def _restore_numpy(state) -> None:
 
 def save_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, step: int = 0,
                            sampler=None, extra: dict | None = None,
-                           tracker: RNGTracker | None = None) -> None:
+                           tracker: RNGTracker | None = None, keep: int = 1) -> str:
     """Every rank writes its own file of ``model`` (a :class:`~.stages.HybridGPT`: ``stages``,
     ``grid``, ``cfg``), ``optimizer``, random state, ``step``, ``sampler`` state and ``extra``
     (a small dict, e.g. the losses so far) into ``folder``; then all ranks wait; then rank 0
-    writes the manifest. Collective over the world (a barrier): call it on every rank, between
-    steps (gradients are not saved)."""
+    writes the manifest (see the module notes); returns the new generation's folder. Collective
+    over the world: call it on every rank, between steps (gradients are not saved). A failed
+    write on any rank (``OSError``; ``ENOSPC`` says the disk is full) raises on every rank and
+    keeps the previous generation."""
+    if not all(hasattr(model, a) for a in ("stages", "grid", "cfg")):
+        raise TypeError("save_hybrid_checkpoint: model must be a HybridGPT (stages, grid, cfg), "
+                        f"got {type(model).__name__}; use minidist.data_parallel.save_checkpoint "
+                        "or minidist.sharding.checkpoints for other models")
     grid = model.grid
     state = {
         "format": FORMAT, "rank": grid.rank, "step": int(step), "layout": _layout(model),
-        "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank),
+        "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank, getattr(grid, "cp_rank", 0)),
         "model": {int(s): m.state_dict() for s, m in sorted(model.stages.items())},
         "optimizer": _optimizer_state(optimizer),
         "rng": {**rank_state(sampler), "numpy": _numpy_state(),
                 "tracker": (tracker or get_rng_tracker()).get_states()},
         "extra": extra or {},
     }
-    atomic_save(state, rank_file(folder, grid.rank))
-    if dist.is_initialized():
-        dist.barrier()
-    if grid.rank == 0:
-        atomic_save({"format": FORMAT, "step": int(step), "layout": state["layout"]},
-                    os.path.join(os.fspath(folder), MANIFEST))
-    if dist.is_initialized():
-        dist.barrier()
+    return save_generation(folder, {rank_name(grid.rank): state},
+                           where=f"save_hybrid_checkpoint (rank {grid.rank})", kind="hybrid",
+                           meta={"format": FORMAT, "step": int(step), "layout": state["layout"]},
+                           keep=keep)
 
 
 def _optimizer_state(optimizer):
@@ -131,11 +148,13 @@ def load_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, sam
     rank cannot load, every rank raises instead of the others hanging later).
 
     Raises:
-        FileNotFoundError: no manifest (nothing saved there, or a save that did not finish) or no
-            file for this rank.
+        FileNotFoundError: no complete generation (nothing saved there, or only saves that did
+            not finish) or no file for this rank.
         ValueError: the checkpoint was written on another grid / chunks / sequence parallelism /
-            model config (message: this rank, the saved and the current layout), a rank file from
-            another step than the manifest, or an optimizer of another kind or shard size.
+            model config (message: this rank, the saved and the current layout), a rank file
+            truncated, corrupted or from another save (its size or SHA-256 differ from the
+            manifest's), a parameter of another shape (named, expected vs found), or an
+            optimizer of another kind or shard size.
         RuntimeError: on the other ranks, when some rank raised one of the above.
     """
     folder = os.fspath(folder)
@@ -146,7 +165,7 @@ def load_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, sam
         failed = None
     except (OSError, ValueError, KeyError) as e:
         state, failed = None, e
-    _agree(where, model, failed)                  # every rank loads, or none does
+    agree(where, failed)                          # every rank loads, or none does
     for s, stage in model.stages.items():
         stage.load_state_dict(state["model"][s])   # copies in place: ZeRO's flat views stay
     _load_optimizer(optimizer, state["optimizer"])
@@ -155,50 +174,30 @@ def load_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, sam
     if restore_rng:
         _restore_numpy(rng.get("numpy"))
         (tracker or get_rng_tracker()).set_states(rng["tracker"])
-    return {"step": state["step"], "extra": state["extra"]}
-
-
-def _agree(where: str, model, failed: Exception | None) -> None:
-    """Raise on every rank if any rank could not read its file (one all-reduce of W flags): a
-    rank that resumed while another gave up would wait for it forever in the first collective."""
-    grid = model.grid
-    bad = [grid.rank] if failed is not None else []
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        params = model.parameters()               # the flags live where the backend wants them
-        flags = torch.zeros(dist.get_world_size(), device=params[0].device if params else None)
-        flags[grid.rank] = float(failed is not None)
-        dist.all_reduce(flags)
-        bad = flags.nonzero().flatten().tolist()
-    if failed is not None:
-        raise failed
-    if bad:
-        raise RuntimeError(f"{where}: rank(s) {bad} could not load their part of the checkpoint "
-                           "(see their errors); no rank resumes")
+    return {"step": state["step"], "extra": state["extra"], "generation": newest(folder)}
 
 
 def _read_and_check(folder: str, model, optimizer, where: str) -> dict:
     grid = model.grid
-    manifest_path = os.path.join(folder, MANIFEST)
-    if not os.path.exists(manifest_path):
-        raise FileNotFoundError(f"{where}: no {MANIFEST}: nothing was saved there, or the save "
-                                "did not finish on every rank")
-    manifest = torch.load(manifest_path, map_location="cpu", weights_only=True)
-    mine = _layout(model)
-    if manifest["layout"] != mine:
-        raise ValueError(f"{where}: the checkpoint was saved on grid {_describe(manifest['layout'])}"
-                         f"{_cfg_note(manifest['layout'], mine)}, this run is {_describe(mine)}; a "
+    gen, manifest = open_newest(folder, where, kind="hybrid", world_size=grid.world_size)
+    mine = json.loads(json.dumps(_layout(model)))     # as the manifest stores it (lists, str keys)
+    saved = manifest["meta"]["layout"]
+    if saved != mine:
+        raise ValueError(f"{where}: the checkpoint was saved on grid {_describe(saved)}"
+                         f"{_cfg_note(saved, mine)}, this run is {_describe(mine)}; a "
                          "3-D checkpoint loads only on the layout that wrote it")
-    path = rank_file(folder, grid.rank)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{where}: no file {os.path.basename(path)} for this rank")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if state["step"] != manifest["step"] or state["rank"] != grid.rank:
-        raise ValueError(f"{where}: {os.path.basename(path)} is from step {state['step']} (rank "
-                         f"{state['rank']}), the manifest from step {manifest['step']}: a save was "
+    name = rank_name(grid.rank)
+    state = read_part(gen, manifest, name, where)
+    file = os.path.join(gen, name)
+    if state["step"] != manifest["meta"]["step"] or state["rank"] != grid.rank:
+        raise ValueError(f"{where}: {name} is from step {state['step']} (rank {state['rank']}), "
+                         f"the manifest from step {manifest['meta']['step']}: a save was "
                          "interrupted; use an older checkpoint")
     if set(state["model"]) != set(model.stages):
-        raise ValueError(f"{where}: the file holds stages {sorted(state['model'])}, this rank "
+        raise ValueError(f"{where}: {file} holds stages {sorted(state['model'])}, this rank "
                          f"has {sorted(model.stages)}")
+    check_tensors(where, file, flatten(state["model"]),
+                  flatten({s: m.state_dict() for s, m in model.stages.items()}))
     _check_optimizer(where, optimizer, state["optimizer"])
     return state
 

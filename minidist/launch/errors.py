@@ -134,30 +134,56 @@ def tidy_traceback(tb: str) -> str:
 
 
 # --------------------------------------------------------------------------- failures
-def describe_exit(code: int) -> str:
-    """What a rank's exit code says: a signal's name (with a hint for SIGABRT) or os._exit."""
+def oom_kill_count() -> int | None:
+    """How many processes the kernel's OOM killer has killed in this cgroup (``oom_kill`` in
+    cgroup v2's ``memory.events`` or v1's ``memory.oom_control``); None where neither is readable."""
+    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+        try:
+            with open(path) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+OOM_ADVICE = ("out of memory: the kernel's OOM killer ended it (this cgroup's oom_kill count rose "
+              "during the run). Try a smaller batch or model, fewer ranks on this machine, "
+              "activation recomputation, or sharding (ZeRO-2/3, fully_shard); `minidist plan` "
+              "estimates the memory per rank")
+
+
+def describe_exit(code: int, oom_killed: bool = False) -> str:
+    """What a rank's exit code says: a signal's name (with a hint for SIGABRT, and for SIGKILL
+    when the OOM killer struck, ``oom_killed``) or os._exit."""
     if code < 0:
         name = signal.Signals(-code).name
         hint = " (SIGABRT from gloo often means ranks disagreed on a tensor's size: rerun with " \
                "MINIDIST_DEBUG=1)" if name == "SIGABRT" else ""
+        if name == "SIGKILL" and oom_killed:
+            hint = f": {OOM_ADVICE}"
         return f"killed by {name}{hint}"
     return f"exited with code {code} without raising (os._exit or a crash in C code)"
 
 
-def failure(world_size: int, errors: dict, exited: dict, have: set) -> RankError:
+def failure(world_size: int, errors: dict, exited: dict, have: set,
+            oom_killed: bool = False) -> RankError:
     """One :class:`RankError` from what the ranks reported, the root cause first.
 
     Args:
         errors: ``{rank: (time, summary, traceback)}`` for ranks that raised.
         exited: ``{rank: (time, exit code)}`` for ranks that died without a result.
         have: ranks that returned a result.
+        oom_killed: the OOM killer killed a process of this cgroup during the run.
     """
     events = []  # (secondary?, time, rank, summary, details)
     for r, (t, summary, tb) in errors.items():
         events.append((bool(SECONDARY.search(summary)), t, r, summary, tb))
     for r, (t, code) in exited.items():
         if r not in errors:
-            events.append((False, t, r, f"rank {r} {describe_exit(code)}", ""))
+            events.append((False, t, r, f"rank {r} {describe_exit(code, oom_killed)}", ""))
     events.sort(key=lambda e: (e[0], e[1]))
     failures = [(r, s, d) for _, _, r, s, d in events]
     secondary = {r for sec, _, r, _, _ in events if sec}

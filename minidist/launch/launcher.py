@@ -35,6 +35,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -152,7 +153,7 @@ def _launch(fn, world_size, args, backend, timeout, ordered_output, method, plac
     if method == "fork":
         # The first optimizer a process builds imports torch._dynamo (2-3 s); import it once here
         # so that W forked ranks do not each pay it on 2 cores.
-        import torch._dynamo  # noqa: F401
+        _import_whole("torch._dynamo")
     # a forked child already has fn in memory (real tracebacks, no pickling); spawn needs bytes
     payload = (fn, args) if method == "fork" else cloudpickle.dumps((fn, args))
     tmp = tempfile.mkdtemp(prefix="minidist-run-")  # mode 0700: this user only
@@ -173,15 +174,53 @@ def _launch(fn, world_size, args, backend, timeout, ordered_output, method, plac
                 procs.append(p)
         return _supervise(procs, q, out, shms, dumps, timeout, world_size)
     finally:
-        _kill(procs)
-        out.finish()
-        q.close()
-        os.environ.get("MINIDIST_KEEP_TMP") or shutil.rmtree(tmp, ignore_errors=True)
+        _without_interrupts(_clean_up, procs, out, q, tmp)
+
+
+def _clean_up(procs, out, q, tmp) -> None:
+    _kill(procs)
+    out.finish()
+    q.close()
+    if not os.environ.get("MINIDIST_KEEP_TMP"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _without_interrupts(fn, *args) -> None:
+    """Run ``fn`` with Ctrl-C held back: a second interrupt while the ranks are being stopped
+    (a notebook's stop button pressed twice) must not leave ranks running or the run's folder
+    behind. The held-back interrupt is raised afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        fn(*args)
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda *_: held.append(True))
+    try:
+        fn(*args)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held and not sys.exc_info()[0]:
+        raise KeyboardInterrupt
+
+
+def _import_whole(name: str) -> None:
+    """``import name``; if interrupted half-way, forget every module it had added, so that the
+    next import starts again instead of finding half a package (an interrupt inside
+    ``import torch._dynamo`` left ``sympy`` without ``sympy.logic`` for the rest of the kernel)."""
+    if name in sys.modules:
+        return
+    before = set(sys.modules)
+    try:
+        __import__(name)
+    except BaseException:
+        for added in set(sys.modules) - before:
+            sys.modules.pop(added, None)
+        raise
 
 
 def _supervise(procs, q, out, shms, dumps, timeout, world_size):
     __tracebackhide__ = True
     deadline = time.monotonic() + timeout
+    oom_at_start = _errors.oom_kill_count()   # a SIGKILL with this count risen: out of memory
     results, have = [None] * world_size, set()
     errors = {}  # rank -> (time, summary, traceback)
     exited = {}  # rank -> (time, exitcode) for ranks seen dead without a result
@@ -217,7 +256,9 @@ def _supervise(procs, q, out, shms, dumps, timeout, world_size):
                 first_failure = first_failure or t
     if len(have) == world_size:
         return results
-    error = failure(world_size, errors, exited, have)
+    oom_now = _errors.oom_kill_count()
+    error = failure(world_size, errors, exited, have,
+                    oom_killed=None not in (oom_at_start, oom_now) and oom_now > oom_at_start)
     if is_startup_failure(error, started=any(shm.raw.split(b"\0", 1)[0] for shm in shms)):
         raise StartupFailure(error)
     raise error

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env as _env
-from ..comm import p2p
+from ..comm import p2p, threads
 
 class _QueueWriter:
     """Replaces sys.stdout/sys.stderr in a rank: forwards text to the parent line by line."""
@@ -130,7 +130,9 @@ def main(rank, world_size, payload, tmpdir, backend, pg_timeout_s, q, shm, dump_
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        if code == 0 and dist.is_initialized():
+        # no library thread may be inside gloo while it goes away (after an error: do not wait)
+        stuck = threads.stop_all(timeout=10.0 if code == 0 else 0.5)
+        if code == 0 and dist.is_initialized() and not stuck:
             dist.destroy_process_group()
     sys.exit(code)
 

@@ -96,7 +96,8 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
             if isinstance(sub, tuple(auto_wrap)) and getattr(sub, "_fsdp", None) is None:
                 fully_shard(sub, **opts)
     cls = ParamShardUnit if per_parameter else FlatParamUnit
-    unit = cls(module, Communicator(collectives, group), mp_policy or MixedPrecisionPolicy(),
+    unit = cls(module, Communicator(collectives, group, where="sharding"),
+               mp_policy or MixedPrecisionPolicy(),
                reshard_after_forward, prefetch)
     module._fsdp = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)

@@ -8,7 +8,9 @@
 * :func:`full_optim_state_dict` / :func:`load_full_optim_state_dict` — the same for an optimizer
   built on the shards, keyed by parameter name (so it reloads at another world size).
 * :func:`save_sharded` / :func:`load_sharded` — one file per rank with its slices only (no
-  communication); reloads at the same world size only (else ``ValueError``).
+  communication); reloads at the same world size only (else ``ValueError``). For checkpoints that
+  survive a crash or a full disk (generations, checksums, every rank's outcome agreed) use
+  :func:`minidist.sharding.checkpoints.save_sharded_checkpoint`, built on this module's functions.
 * :func:`clip_grad_norm_` — the global p-norm of all gradients is (all-reduce of every rank's
   sum of |g|^p over its slices)^(1/p), the max over ranks for p = inf (the zero padding adds
   nothing); every rank scales its slices by ``min(1, max_norm / (norm + 1e-6))``, as

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from ..communicator import CommThread, Communicator
+from ..data_parallel.buckets import check_bucket_cap
 from .flat import FlatBuffer, plan_buckets
 
 __all__ = ["ShardedOptimizer"]
@@ -79,7 +80,7 @@ class ShardedOptimizer:
         if grads not in ("averaged", "local"):
             raise ValueError("ShardedOptimizer: grads must be 'averaged' or 'local', "
                              f"got {grads!r}")
-        self.comm = Communicator(collectives, group)
+        self.comm = Communicator(collectives, group, where="sharding")
         self.rank, self.world_size, self.stage, self.grads = (self.comm.rank, self.comm.world_size,
                                                               stage, grads)
         groups = list(params)
@@ -87,6 +88,10 @@ class ShardedOptimizer:
             raise ValueError("ShardedOptimizer got an empty parameter list")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
+        check_bucket_cap("ShardedOptimizer", "bucket_cap_mb", bucket_cap_mb, allow_none=True)
+        if not callable(optimizer_class):
+            raise TypeError("ShardedOptimizer: optimizer_class must be a torch.optim class such as "
+                            f"torch.optim.AdamW, got {optimizer_class!r}")
         if stage == 2 and bucket_cap_mb is None:
             bucket_cap_mb = 25.0
         cap = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
@@ -240,8 +245,18 @@ class ShardedOptimizer:
                 self.comm.reduce_scatter(shard, flat, divisor=self.gradient_divisor())
             b.shard.grad = shard.clone()
 
-    def step(self, closure=None):
-        """Step this rank's slices, then all-gather every flat buffer (params on every rank)."""
+    # torch.amp.GradScaler then calls step(grad_scaler=scaler) instead of deciding alone: each
+    # rank sees only its slices, so one rank's inf must make every rank skip (else the ranks that
+    # step wait in the all-gather for the one that skipped)
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
+        """Step this rank's slices, then all-gather every flat buffer (params on every rank).
+
+        With ``grad_scaler`` (a ``torch.amp.GradScaler`` passes itself): the slices' gradients are
+        unscaled, an inf/NaN on any rank is agreed by an all-reduce (max) of a flag, and then
+        every rank skips the step (the scaler's ``update()`` lowers the scale) or every rank
+        steps. Returns None."""
         if closure is not None:
             raise ValueError("ShardedOptimizer.step: closures are not supported")
         self._refuse_refrozen()
@@ -250,12 +265,39 @@ class ShardedOptimizer:
             self._stage1_grads(self.buckets, self.grads == "local")
         elif new:                             # thawed since the last step: no hook saw them yet
             self._stage1_grads(new, True)
+        if grad_scaler is not None and not self._unscale_and_agree(grad_scaler, new):
+            for b in self.buckets:
+                if self.stage == 1 or b in new:
+                    b.shard.grad = None
+            return None
         self.optim.step()
         with torch.no_grad():
             for b in self.buckets:
                 self.comm.all_gather(b.flat, b.shard)
                 if self.stage == 1 or b in new:
                     b.shard.grad = None       # stage 1: the slice was a temporary
+
+    @torch.no_grad()
+    def _unscale_and_agree(self, scaler, new=()) -> bool:
+        """Unscale the slices' gradients; True when every rank's are finite (collective)."""
+        from torch.amp.grad_scaler import OptState
+        state = scaler._per_optimizer_states[id(self)]
+        grads = [b.shard.grad for b in self.buckets if b.shard.grad is not None]
+        # stage 1 makes its slices in step(), after any unscale_(): they are still scaled (so are
+        # stage 2's buckets thawed since the last step, made in step() too)
+        inv = scaler._get_scale_async().double().reciprocal().float()
+        unscaled = state["stage"] is OptState.UNSCALED and self.stage == 2
+        for b in self.buckets:
+            g = b.shard.grad
+            if g is not None and (not unscaled or b in new):
+                g.mul_(inv.to(g.device, g.dtype) if g.dtype != inv.dtype else inv.to(g.device))
+        bad = any(not bool(torch.isfinite(g).all()) for g in grads)
+        device = grads[0].device if grads else self.buckets[0].shard.device
+        flag = torch.tensor([1.0 if bad else 0.0], device=device)
+        self.comm.all_reduce(flag, "max")
+        found = flag[0].to(scaler._get_scale_async().device)
+        state["found_inf_per_device"] = {found.device: found}
+        return float(flag[0]) == 0.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.all_params:

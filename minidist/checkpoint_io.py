@@ -1,0 +1,344 @@
+"""Checkpoint generations: a new save never touches the last good one (shared by every checkpoint kind).
+
+A checkpoint *location* is a folder holding numbered **generations**::
+
+    path/gen-000007/manifest.json      <- written last: the generation exists once this exists
+    path/gen-000007/rank00000.pt ...   <- every rank's part(s)
+
+A save (:func:`save_generation`, collective over ``group``) goes
+
+1. rank 0 picks the next number (and removes unfinished generations a killed save left behind);
+2. every rank writes its parts into the new folder: ``torch.save`` into memory, then
+   ``write`` + ``flush`` + ``fsync``, each checked; a full disk is an ``OSError(ENOSPC)`` that
+   names the file and says the disk is full;
+3. every rank's outcome is all-gathered (this is the barrier): if any rank failed, **every** rank
+   raises (the failing rank its own error, the others a ``RuntimeError`` quoting it) and the new
+   folder is removed — the previous generation is untouched;
+4. rank 0 writes ``manifest.json`` atomically (temporary file, fsync, ``os.rename``, fsync of the
+   folder) with the format, kind, world size, the caller's metadata and, per file, its size,
+   SHA-256, model-structure signature and parameter shapes; its outcome is broadcast, so a failed
+   manifest also fails the save on every rank;
+5. only then rank 0 retires the older generations (``keep`` newest are kept).
+
+A rank killed anywhere in 1-4 leaves a folder without a manifest: invisible to loading and
+cleared by the next save. Loading (:func:`open_newest`, :func:`read_part`) takes the newest
+generation *with* a manifest, says which (and warns when it skipped an unfinished newer one), and
+checks the size and SHA-256 of every file before unpickling it; :func:`check_tensors` names the
+parameter, the expected and the found shape/dtype; :func:`agree` makes one rank's load error an
+error on every rank (no rank resumes while another waits for it forever).
+
+The same commit protocol (parts, then a barrier, then a small metadata file written atomically)
+is what ``torch.distributed.checkpoint`` does with its ``.metadata`` file, and Megatron-LM with
+``latest_checkpointed_iteration.txt``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["save_generation", "open_newest", "read_part", "check_tensors", "agree", "newest",
+           "generations", "signature", "tensor_shapes", "flatten", "MANIFEST", "FORMAT"]
+
+FORMAT = "minidist-checkpoint/2"
+MANIFEST = "manifest.json"
+_GEN = re.compile(r"^gen-(\d{6,})$")
+
+
+# ----------------------------------------------------------------------------- structure
+def tensor_shapes(state: dict) -> dict:
+    """``{name: [shape list, dtype name]}`` of the tensors in a (flat) state dict."""
+    return {k: [list(v.shape), str(v.dtype).replace("torch.", "")]
+            for k, v in state.items() if torch.is_tensor(v)}
+
+
+def flatten(state: dict, prefix: str = "") -> dict:
+    """Nested dicts of tensors as one flat dict: ``{0: {"w": t}}`` -> ``{"0.w": t}``."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        elif torch.is_tensor(v):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def signature(state: dict) -> str:
+    """SHA-256 (16 hex digits) of the sorted names, shapes and dtypes: the model's structure."""
+    text = json.dumps(sorted(tensor_shapes(state).items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- listing
+def generations(path) -> list[tuple[int, str, bool]]:
+    """``(number, folder, complete)`` of every generation under ``path``, oldest first."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return []
+    out = []
+    for name in os.listdir(path):
+        m = _GEN.match(name)
+        if m:
+            folder = os.path.join(path, name)
+            out.append((int(m.group(1)), folder, os.path.exists(os.path.join(folder, MANIFEST))))
+    return sorted(out)
+
+
+def newest(path) -> str | None:
+    """The folder of the newest complete generation under ``path`` (None if there is none)."""
+    done = [folder for _, folder, complete in generations(path) if complete]
+    return done[-1] if done else None
+
+
+# ----------------------------------------------------------------------------- writing
+def _disk_full(e: OSError, where: str, file: str, size: int) -> OSError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = shutil.disk_usage(os.path.dirname(file)).free
+        except OSError:
+            free = "?"
+        return OSError(e.errno, f"{where}: the disk is full (no space left on device) while "
+                       f"writing {file} ({size} bytes; {free} bytes free there); free space or "
+                       "save elsewhere — the previous checkpoint is kept", file)
+    return OSError(e.errno, f"{where}: could not write {file}: {e.strerror or e}", file)
+
+
+def _write_bytes(file: str, data: bytes, where: str) -> None:
+    try:
+        with open(file, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise _disk_full(e, where, file, len(data)) from e
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_part(folder: str, name: str, obj, model_key: str | None, where: str) -> dict:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    _write_bytes(os.path.join(folder, name), data, where)
+    record = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    model = obj.get(model_key) if model_key and isinstance(obj, dict) else None
+    if isinstance(model, dict):
+        flat = flatten(model)
+        record.update(signature=signature(flat), shapes=tensor_shapes(flat))
+    return record
+
+
+def _world(group):
+    if dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _gather(obj, group) -> list:
+    rank, world = _world(group)
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _from_rank0(obj, group):
+    rank, world = _world(group)
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
+                               group=group)
+    return box[0]
+
+
+def _raise_agreed(where: str, mine: Exception | None, outcomes: list) -> None:
+    bad = [(r, msg) for r, (ok, msg) in enumerate(outcomes) if not ok]
+    if mine is not None:
+        raise mine
+    if bad:
+        detail = "; ".join(f"rank {r}: {msg}" for r, msg in bad)
+        raise RuntimeError(f"{where}: rank(s) {[r for r, _ in bad]} failed ({detail})")
+
+
+def save_generation(path, parts: dict, *, where: str, kind: str, meta: dict | None = None,
+                    group=None, keep: int = 1, model_key: str | None = "model") -> str:
+    """Write this rank's ``parts`` (``{file name: object to torch.save}``; may be empty) as a new
+    generation under ``path``; collective over ``group``. Returns the generation's folder.
+
+    ``meta`` (JSON-able, e.g. the grid, the step) goes into the manifest; ``model_key``: the key of
+    a part's model state dict, whose signature and shapes are recorded. Raises on every rank if
+    any rank failed (see the module notes); the previous generation is kept in every case."""
+    if keep < 1:
+        raise ValueError(f"{where}: keep must be >= 1 (the newest generation), got {keep!r}")
+    path = os.fspath(path)
+    rank, world = _world(group)
+    number = None
+    if rank == 0:
+        try:
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise FileExistsError(f"{where}: {path!r} is a file; a checkpoint location is a "
+                                      "folder of generations (choose another path)")
+            os.makedirs(path, exist_ok=True)
+            gens = generations(path)
+            for _, folder, complete in gens:
+                if not complete:                  # a save that was killed half-way
+                    shutil.rmtree(folder, ignore_errors=True)
+            number = (gens[-1][0] + 1) if gens else 1
+            os.makedirs(os.path.join(path, f"gen-{number:06d}"))
+        except Exception as e:                    # noqa: BLE001 (every rank must hear of it)
+            number = f"{type(e).__name__}: {e}"
+    number = _from_rank0(number, group)
+    if isinstance(number, str):
+        raise OSError(f"{where}: rank 0 could not create a new generation under {path!r}: "
+                      f"{number}")
+    folder = os.path.join(path, f"gen-{number:06d}")
+    records, mine = {}, None
+    try:
+        for name, obj in parts.items():
+            records[name] = {"rank": rank, **_write_part(folder, name, obj, model_key, where)}
+    except Exception as e:                        # noqa: BLE001 (agreed below, then re-raised)
+        mine = e
+    outcomes = _gather((mine is None, f"{type(mine).__name__}: {mine}" if mine else records),
+                       group)
+    failed = any(not ok for ok, _ in outcomes)
+    status, manifest_error = None, None
+    if rank == 0:
+        if failed:
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            files = {k: v for _, recs in outcomes for k, v in recs.items()}
+            manifest = {"format": FORMAT, "kind": kind, "generation": number,
+                        "world_size": world, "meta": meta or {}, "files": files}
+            try:
+                _write_manifest(folder, manifest, where)
+            except Exception as e:                # noqa: BLE001 (every rank must hear of it)
+                manifest_error, status = e, f"{type(e).__name__}: {e}"
+                shutil.rmtree(folder, ignore_errors=True)
+    if not failed:                                # the commit's outcome, on every rank
+        status = _from_rank0(status, group)
+    _raise_agreed(where, mine, outcomes)
+    if manifest_error is not None:
+        raise manifest_error
+    if status is not None:
+        raise RuntimeError(f"{where}: rank 0 could not write {MANIFEST}, so nothing was saved "
+                           f"({status})")
+    if rank == 0:
+        for n, old, _ in generations(path)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def _write_manifest(folder: str, manifest: dict, where: str) -> None:
+    final = os.path.join(folder, MANIFEST)
+    tmp = final + ".tmp"
+    _write_bytes(tmp, json.dumps(manifest, indent=1, sort_keys=True).encode(), where)
+    os.rename(tmp, final)                         # atomic on POSIX
+    _fsync_dir(folder)                            # the rename itself reaches the disk
+
+
+# ----------------------------------------------------------------------------- reading
+def open_newest(path, where: str, kind: str, world_size: int | None = None) -> tuple[str, dict]:
+    """``(folder, manifest)`` of the newest complete generation under ``path``, checked for
+    ``kind`` and (if given) ``world_size``. Warns when a newer unfinished generation is skipped.
+
+    Raises:
+        FileNotFoundError: no complete generation (nothing saved, or every save unfinished).
+        ValueError: an unreadable manifest, another kind or another world size.
+    """
+    path = os.fspath(path)
+    gens = generations(path)
+    done = [g for g in gens if g[2]]
+    if not done:
+        unfinished = f" ({len(gens)} unfinished save(s) without {MANIFEST})" if gens else ""
+        raise FileNotFoundError(f"{where}: no complete checkpoint under {path!r}{unfinished}")
+    number, folder, _ = done[-1]
+    skipped = [os.path.basename(f) for n, f, c in gens if n > number and not c]
+    if skipped:
+        warnings.warn(f"{where}: skipped {skipped} (no {MANIFEST}: a save that did not finish); "
+                      f"loading {os.path.basename(folder)}", stacklevel=3)
+    file = os.path.join(folder, MANIFEST)
+    try:
+        with open(file, "rb") as f:
+            manifest = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: {file} is unreadable ({e})") from e
+    if manifest.get("format") != FORMAT or manifest.get("kind") != kind:
+        raise ValueError(f"{where}: {file} describes a {manifest.get('kind')!r} checkpoint "
+                         f"(format {manifest.get('format')!r}), expected {kind!r} ({FORMAT})")
+    if world_size is not None and manifest["world_size"] != world_size:
+        raise ValueError(f"{where}: {folder} was written by {manifest['world_size']} ranks, this "
+                         f"run has {world_size}")
+    return folder, manifest
+
+
+def read_part(folder: str, manifest: dict, name: str, where: str, map_location="cpu"):
+    """``torch.load`` one file of a generation after checking its size and SHA-256."""
+    file = os.path.join(folder, name)
+    record = manifest["files"].get(name)
+    if record is None:
+        raise FileNotFoundError(f"{where}: {MANIFEST} of {folder} lists no {name}")
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise OSError(e.errno, f"{where}: cannot read {file}: {e.strerror or e}", file) from e
+    if len(data) != record["bytes"]:
+        raise ValueError(f"{where}: {file} is truncated or was changed: {len(data)} bytes, the "
+                         f"manifest says {record['bytes']}")
+    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        raise ValueError(f"{where}: {file} is corrupted: its SHA-256 differs from the manifest's "
+                         f"(same size, {len(data)} bytes, different content)")
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+
+
+def check_tensors(where: str, file: str, found: dict, expected: dict, strict: bool = True) -> None:
+    """Compare a saved state dict with the one the model expects: names, shapes and dtypes.
+    Raises ``ValueError`` naming the file, the first parameters that differ, expected vs found."""
+    lines = []
+    for k, v in expected.items():
+        if not torch.is_tensor(v):
+            continue
+        if k not in found:
+            if strict:
+                lines.append(f"{k}: missing (expected shape {tuple(v.shape)})")
+        elif torch.is_tensor(found[k]) and (found[k].shape != v.shape or
+                                             found[k].dtype != v.dtype):
+            lines.append(f"{k}: expected shape {tuple(v.shape)} {v.dtype}, found "
+                         f"{tuple(found[k].shape)} {found[k].dtype}")
+    if strict:
+        lines += [f"{k}: unexpected (shape {tuple(found[k].shape)}) — not in this model"
+                  for k in found if k not in expected and torch.is_tensor(found[k])]
+    if lines:
+        more = f" (and {len(lines) - 5} more)" if len(lines) > 5 else ""
+        raise ValueError(f"{where}: {file} does not fit this model: " + "; ".join(lines[:5]) + more)
+
+
+def agree(where: str, error: Exception | None, group=None) -> None:
+    """Collective: raise on every rank of ``group`` if any rank has an ``error``; that rank
+    raises its own, the others a ``RuntimeError`` quoting it (its file, parameter, shapes)."""
+    outcomes = _gather((error is None, f"{type(error).__name__}: {error}" if error else None),
+                       group)
+    bad = [r for r, (ok, _) in enumerate(outcomes) if not ok]
+    if error is not None:
+        raise error
+    if bad:
+        detail = "; ".join(f"rank {r}: {outcomes[r][1]}" for r in bad)
+        raise RuntimeError(f"{where}: rank(s) {bad} could not load their part of the checkpoint "
+                           f"({detail}); no rank resumes")

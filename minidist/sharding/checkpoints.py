@@ -1,0 +1,158 @@
+"""Checkpoints of ZeRO-1/2/3 runs, full or sharded, that never destroy the last good one.
+
+Every save here is a new generation of a checkpoint folder (:mod:`minidist.checkpoint_io`: each
+write checked and fsync'ed, every rank's outcome agreed, a ``manifest.json`` with sizes, SHA-256
+and shapes written last and atomically, then the old generation retired). Supported combinations:
+
+==========================================  =====================================================
+model / optimizer                           full (one file, any world size) / sharded (per rank)
+==========================================  =====================================================
+replicated model, ``ShardedOptimizer``      :func:`save_full_checkpoint` (= ``save_checkpoint``:
+(ZeRO-1/2)                                  the moments all-gathered) / :func:`save_sharded_checkpoint`
+                                            (each rank its ``1/W`` slices; rank 0 the model)
+``fully_shard`` model (ZeRO-3), any         :func:`save_full_checkpoint` (``full_state_dict`` and
+optimizer over its shards                   ``full_optim_state_dict``) / :func:`save_sharded_checkpoint`
+                                            (each rank its shards and their optimizer state)
+==========================================  =====================================================
+
+A full checkpoint loads at any world size; a sharded one at the world size (and shard sizes) that
+wrote it, else a ``ValueError`` on every rank. Anything else (a replicated model with a plain
+optimizer in :func:`save_sharded_checkpoint`: nothing is sharded) is a ``TypeError`` on every rank
+at once, before any communication. ZeRO-3 goes through the public state-dict functions of
+:mod:`.fsdp_state` only. Collective over ``group`` (default: the world), which must be the group
+the model/optimizer is sharded over.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from ..checkpoint_io import agree, check_tensors, open_newest, read_part, save_generation
+from ..data_parallel.checkpoint import FILE, _sharded_model, load_checkpoint, save_checkpoint
+from ..data_parallel.replicas import unwrap
+from . import fsdp_state
+from .zero import ShardedOptimizer
+
+__all__ = ["save_full_checkpoint", "load_full_checkpoint", "save_sharded_checkpoint",
+           "load_sharded_checkpoint", "shard_name"]
+
+
+def shard_name(rank: int) -> str:
+    """Rank ``rank``'s file in a sharded generation."""
+    return f"shard{rank:05d}.pt"
+
+
+def _rank_world(group):
+    return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+
+
+def save_full_checkpoint(path, model, optimizer=None, extra: dict | None = None, group=None,
+                         keep: int = 1) -> str:
+    """One file with the unsharded model and optimizer state (rank 0 writes); collective."""
+    if not _sharded_model(model):                 # ZeRO-1/2 or plain: data parallel's save
+        return save_checkpoint(path, model, optimizer, extra=extra, group=group, keep=keep)
+    rank, _ = _rank_world(group)
+    state = {"model": fsdp_state.full_state_dict(model),
+             "optimizer": (fsdp_state.full_optim_state_dict(model, optimizer)
+                           if optimizer is not None else None), "extra": extra or {}}
+    return save_generation(path, {FILE: state} if rank == 0 else {},
+                           where=f"save_full_checkpoint (rank {rank})", kind="full-zero3",
+                           group=group, keep=keep)
+
+
+def load_full_checkpoint(path, model, optimizer=None, group=None) -> dict:
+    """Load :func:`save_full_checkpoint`'s newest generation at any world size; returns ``extra``.
+    Collective: an error (missing, truncated, corrupted, a parameter of another shape) on one
+    rank is an error on every rank."""
+    if not _sharded_model(model):
+        return load_checkpoint(path, model, optimizer, group=group, restore_rng=False)
+    rank, _ = _rank_world(group)
+    where = f"load_full_checkpoint (rank {rank})"
+    expected = fsdp_state.full_state_dict(model)  # collective, before any rank can fail
+    error: Exception | None = None
+    state: dict = {}
+    try:
+        folder, manifest = open_newest(path, where, kind="full-zero3")
+        state = read_part(folder, manifest, FILE, where)
+        check_tensors(where, os.path.join(folder, FILE), state["model"], expected)
+        if optimizer is not None and state["optimizer"] is None:
+            raise KeyError(f"{where}: {folder} holds no optimizer state")
+    except (OSError, ValueError, KeyError) as e:
+        error = e
+    agree(where, error, group)
+    fsdp_state.load_full_state_dict(model, state["model"])
+    if optimizer is not None:
+        fsdp_state.load_full_optim_state_dict(model, optimizer, state["optimizer"])
+    return state["extra"]
+
+
+def _sharded_parts(model, optimizer, where: str, rank: int) -> dict:
+    if _sharded_model(model):                     # ZeRO-3: every rank its shards
+        return {"model": model.state_dict(),
+                "optimizer": optimizer.state_dict() if optimizer is not None else None}
+    if isinstance(optimizer, ShardedOptimizer):   # ZeRO-1/2: every rank its optimizer slices
+        return {"model": unwrap(model).state_dict() if rank == 0 else None,
+                "optimizer": {"shard_numels": optimizer.shard_numels(),
+                              "state": optimizer.optim.state_dict()}}
+    raise TypeError(f"{where}: nothing here is sharded (a replicated {type(unwrap(model)).__name__}"
+                    f" with {type(optimizer).__name__}): use "
+                    "minidist.data_parallel.save_checkpoint")
+
+
+def save_sharded_checkpoint(path, model, optimizer=None, extra: dict | None = None, group=None,
+                            keep: int = 1) -> str:
+    """Every rank writes only what it owns (see the table); collective. Returns the folder."""
+    rank, world = _rank_world(group)
+    where = f"save_sharded_checkpoint (rank {rank})"
+    part = {**_sharded_parts(model, optimizer, where, rank), "extra": extra or {}}
+    kind = "sharded-zero3" if _sharded_model(model) else "sharded-zero12"
+    return save_generation(path, {shard_name(rank): part}, where=where, kind=kind, group=group,
+                           keep=keep)
+
+
+def load_sharded_checkpoint(path, model, optimizer=None, group=None) -> dict:
+    """Load :func:`save_sharded_checkpoint`'s newest generation (same world size); returns
+    ``extra``. Collective: one rank's error is every rank's."""
+    rank, world = _rank_world(group)
+    where = f"load_sharded_checkpoint (rank {rank})"
+    zero3 = _sharded_model(model)
+    error: Exception | None = None
+    state: dict = {}
+    model_state: dict = {}
+    try:
+        if not zero3 and not isinstance(optimizer, ShardedOptimizer):
+            _sharded_parts(model, optimizer, where, rank)   # the same TypeError as the save
+        folder, manifest = open_newest(path, where, kind="sharded-zero3" if zero3 else
+                                       "sharded-zero12", world_size=world)
+        state = read_part(folder, manifest, shard_name(rank), where)
+        model_state = state["model"] if zero3 else (
+            state["model"] if rank == 0 else read_part(folder, manifest, shard_name(0),
+                                                       where)["model"])
+        target = model if zero3 else unwrap(model)
+        try:
+            check_tensors(where, os.path.join(folder, shard_name(rank if zero3 else 0)),
+                          model_state, target.state_dict())
+        except ValueError as e:
+            if not zero3:
+                raise
+            # per-parameter units keep the original names; the shapes are this rank's rows
+            raise ValueError(f"{e} (shapes of this rank's dim-0 shards: the checkpoint was "
+                             "written for parameters of other shapes)") from None
+        if isinstance(optimizer, ShardedOptimizer):
+            saved = state["optimizer"]["shard_numels"]
+            if list(saved) != optimizer.shard_numels():
+                raise ValueError(f"{where}: {shard_name(rank)} holds ZeRO shards of {saved} "
+                                 f"elements, this optimizer's are {optimizer.shard_numels()}")
+        elif optimizer is not None and state["optimizer"] is None:
+            raise KeyError(f"{where}: {folder} holds no optimizer state")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        error = e
+    agree(where, error, group)
+    (model if zero3 else unwrap(model)).load_state_dict(model_state)
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer.optim.load_state_dict(state["optimizer"]["state"])
+    elif optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return state["extra"]
