@@ -192,7 +192,8 @@ class Checkpointed(nn.Module):
 
 def _checkpoint_blocks(model, reentrant):
     if reentrant is not None:
-        for i, block in enumerate(model.blocks):
+        for i, block in list(model.blocks.items()) if hasattr(model.blocks, "items") \
+                else enumerate(model.blocks):
             model.blocks[i] = Checkpointed(block, reentrant)
     return model
 

@@ -38,13 +38,22 @@ __all__ = ["GPTStage", "TPGPT", "LayerDict", "use_tracker_dropout"]
 
 class LayerDict(nn.ModuleDict):
     """Blocks by their *global* layer index (``blocks[5]`` or ``blocks["5"]``): a stage holding
-    layers 4-7 names its parameters ``blocks.5.attn...``, as the one-process GPT does."""
+    layers 4-7 names its parameters ``blocks.5.attn...``, as the one-process GPT does.
+
+    Iterating yields the blocks themselves, in layer order, as the one-process GPT's
+    ``nn.ModuleList`` does (``for b in model.blocks``); ``keys()``/``items()`` give the indices."""
 
     def __getitem__(self, key):
         return super().__getitem__(str(key))
 
     def __setitem__(self, key, module):
         super().__setitem__(str(key), module)
+
+    def __contains__(self, key) -> bool:
+        return super().__contains__(str(key))
+
+    def __iter__(self):
+        return iter(self.values())
 
 
 class GPTStage(nn.Module):
