@@ -664,6 +664,12 @@ def merge(out_a, lse_a, out_b, lse_b):
 '''
     _rejects("14_context_parallel.ipynb", "merge_grade", {"merge": no_both},
              "with both lse -inf (no key in either block)")
+    # the [b, h, s] weights not broadcast over d: a hint, not only torch's shape error
+    _rejects("14_context_parallel.ipynb", "merge_grade", {"merge": '''
+def merge(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)
+    return torch.exp(lse_a - lse) * out_a + torch.exp(lse_b - lse) * out_b, lse
+'''}, "broadcast the weights over d with [..., None]")
     plain = '''
 def merge(out_a, lse_a, out_b, lse_b):
     return out_a + out_b, torch.logaddexp(lse_a, lse_b)

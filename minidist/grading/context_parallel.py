@@ -62,7 +62,13 @@ def _merge_check(fn, case):
     name, seed, scale, dtype, empty = case
     oa, la, ob, lb = _partials(seed, scale, dtype, empty)
     want_o, want_l = blocks.merge(oa.double(), la.double(), ob.double(), lb.double())
-    got = fn(oa.clone(), la.clone(), ob.clone(), lb.clone())
+    try:
+        got = fn(oa.clone(), la.clone(), ob.clone(), lb.clone())
+    except RuntimeError as e:
+        if "must match the size" not in str(e):
+            raise
+        return (f"{e} — the weights exp(lse_x - lse) are [b, h, s] and out_x is [b, h, s, d]: "
+                "broadcast the weights over d with [..., None] (unsqueeze(-1))")
     if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
         return f"expected a tuple (out, lse) of two tensors, got {type(got).__name__}"
     out, lse = got
