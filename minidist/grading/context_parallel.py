@@ -14,6 +14,8 @@ block attention and the point-to-point transfers are the library's) and compares
 output with full attention on one process, including scores of order 1e4. Feedback names the
 bug: an overflowing merge, the wrong chunk pairing (``r`` with ``W+r``, ``r`` with ``2W-r``), the
 positions of the wrong rank, uneven lengths not handled, an empty block that turns into nan.
+Each check's failure names its rule of :data:`MERGE_RULES`, :data:`ZIGZAG_RULES` or
+:data:`RING_RULES` (``[id] rule text: ...``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,28 @@ import torch
 from ..context_parallel import blocks, sharding
 from .core import Report
 
-__all__ = ["grade_merge", "grade_zigzag", "grade_ring", "MERGE_CASES", "ZIGZAG_CASES"]
+__all__ = ["grade_merge", "grade_zigzag", "grade_ring", "MERGE_CASES", "ZIGZAG_CASES",
+           "MERGE_RULES", "ZIGZAG_RULES", "RING_RULES"]
+
+MERGE_RULES = {
+    "shape": "returns (out, lse) shaped like out_a and lse_a: the [b, h, s] weights broadcast over d",
+    "lse": "lse = log(exp(lse_a) + exp(lse_b)), more than their max",
+    "weights": "out = exp(lse_a - lse)·out_a + exp(lse_b - lse)·out_b: each weighted by its share",
+    "stable": "no overflow: log-add-exp as max + log1p(exp(-|a - b|)) (scores of order 1e4, fp32)",
+    "empty": "a block that saw no key (lse -inf, out 0) changes nothing; two give lse -inf, out 0 "
+             "(no nan)",
+}
+ZIGZAG_RULES = {
+    "pairing": "rank r holds chunks r and 2W-1-r of 2W: the same causal work on every rank",
+    "uneven": "lengths that do not divide by 2W: cut with tensor_split (chunks differ by one)",
+    "order": "each position once, in increasing order",
+}
+RING_RULES = {
+    "finite": "the ring's running result stays finite: it starts from lse -inf and scores can be "
+              "of order 1e4 (Part A's merge)",
+    "equal": "every rank's output equals full causal attention on one process (1-4 ranks, S not "
+             "divisible by 2W)",
+}
 
 MERGE_CASES = [  # (name, seed, scale, dtype, empty)
     ("random scores, fp64", 0, 1.0, torch.float64, None),
@@ -67,26 +90,26 @@ def _merge_check(fn, case):
     except RuntimeError as e:
         if "must match the size" not in str(e):
             raise
-        return (f"{e} — the weights exp(lse_x - lse) are [b, h, s] and out_x is [b, h, s, d]: "
+        return "shape", (f"{e} — the weights exp(lse_x - lse) are [b, h, s] and out_x is [b, h, s, d]: "
                 "broadcast the weights over d with [..., None] (unsqueeze(-1))")
     if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
-        return f"expected a tuple (out, lse) of two tensors, got {type(got).__name__}"
+        return "shape", f"expected a tuple (out, lse) of two tensors, got {type(got).__name__}"
     out, lse = got
     if out.shape != oa.shape or lse.shape != la.shape:
-        return (f"expected out {tuple(oa.shape)} and lse {tuple(la.shape)}, got "
+        return "shape", (f"expected out {tuple(oa.shape)} and lse {tuple(la.shape)}, got "
                 f"{tuple(out.shape)} and {tuple(lse.shape)}")
     if empty == "both" and not (bool((lse == -math.inf).all()) and bool((out == 0).all())):
-        return ("with both lse -inf (no key in either block) the merge must give lse = -inf and "
+        return "empty", ("with both lse -inf (no key in either block) the merge must give lse = -inf and "
                 "out = 0, got " + ("nan" if bool(torch.isnan(lse).any() | torch.isnan(out).any())
                                    else "something else") +
                 ": -inf - (-inf) is nan, so take the max first and handle a max of -inf")
     if not (torch.isfinite(out).all() and (torch.isfinite(lse) | torch.isinf(want_l)).all()):
         if empty is not None:
             other = "b" if empty == "a" else "a"
-            return (f"nan or inf where one block saw no key: with lse_{empty} = -inf, "
+            return "empty", (f"nan or inf where one block saw no key: with lse_{empty} = -inf, "
                     f"exp(lse_{empty} - lse) must be 0 and lse = lse_{other} (log-add-exp with -inf "
                     "is the identity; -inf - (-inf) is nan, so handle it)")
-        return ("overflow: the merge is not finite for large log-sum-exps — "
+        return "stable", ("overflow: the merge is not finite for large log-sum-exps — "
                 "log(1 + exp(lse_b - lse_a)) overflows once the difference passes ~88 in fp32; "
                 "write log-add-exp as max + log1p(exp(-|a - b|))")
     tol = 1e-12 if dtype == torch.float64 else 1e-5
@@ -94,20 +117,21 @@ def _merge_check(fn, case):
     err_l = float((lse.double() - want_l).abs().max()) / scale_l
     if err_l > tol:
         if torch.allclose(lse.double(), torch.maximum(la, lb).double()):
-            return "lse is max(lse_a, lse_b): the log of a sum of exponentials is more than its max"
-        return f"lse wrong by {err_l:.2e} (relative): it is log(exp(lse_a) + exp(lse_b))"
+            return "lse", "lse is max(lse_a, lse_b): the log of a sum of exponentials is more than its max"
+        return "lse", f"lse wrong by {err_l:.2e} (relative): it is log(exp(lse_a) + exp(lse_b))"
     err_o = float((out.double() - want_o).abs().max())
     if err_o > tol * max(1.0, float(want_o.abs().max())):
         plain = (oa + ob).double()
         if torch.allclose(out.double(), plain):
-            return "out is out_a + out_b: weight each by its share exp(lse_x - lse) of the total"
-        return f"out wrong by {err_o:.2e}: out = exp(lse_a - lse)·out_a + exp(lse_b - lse)·out_b"
+            return "weights", "out is out_a + out_b: weight each by its share exp(lse_x - lse) of the total"
+        return "weights", f"out wrong by {err_o:.2e}: out = exp(lse_a - lse)·out_a + exp(lse_b - lse)·out_b"
     return None
 
 
 def grade_merge(fn, total: float = 2) -> Report:
     """``fn(out_a, lse_a, out_b, lse_b) -> (out, lse)`` against the library's merge."""
-    report = Report("Part A: merging two partial attention results", total=total)
+    report = Report("Part A: merging two partial attention results", total=total,
+                    rules=MERGE_RULES)
     for case in MERGE_CASES:
         report.check(case[0], lambda c=case: _merge_check(fn, c))
     return report
@@ -128,30 +152,30 @@ def _zigzag_check(fn, seq_len, world):
         want = sharding.positions("zigzag", seq_len, world, rank)
         got = fn(seq_len, world, rank)
         if not isinstance(got, torch.Tensor):
-            return f"rank {rank}: expected a tensor of positions, got {type(got).__name__}"
+            return "order", f"rank {rank}: expected a tensor of positions, got {type(got).__name__}"
         got = got.reshape(-1).long()
         if torch.equal(got, want):
             continue
         text = f"rank {rank}: expected {want.tolist()}, got {got.tolist()}"
         for name, v in _variants(seq_len, world, rank).items():
             if torch.equal(got, v) and not torch.equal(v, want):
-                return (f"{text} — {name}: the wrong chunk pairing; rank r holds chunks r and "
+                return "pairing", (f"{text} — {name}: the wrong chunk pairing; rank r holds chunks r and "
                         f"2W-1-r of 2W (here {rank} and {2 * world - 1 - rank}), so the early and "
                         "the late chunks pair up and every rank gets the same causal work")
         if seq_len % (2 * world) and got.numel() != want.numel():
-            return (f"{text} — {seq_len} does not divide into {2 * world} equal chunks: cut with "
+            return "uneven", (f"{text} — {seq_len} does not divide into {2 * world} equal chunks: cut with "
                     "torch.arange(seq_len).tensor_split(2 * world)")
         if len(set(got.tolist())) < got.numel():
-            return f"{text} — a position appears twice: the two chunks must be different"
+            return "order", f"{text} — a position appears twice: the two chunks must be different"
         if sorted(got.tolist()) == want.tolist():
-            return f"{text} — the right positions in the wrong order: return them increasing"
-        return text
+            return "order", f"{text} — the right positions in the wrong order: return them increasing"
+        return "pairing", text
     return None
 
 
 def grade_zigzag(fn, total: float = 2) -> Report:
     """``fn(seq_len, world, rank)`` against :func:`minidist.context_parallel.sharding.positions`."""
-    report = Report("Part B: the zigzag split", total=total)
+    report = Report("Part B: the zigzag split", total=total, rules=ZIGZAG_RULES)
     for s, w in ZIGZAG_CASES:
         report.check(f"S = {s}, W = {w}", lambda s=s, w=w: _zigzag_check(fn, s, w))
     return report
@@ -191,18 +215,19 @@ def _ring_check(merge_fn, positions_fn, world, seq_len, scale):
     tol = 1e-5 if scale == 1.0 else 8 * torch.finfo(torch.float32).eps * float(ref_lse.abs().max())
     for rank, (pos, out) in enumerate(got):
         if not torch.isfinite(out).all():
-            return (f"rank {rank}: non-finite output — your merge gives inf or nan (the ring starts "
+            return "finite", (f"rank {rank}: non-finite output — your merge gives inf or nan (the ring starts "
                     "from lse = -inf, and scores can be large: see Part A)")
         err = float((out.double() - ref[:, :, pos]).abs().max())
         if err > tol:
-            return (f"rank {rank} (positions {pos.tolist()}): output differs from full attention "
+            return "equal", (f"rank {rank} (positions {pos.tolist()}): output differs from full attention "
                     f"by {err:.2e}")
     return None
 
 
 def grade_ring(merge_fn, positions_fn, total: float = 2) -> Report:
     """Ring attention with the learner's ``merge`` and ``zigzag_positions`` on 1–4 ranks."""
-    report = Report("Part C: ring attention from your merge and split", total=total)
+    report = Report("Part C: ring attention from your merge and split", total=total,
+                    rules=RING_RULES, default_rule="equal")
     for world, seq_len, scale in ((1, 6, 1.0), (2, 12, 1.0), (3, 13, 1.0), (4, 16, 1.0),
                                   (4, 16, 70.0)):
         name = (f"W = {world}, S = {seq_len}" +

@@ -10,8 +10,8 @@ plausible wrong solution that the grader must reject by naming that rule
 
 from __future__ import annotations
 
-from . import (composition, cost, ddp, frameworks_map, gpu_placement, hybrid, launch_env,
-               sampling, walls, zero)
+from . import (composition, context_parallel, cost, ddp, frameworks_map, gpu_placement, hybrid,
+               launch_env, moe, sampling, walls, zero, zero_bubble)
 from .collectives import collective_rules
 
 __all__ = ["RULES", "show", "tagger"]
@@ -61,7 +61,8 @@ RULES: dict[str, dict[str, dict[str, str]]] = {
             "memory": "at most min(P-s, M) micro-batches in flight on stage s (1F1B's point)"},
         "run_on_engine_grade": {
             "local": "each rank keeps only its own stages (local_stages)",
-            "engine": "the schedule runs on pipeline_step: gradients and loss equal one process"}},
+            "engine": "the schedule runs on pipeline_step: gradients and loss equal one process"},
+        "zb_h1_grade": zero_bubble.ZB_RULES},
     "08_launch_environment": {"who_am_i_grade": launch_env.WHO_RULES,
                               "diagnose_grade": launch_env.DIAGNOSIS_RULES},
     "09_zero": {"zero1_grade": zero.ZERO1_RULES, "zero2_grade": zero.ZERO2_RULES},
@@ -72,6 +73,11 @@ RULES: dict[str, dict[str, dict[str, str]]] = {
     "12_global_grad_norm": {"global_grad_norm_grade": hybrid.NORM_RULES},
     "13_cost": {"gpus_for_deadline_grade": cost.DEADLINE_RULES,
                 "spot_wall_time_grade": cost.SPOT_RULES, "young_interval_grade": cost.YOUNG_RULES},
+    "14_context_parallel": {"merge_grade": context_parallel.MERGE_RULES,
+                            "zigzag_positions_grade": context_parallel.ZIGZAG_RULES,
+                            "ring_grade": context_parallel.RING_RULES},
+    "15_moe_dispatch": {"capacity_grade": moe.CAPACITY_RULES, "aux_loss_grade": moe.AUX_RULES,
+                        "permutation_grade": moe.PERM_RULES},
 }
 
 
