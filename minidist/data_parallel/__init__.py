@@ -5,7 +5,7 @@ Three DDP versions a learner can follow, then the pieces real training needs:
 * :class:`NaiveDDP` — after backward, one all-reduce per gradient (:mod:`.naive`);
 * :class:`FlatDDP` — one all-reduce over all gradients packed in a flat buffer (:mod:`.flat`);
 * :class:`BucketedDDP` — hooks fill buckets, all-reduced on a thread while backward continues
-  (:mod:`.bucketed`); communication hooks for compression (:mod:`.compression`);
+  (:mod:`.bucketed`); communication hooks for compression (:mod:`.compression`, PowerSGD in :mod:`.powersgd`);
 * :class:`DistributedSampler`, :func:`evaluate` (every sample counted once), :class:`SyncBatchNorm`,
   mixed precision, checkpoints, and replica checks (:mod:`.replicas`).
 """
@@ -19,6 +19,7 @@ from .evaluate import evaluate
 from .flat import FlatDDP
 from .mixed_precision import MixedPrecision
 from .naive import NaiveDDP
+from .powersgd import PowerSGD, orthogonalize_
 from .replicas import (ReplicaMismatchError, assert_replicas_identical,
                        broadcast_module, check_same_structure, replicas_max_difference, unwrap)
 from .sampler import DistributedSampler
@@ -29,6 +30,6 @@ VERSIONS = {"naive": NaiveDDP, "flat": FlatDDP, "bucketed": BucketedDDP}
 __all__ = ["DataParallelBase", "SyncDecisionError", "UnusedParametersError", "Bucket",
            "BucketedDDP", "build_buckets", "clip_by_global_norm_", "load_checkpoint", "save_checkpoint", "TopK",
            "bf16_compress_hook", "fp16_compress_hook", "evaluate", "FlatDDP", "MixedPrecision",
-           "NaiveDDP", "ReplicaMismatchError", "assert_replicas_identical", "broadcast_module",
+           "NaiveDDP", "PowerSGD", "orthogonalize_", "ReplicaMismatchError", "assert_replicas_identical", "broadcast_module",
            "check_same_structure", "replicas_max_difference", "unwrap", "DistributedSampler",
            "SyncBatchNorm", "convert_sync_batchnorm", "VERSIONS"]
