@@ -29,12 +29,27 @@ def _data(rank, step):
     return torch.randn(8, 12, generator=g), torch.randn(8, 5, generator=g)
 
 
+def _mlp():
+    return MLP(12, (32,), 5)
+
+
+def _repeated_shapes():
+    """Weights 6x12, 6x6, 8x6, 6x8, 6x6, 5x6: two 6x6 apart (torch draws the random Qs per shape
+    group in first-seen order, not in bucket order; so must we)."""
+    dims = [12, 6, 6, 8, 6, 6, 5]
+    layers: list = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
 def _run(rank, world):
     out = {}
-    for cfg in CONFIGS:
-        r, ef, warm, rate, eps = cfg
+    for cfg in CONFIGS + [("shapes", 1, True, False, 1.0, 0.0)]:
+        make = _repeated_shapes if cfg[0] == "shapes" else _mlp
+        r, ef, warm, rate, eps = cfg[-5:]
         torch.manual_seed(0)
-        ref_model, our_model, ddp_model = MLP(12, (32,), 5), MLP(12, (32,), 5), MLP(12, (32,), 5)
+        ref_model, our_model, ddp_model = make(), make(), make()
         our_model.load_state_dict(ref_model.state_dict())
         ddp_model.load_state_dict(ref_model.state_dict())
         ref = torch_ddp(ref_model)
@@ -80,6 +95,9 @@ def _run(rank, world):
 def test_powersgd_matches_torch_hook_and_sends_fewer_bytes(world):
     results = minidist.run(_run, world, timeout=100)
     n_params = sum(p.numel() for p in MLP(12, (32,), 5).parameters())
+    for res in results:  # the repeated-shapes model, fresh random Qs every step (no warm start)
+        for ge, pe in res[("shapes", 1, True, False, 1.0, 0.0)]["errs"]:
+            assert ge <= 1e-5 and pe <= 1e-5, (world, ge, pe)
     total = lambda cfg, key: [sum(res[cfg][key][s] for res in results) for s in range(STEPS)]
     for cfg in CONFIGS:
         r, ef, rate = cfg[0], cfg[1], cfg[3]
