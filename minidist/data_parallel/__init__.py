@@ -5,9 +5,10 @@ Three DDP versions a learner can follow, then the pieces real training needs:
 * :class:`NaiveDDP` — after backward, one all-reduce per gradient (:mod:`.naive`);
 * :class:`FlatDDP` — one all-reduce over all gradients packed in a flat buffer (:mod:`.flat`);
 * :class:`BucketedDDP` — hooks fill buckets, all-reduced on a thread while backward continues
-  (:mod:`.bucketed`); communication hooks for compression (:mod:`.compression`);
+  (:mod:`.bucketed`); communication hooks for compression (:mod:`.compression`, PowerSGD in :mod:`.powersgd`);
 * :class:`DistributedSampler`, :func:`evaluate` (every sample counted once), :class:`SyncBatchNorm`,
-  mixed precision, checkpoints, and replica checks (:mod:`.replicas`).
+  mixed precision, checkpoints, and replica checks (:mod:`.replicas`);
+* across slow links: :class:`PowerSGD` (:mod:`.powersgd`), :class:`DiLoCo` / local SGD (:mod:`.diloco`).
 """
 
 from .base import DataParallelBase, SyncDecisionError, UnusedParametersError
@@ -15,10 +16,12 @@ from .bucketed import Bucket, BucketedDDP, build_buckets
 from .clip import clip_by_global_norm_
 from .checkpoint import load_checkpoint, save_checkpoint
 from .compression import TopK, bf16_compress_hook, fp16_compress_hook
+from .diloco import DiLoCo
 from .evaluate import evaluate
 from .flat import FlatDDP
 from .mixed_precision import MixedPrecision
 from .naive import NaiveDDP
+from .powersgd import PowerSGD, orthogonalize_
 from .replicas import (ReplicaMismatchError, assert_replicas_identical,
                        broadcast_module, check_same_structure, replicas_max_difference, unwrap)
 from .sampler import DistributedSampler
@@ -28,7 +31,7 @@ VERSIONS = {"naive": NaiveDDP, "flat": FlatDDP, "bucketed": BucketedDDP}
 
 __all__ = ["DataParallelBase", "SyncDecisionError", "UnusedParametersError", "Bucket",
            "BucketedDDP", "build_buckets", "clip_by_global_norm_", "load_checkpoint", "save_checkpoint", "TopK",
-           "bf16_compress_hook", "fp16_compress_hook", "evaluate", "FlatDDP", "MixedPrecision",
-           "NaiveDDP", "ReplicaMismatchError", "assert_replicas_identical", "broadcast_module",
+           "bf16_compress_hook", "fp16_compress_hook", "DiLoCo", "evaluate", "FlatDDP", "MixedPrecision",
+           "NaiveDDP", "PowerSGD", "orthogonalize_", "ReplicaMismatchError", "assert_replicas_identical", "broadcast_module",
            "check_same_structure", "replicas_max_difference", "unwrap", "DistributedSampler",
            "SyncBatchNorm", "convert_sync_batchnorm", "VERSIONS"]

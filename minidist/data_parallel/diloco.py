@@ -1,0 +1,86 @@
+"""Local SGD and DiLoCo: H optimizer steps without communication, then one outer step.
+
+Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models",
+Algorithm 1. Every rank starts a round from the same parameters θ (the *anchor*), takes H steps
+of its own inner optimizer on its own data (no communication), then
+
+    Δ = mean over ranks of (θ - θ_rank)          one all-reduce of all parameters (the only one)
+    θ ← OuterOpt(θ, Δ)                           Nesterov SGD (paper: lr 0.7, momentum 0.9)
+
+and every rank continues from the new θ. The inner optimizer's state (e.g. AdamW's moments) stays
+local. **Local SGD** (Stich 2019; Lin et al. 2020) is the special case outer lr 1, no momentum:
+θ ← mean of θ_rank. A rank sends one all-reduce of the model per H steps — in a ring
+2(W-1)/W · 4N bytes / H per step against DDP's 2(W-1)/W · 4N every step (:meth:`DiLoCo.bytes_per_step`).
+
+The outer step is :class:`torch.optim.SGD` (``nesterov=True``) over the anchor with Δ as its
+gradient (as torchft's DiLoCo does); the rounds, the pseudo-gradient and its all-reduce (one flat
+buffer, :class:`minidist.communicator.Communicator`) are written here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..communicator import Communicator
+from .compression import ring_allreduce_bytes
+
+__all__ = ["DiLoCo"]
+
+
+class DiLoCo:
+    """Call :meth:`step` after every inner ``optimizer.step()``; every ``sync_every``-th call runs
+    the outer step (an all-reduce; every rank must call it equally often).
+
+    Args:
+        model: the local replica (same initial parameters on every rank: the caller's seed, or
+            :func:`~minidist.data_parallel.broadcast_module` first).
+        sync_every: H, inner steps per round (int ≥ 1; H = 1 with outer lr 1, no momentum, and
+            inner SGD is DDP).
+        outer_lr, outer_momentum, nesterov: the outer SGD (local SGD: 1.0, 0.0, False).
+        collectives, group: as for every strategy (:class:`~minidist.communicator.Communicator`).
+
+    Raises ``ValueError`` for ``sync_every`` < 1 or a non-positive ``outer_lr`` (naming the rank).
+    """
+
+    def __init__(self, model: nn.Module, sync_every: int = 500, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True,
+                 collectives: str = "hand-built", group=None):
+        self.comm = Communicator(collectives, group, where="DiLoCo")
+        where = f"DiLoCo (rank {self.comm.rank})"
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"{where}: sync_every must be an int >= 1, got {sync_every!r}")
+        if not outer_lr > 0:
+            raise ValueError(f"{where}: outer_lr must be > 0, got {outer_lr!r}")
+        self.model, self.sync_every = model, sync_every
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.anchor = [p.detach().clone() for p in self.params]
+        self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=outer_momentum,
+                                     nesterov=nesterov and outer_momentum > 0)
+        self.inner_steps, self.rounds = 0, 0
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Count one inner step; at the end of a round, run the outer step. Returns True then."""
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every:
+            return False
+        delta = torch.cat([(a - p).reshape(-1) for a, p in zip(self.anchor, self.params)])
+        self.comm.all_reduce(delta, "avg")          # the outer (pseudo-)gradient
+        off = 0
+        for a in self.anchor:
+            a.grad = delta[off:off + a.numel()].view_as(a)
+            off += a.numel()
+        self.outer.step()
+        for a, p in zip(self.anchor, self.params):
+            p.copy_(a)
+        self.rounds += 1
+        return True
+
+    def numel(self) -> int:
+        """Parameters in one all-reduce of the round."""
+        return sum(p.numel() for p in self.params)
+
+    def bytes_per_step(self) -> float:
+        """Bytes one rank sends per inner step, on average: one ring all-reduce / H."""
+        return ring_allreduce_bytes(self.numel(), self.comm.world_size) / self.sync_every
