@@ -39,7 +39,7 @@ def format_table(result: dict) -> str:
     """The predicted-vs-measured table and the per-world-size summary lines."""
     preds = [p for p in KINDS if result["rows"] and p in result["rows"][0]]
     head = (f"{'W':>3}{'dp':>4}{'tp':>4}{'pp':>4}{'M':>3}{'measured ms':>13}{'[min, max]':>16}"
-            f"{'tok/s':>9}{'MFU':>7}" + "".join(f"{p[:5] + ' ms':>11}{'ratio':>7}{'≤30%':>6}"
+            f"{'tok/s':>9}{'MFU':>7}" + "".join(f"{p + ' ms':>15}{'ratio':>7}{'≤30%':>6}"
                                                    for p in preds))
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
@@ -48,7 +48,7 @@ def format_table(result: dict) -> str:
                 f"{r['measured_s'] * 1e3:>13.1f}{spread:>16}"
                 f"{r['tokens_per_s']:>9.0f}{r['mfu']:>7.1%}")
         for p in preds:
-            line += (f"{r[p]['step_s'] * 1e3:>11.1f}{r[p]['ratio']:>7.2f}"
+            line += (f"{r[p]['step_s'] * 1e3:>15.1f}{r[p]['ratio']:>7.2f}"
                      f"{'yes' if r[p]['within'] else 'no':>6}")
         lines.append(line)
     lines.append("ratio = measured / predicted; MFU peak = one-thread matmul rate x min(ranks, cores)")
