@@ -71,13 +71,14 @@ done
 wait "${pids[0]}"
 part base base_image &
 pids+=($!)
-while sleep 60; do
+last=$SECONDS
+while sleep 2; do
     running=()
     for f in apt env-deepspeed env-tensorflow env-paddle env-horovod base; do
         [[ -f $LOG/$f.status ]] || running+=("$f")
     done
     [[ ${#running[@]} == 0 ]] && break
-    say "still building: ${running[*]}"
+    if (( SECONDS - last >= 60 )); then say "still building: ${running[*]}"; last=$SECONDS; fi
 done
 wait
 failed=$(grep -lv '^0 ' "$LOG"/*.status 2>/dev/null | xargs -r -n1 basename | sed 's/.status//' | tr '\n' ' ')
