@@ -31,7 +31,7 @@ from torch import nn
 
 from .. import collectives as C
 from ..data_parallel.flat import average_flat
-from ..pipeline_parallel.engine import StepResult, pipeline_step
+from ..pipeline_parallel.engine import StepResult, pipeline_step, scale_gradients
 from ..trace import Event
 
 __all__ = ["dp_pipeline_step", "sync_gradients"]
@@ -126,9 +126,4 @@ def _over_replicas(result: StepResult, modules, pp_group, dp_group, reduction: s
         if local is not None:   # the last stage: this replica's own token mean
             result.loss = local / count if count else float("nan")
     if scale != 1.0:
-        seen = set()
-        for s in sorted(modules):
-            for p in modules[s].parameters():
-                if p.grad is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    p.grad.mul_(scale)
+        scale_gradients(modules, scale)

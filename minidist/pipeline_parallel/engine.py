@@ -277,6 +277,17 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
                       global_loss, tokens)
 
 
+def scale_gradients(modules: dict[int, nn.Module], scale: float) -> None:
+    """Multiply every gradient of this rank's stages ``modules`` by ``scale``, each parameter once
+    (a tied parameter two of its stages share is scaled once)."""
+    seen: set[int] = set()
+    for s in sorted(modules):
+        for p in modules[s].parameters():
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                p.grad.mul_(scale)
+
+
 def _reduce_loss(st: _StepState, modules, group, reduction: str):
     """Sum [loss, count] over the pipeline (only the last stage's are non-zero: a broadcast to
     every stage); "per_token": divide this rank's gradients by the count, so they are the
@@ -292,10 +303,5 @@ def _reduce_loss(st: _StepState, modules, group, reduction: str):
         scale = 1 / count if count else float("nan")
         value = loss_sum / count if count else float("nan")
     if scale != 1.0:
-        seen = set()
-        for s in sorted(modules):
-            for p in modules[s].parameters():
-                if p.grad is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    p.grad.mul_(scale)
+        scale_gradients(modules, scale)
     return value, count
