@@ -3,6 +3,7 @@
 * :mod:`~minidist.planner.calc` — memory and time on the back of an envelope (bytes per parameter,
   ZeRO memory, 6·N·D FLOPs, ring communication time)
 * :mod:`~minidist.planner.cost` — FLOPs to GPU-hours to money, MFU
+* :mod:`~minidist.planner.energy` — the electricity a run draws (GPU and node watts, PUE, price per kWh)
 * :mod:`~minidist.planner.search` — every dp×tp×pp (+ZeRO, recomputation, interleaving)
   configuration of a GPT with its memory per device and predicted step time (``minidist plan``)
 * :mod:`~minidist.planner.machine` — the same on this machine: CPU ranks sharing cores
@@ -21,7 +22,7 @@ The face::
     P.plan(P.ModelSpec(...), global_batch, n_devices, device_memory, flop_rate)
 """
 
-from . import calc, cost
+from . import calc, cost, energy
 from .experts import MoESpec, predict_ep
 from .machine import (busy_ranks, calibrate_overhead, load_link, optimizer_fraction,
                       predict_step_seconds, spearman, this_machine)
@@ -29,7 +30,7 @@ from .published import BLOOM, BLOOM_MEMORY_PER_GPU, LINKS, MEGATRON_TABLE1, PREC
 from .search import LEGEND, RECOMPUTE, Config, Link, Links, ModelSpec, Prediction, format_table, plan, predict
 from .search import activation_bytes, longest_context, ring_time  # context parallelism
 
-__all__ = ["calc", "cost",
+__all__ = ["calc", "cost", "energy",
            "ModelSpec", "Link", "Links", "Config", "Prediction", "predict", "plan", "format_table",
            "RECOMPUTE", "LEGEND", "this_machine", "predict_step_seconds", "calibrate_overhead", "load_link",
            "spearman", "busy_ranks", "optimizer_fraction",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from . import calc
+from . import calc, energy
 
 __all__ = ["PRICES", "MONTH", "price", "attention_flops_per_token", "training_flops", "mfu",
            "gpu_hours", "gpus_for_deadline", "expected_lost_work", "spot_wall_time",
@@ -263,12 +263,15 @@ def estimate(flops: float, n_gpus: int, price_per_gpu_hour: float, peak_flops: f
              checkpoint_time: float = 0.0, restart_time: float = 0.0, commitment: float = 0.0,
              network_bytes: float = 0.0, price_per_gb_moved: float = 0.0,
              storage_bytes: float = 0.0, storage_time: float | None = None,
-             price_per_gb_month: float = 0.0) -> Estimate:
+             price_per_gb_month: float = 0.0, gpu_watts: float = 0.0, node_watts: float = 0.0,
+             gpus_per_node: int = 8, pue: float = 1.0, price_per_kwh: float = 0.0) -> Estimate:
     """Money for a run of ``flops`` on ``n_gpus`` GPUs at ``mfu`` of ``peak_flops`` (FLOP/s each),
     by line: the useful compute, the checkpoint writes, the work lost to interruptions and restarts
     (:func:`spot_wall_time`), reserved time left unused (``commitment``: seconds you pay for
     whatever you use), the network (``network_bytes`` at ``price_per_gb_moved``) and storage
-    (``storage_bytes`` kept ``storage_time`` seconds, default the wall time). Every GPU is
+    (``storage_bytes`` kept ``storage_time`` seconds, default the wall time), and the energy
+    (:func:`energy.energy_kwh` of every GPU and its node, in W, for the wall time, × ``pue``, at
+    ``price_per_kwh``: zero unless you pay for power apart from the GPU-hour price). Every GPU is
     billed for the whole wall time."""
     _count("n_gpus", n_gpus, "the run needs at least one GPU")
     _non_negative("price_per_gpu_hour", price_per_gpu_hour, "prices are not negative")
@@ -285,5 +288,7 @@ def estimate(flops: float, n_gpus: int, price_per_gpu_hour: float, peak_flops: f
              "unused reservation": max(0.0, commitment - wall) * per_second,
              "network": network_cost(network_bytes, price_per_gb_moved),
              "storage": storage_cost(storage_bytes, wall if storage_time is None else storage_time,
-                                     price_per_gb_month)}
+                                     price_per_gb_month),
+             "energy": energy.energy_cost(energy.energy_kwh(
+                 n_gpus * wall / 3600, gpu_watts, node_watts, gpus_per_node, pue), price_per_kwh)}
     return Estimate(wall, n_gpus * max(wall, commitment) / 3600, lines)
