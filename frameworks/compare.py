@@ -47,7 +47,7 @@ class Framework:
     name: str
     env: str | None          # venv of tools/framework-envs.sh; None: the project's venv
     script: str              # file under frameworks/
-    launcher: str            # torchrun | tf_config | single | paddle | horovodrun
+    launcher: str            # torchrun | tf_config | single | paddle | horovodrun | accelerate[_cpu]
     args: tuple = ()
     note: str = ""
     wildcard_ports: int = 0  # servers it binds on every interface whatever it is told (measured)
@@ -76,7 +76,15 @@ FRAMEWORKS = {f.name: f for f in [
     # horovodrun's rendezvous HTTP server binds ('', port): every interface, fixed in its code
     Framework("horovod", "horovod", "horovod_job.py", "horovodrun", note="gloo, unmaintained",
               wildcard_ports=1),
+    # `accelerate launch --multi_gpu` starts torchrun's agent in-process: its 2 stores on [::]
+    Framework("accelerate", "accelerate", "accelerate_job.py", "accelerate",
+              note="accelerate launch --multi_gpu, Accelerator(cpu=True)", wildcard_ports=2),
 ]}
+
+# the trap, not in the table: `accelerate launch --cpu --num_processes 2` runs ONE process
+ACCELERATE_CPU_FLAG = Framework("accelerate_cpu_flag", "accelerate", "accelerate_job.py",
+                                "accelerate_cpu", ("--allow-fewer",),
+                                note="accelerate launch --cpu --num_processes 2 (one process)")
 
 
 def env_python(env: str | None, build: bool = False) -> str | None:
@@ -125,6 +133,13 @@ def commands(fw: Framework, python: str, inputs: str, out: str, variant: str, wo
         return [([os.path.join(bindir, "horovodrun"), "-np", str(job.WORKERS), "-H",
                   f"localhost:{job.WORKERS}", "--gloo", "--network-interfaces", "lo",
                   "python", *script], {**env, "PATH": bindir + os.pathsep + os.environ["PATH"]})]
+    if fw.launcher in ("accelerate", "accelerate_cpu"):   # HF_HOME: no user config file is read
+        mode = ["--multi_gpu", "--num_machines", "1", "--main_process_ip", "127.0.0.1",
+                "--main_process_port", str(free_port())] if fw.launcher == "accelerate" else ["--cpu"]
+        return [([os.path.join(os.path.dirname(python), "accelerate"), "launch", *mode,
+                  "--num_processes", str(job.WORKERS), "--mixed_precision", "no",
+                  "--dynamo_backend", "no", *script],
+                 {**env, "HF_HOME": os.path.join(workdir, "hf_home")})]
     raise ValueError(f"unknown launcher {fw.launcher!r}")
 
 

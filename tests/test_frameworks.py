@@ -11,7 +11,11 @@ about a GB each) and must give the same per-step losses and final weights within
 Each launch must also listen on loopback addresses only (sampled from /proc while it runs), except
 for the servers that ignore every loopback setting (compare.Framework.wildcard_ports, measured):
 TensorFlow's gRPC servers ([::]:PORT), horovodrun's rendezvous HTTP server, Paddle's rank-0
-TCPStore (0.0.0.0) and torchrun's agent ([::], two stores, in torch 2.13 and 2.14 alike).
+TCPStore (0.0.0.0) and torchrun's agent ([::], two stores, in torch 2.13 and 2.14 alike; also
+inside `accelerate launch --multi_gpu`).
+
+HF Accelerate is checked for the number of processes too: `accelerate launch --cpu
+--num_processes 2` runs one process and exits 0 (the trap test below).
 
 Select or skip them with ``-m frameworks`` / ``-m "not frameworks"``.
 """
@@ -111,6 +115,9 @@ def test_framework_equals_minidist(name, inputs, reference, tmp_path, build_log)
     for v in VARIANTS:
         result = _run(name, inputs, tmp_path, v, build_log)
         assert len(result["losses"]) == job.VARIANTS[v]["steps"], f"{name} ({v}): wrong number of steps"
+        if "processes" in result:       # launchers that can start fewer processes than asked
+            assert int(result["processes"]) == job.WORKERS, \
+                f"{name} ({v}): {int(result['processes'])} process(es) trained, not {job.WORKERS}"
         _assert_close(result, reference(v), f"{name} ({v})")
         stage = compare.FRAMEWORKS[name].zero_stage
         if stage:
@@ -138,3 +145,25 @@ def test_deepspeed_default_clipping_changes_the_long_run(inputs, reference, tmp_
                             workdir=str(tmp_path / "clip"))
     d = compare.compare(result, reference("long"))
     assert d["weights"] > 1e-3, f"default clipping should move the weights by > 1e-3, moved {d['weights']:.2e}"
+
+
+@pytest.mark.timeout(1200)
+def test_accelerate_cpu_flag_runs_one_process(inputs, reference, tmp_path, build_log):
+    """The trap: `accelerate launch --cpu --num_processes 2` exits 0 having run ONE process
+    (DistributedType.NO, no process group), which trains on the first half of each batch alone;
+    `--multi_gpu` with Accelerator(cpu=True) gives the 2 gloo processes (test above)."""
+    trap = compare.ACCELERATE_CPU_FLAG
+    reason = _why_not(trap.env)
+    if reason:
+        pytest.skip(reason)
+    compare.env_python(trap.env, build=True)
+    result = compare.launch(trap, inputs, str(tmp_path / "cpu.npz"), "short", timeout=600,
+                            workdir=str(tmp_path / "cpu"))
+    assert int(result["processes"]) == 1 and str(result["distributed_type"]) == "DistributedType.NO"
+    assert str(result["backend"]) == "none"
+    good = compare.launch("accelerate", inputs, str(tmp_path / "multi.npz"), "short", timeout=600,
+                          workdir=str(tmp_path / "multi"))
+    assert int(good["processes"]) == 2 and str(good["distributed_type"]) == "DistributedType.MULTI_CPU"
+    assert str(good["backend"]) == "gloo"
+    d = compare.compare(result, reference("short"))
+    assert d["loss"] > 1e-3, f"one process on half the batch should differ, differs by {d['loss']:.2e}"

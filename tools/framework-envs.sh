@@ -3,7 +3,7 @@
 #
 #   tools/framework-envs.sh NAME...         build what is missing, print "NAME DIR" for each
 #   tools/framework-envs.sh --path NAME     print the directory only (built or not; builds nothing)
-#   tools/framework-envs.sh all             deepspeed tensorflow paddle horovod
+#   tools/framework-envs.sh all             deepspeed tensorflow paddle horovod accelerate
 #
 # The frameworks pin conflicting numpy/protobuf/torch, so each gets its own venv, built from
 # frameworks/envs/NAME.txt. The folder's name carries a hash of that file, of RECIPE below and of
@@ -26,7 +26,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PINS="$ROOT/frameworks/envs"
 CACHE="${MINIDIST_FRAMEWORK_ENVS:-$HOME/.cache/minidist-frameworks}"
 PY="${PYTHON:-python3}"
-ALL="deepspeed tensorflow paddle horovod"
+ALL="deepspeed tensorflow paddle horovod accelerate"
 RECIPE=2   # bump when build() below changes what an env contains
 HOROVOD_SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
 export PIP_DISABLE_PIP_VERSION_CHECK=1

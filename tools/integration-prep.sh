@@ -7,7 +7,7 @@
 # script, so a test finds it done (or, if a part failed here, builds it itself and reports why):
 #   apt      Debian's podman set (tools/podman-setup.sh install), Slurm + munge, chromium + driver,
 #            in one apt transaction (apt holds one lock: several installs would only queue)
-#   envs     the four framework venvs (tools/framework-envs.sh), built side by side: most of a cold
+#   envs     the five framework venvs (tools/framework-envs.sh), built side by side: most of a cold
 #            build is downloading wheels, and Horovod's compile gets the cores the downloads leave
 #   base     the Debian base image's cache file (tools/podman-setup.sh base), after apt
 # Every part runs under `nice`, so the default tier keeps the cores when both want them.
@@ -64,7 +64,7 @@ base_image() {
 say "building in the background; logs in $LOG"
 part apt apt_packages &
 pids=($!)
-for n in deepspeed tensorflow paddle horovod; do
+for n in deepspeed tensorflow paddle horovod accelerate; do
     part "env-$n" framework_env "$n" &
     pids+=($!)
 done
@@ -74,7 +74,7 @@ pids+=($!)
 last=$SECONDS
 while sleep 2; do
     running=()
-    for f in apt env-deepspeed env-tensorflow env-paddle env-horovod base; do
+    for f in apt env-deepspeed env-tensorflow env-paddle env-horovod env-accelerate base; do
         [[ -f $LOG/$f.status ]] || running+=("$f")
     done
     [[ ${#running[@]} == 0 ]] && break
