@@ -9,7 +9,11 @@ Device and backend are chosen here and nowhere else:
 Sources: torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK) and
 Slurm's (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_NODEID, SLURM_NNODES,
 SLURM_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE) — see the torchrun manual and the "OUTPUT ENVIRONMENT
-VARIABLES" of srun(1)/sbatch(1). The interface checks ``init`` makes before it connects
+VARIABLES" of srun(1)/sbatch(1) — and Kubernetes' Kubeflow training operator (a PyTorchJob pod:
+RANK = the pod's index, WORLD_SIZE = pods × nprocPerNode, MASTER_ADDR/PORT, and torchrun's
+arguments as PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT;
+kubeflow/training-operator, pkg/controller.v1/pytorch/envvar.go, release 1.9; the Trainer's
+TrainJob sets only the PET_* ones). The interface checks ``init`` makes before it connects
 (:func:`check_socket_ifnames`, :func:`interfaces`) live here too; ``minidist doctor`` only reads them.
 """
 
@@ -35,7 +39,8 @@ class EnvError(RuntimeError):
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Where this process sits in the job. ``launcher`` is torchrun, slurm, minidist or single."""
+    """Where this process sits in the job. ``launcher`` is torchrun, slurm, pytorchjob (a
+    Kubeflow pod running the script directly, one process per pod), minidist, env or single."""
 
     rank: int
     local_rank: int
@@ -104,6 +109,10 @@ def detect(environ=None) -> DistEnv:
     slurm_tasks_per_node = _int(environ, "SLURM_NTASKS_PER_NODE")
     slurm_nnodes = _int(environ, "SLURM_NNODES", 1)
     under_torchrun = "TORCHELASTIC_RUN_ID" in environ or "GROUP_RANK" in environ
+    if "PET_NNODES" in environ and not under_torchrun:
+        pod = _kubeflow_pod(environ)        # a Kubernetes pod whose command is not torchrun
+        if pod is not None:
+            return pod
     if "RANK" in environ and "WORLD_SIZE" in environ:
         launcher = "torchrun" if under_torchrun else "minidist" if "MINIDIST_RUN" in environ else "env"
         local_rank = _int(environ, "LOCAL_RANK")
@@ -141,6 +150,34 @@ def detect(environ=None) -> DistEnv:
                        "would connect to themselves. Set MASTER_ADDR to the first node's hostname "
                        "(e.g. `scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1`).")
     return DistEnv(rank, local_rank, world, local_world, node, launcher, addr, port)
+
+
+def _kubeflow_pod(environ) -> DistEnv | None:
+    """A Kubeflow pod (PET_NNODES set) that started the script without torchrun. With one process
+    per pod the operator's RANK / WORLD_SIZE are the process's (a PyTorchJob with a Master); with
+    several, or with only the PET_* variables (a TrainJob, an elastic PyTorchJob), every pod would
+    train alone or with the wrong world: refused. None when there is nothing to refuse or read."""
+    nnodes, nproc = environ.get("PET_NNODES", ""), environ.get("PET_NPROC_PER_NODE", "")
+    fix = ("make the container's command `python -m torch.distributed.run train.py`: torchrun "
+           "reads the PET_* variables as its arguments and starts the processes")
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        if "LOCAL_RANK" in environ:
+            return None                    # the user exported the rest: read it as given
+        if nproc not in ("", "auto", "1"):
+            raise EnvError(f"PET_NPROC_PER_NODE={nproc} but this process was not started by "
+                           f"torchrun: the Kubeflow operator set WORLD_SIZE={environ['WORLD_SIZE']} "
+                           f"(pods x processes per pod) and RANK={environ['RANK']} (the pod's "
+                           f"index) for torchrun to split; {fix}.")
+        rank, world = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+        if not 0 <= rank < world:
+            raise EnvError(f"inconsistent launch environment: rank={rank}, world_size={world}")
+        return DistEnv(rank, 0, world, 1, _int(environ, "PET_NODE_RANK", rank), "pytorchjob",
+                       environ.get("MASTER_ADDR"), _int(environ, "MASTER_PORT"))
+    if nnodes == "1" and nproc in ("", "1"):
+        return None                        # one process in one pod: a single process
+    raise EnvError(f"PET_NNODES={nnodes} and PET_NPROC_PER_NODE={nproc or '(unset)'} are set (a "
+                   "Kubeflow PyTorchJob or TrainJob pod) but RANK and WORLD_SIZE are not: they are "
+                   f"torchrun's arguments, and without torchrun every pod would train alone; {fix}.")
 
 
 def choose_backend(backend: str = "auto", local_world_size: int = 1) -> str:
