@@ -337,9 +337,13 @@ def main(argv=None) -> int:
                   f"{'✓' if row['equal'] else '✗ > %g' % TOLERANCE} listens on "
                   f"{sorted({a.rsplit(':', 1)[0] for a in row['listening']})}",
                   flush=True)
-    if a.save:
+    if a.save:       # keeps what else the file records (machine, command, the traps chapter 10 shows)
+        kept = {}
+        if os.path.exists(RESULTS):
+            with open(RESULTS) as f:
+                kept = {k: v for k, v in json.load(f).items() if k not in ("tolerance", "rows")}
         with open(RESULTS, "w") as f:
-            json.dump({"tolerance": TOLERANCE, "rows": rows}, f, indent=1)
+            json.dump({"tolerance": TOLERANCE, "rows": rows, **kept}, f, indent=1)
     return 0 if ok else 1
 
 
