@@ -32,7 +32,8 @@ from ..models import MLP
 from .ddp_training import scaled_lr
 
 __all__ = ["warmup_lr", "Run", "train_to_target", "sweep", "fit_critical_batch", "plot_sweep",
-           "ddp_gradient_check", "check_batch_indices"]
+           "ddp_gradient_check", "check_batch_indices",
+           "ranks_noise_scale", "exact_noise_scale"]
 
 
 def warmup_lr(step: int, base_lr: float, batch: int, base_batch: int = 32,
@@ -218,6 +219,41 @@ def ddp_gradient_check(rank: int, world_size: int, batch: int = 64, seed: int = 
     noise = (from_two_batches(local_mean, global_sq, batch // world_size, batch)
              if world_size > 1 else None)
     return {"max_abs_diff": diff, "local_sq": local_mean, "global_sq": global_sq, "noise": noise}
+
+
+def ranks_noise_scale(model: torch.nn.Module, per_rank: int, world_size: int, draws: int,
+                      seed: int = 0) -> NoiseScale:
+    """What W DDP ranks of ``per_rank`` digits each would estimate over ``draws`` steps at fixed
+    parameters: per step, the mean of the ranks' local squared gradient norms (batch
+    ``per_rank``) and the averaged gradient's (``W·per_rank``), fed to
+    :func:`~minidist.data_parallel.noise_scale.from_two_batches` and averaged over steps
+    (:meth:`NoiseScale.mean`). One process plays the ranks (the gradients are the same)."""
+    if world_size < 2 or per_rank < 1 or draws < 1:
+        raise ValueError(f"ranks_noise_scale: need world_size >= 2, per_rank >= 1, draws >= 1, "
+                         f"got {world_size}, {per_rank}, {draws}")
+    x_all, y_all = load_digits()[0].tensors
+    draw = torch.Generator().manual_seed(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grad_of(rows):
+        loss = F.cross_entropy(model(x_all[rows]), y_all[rows])
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+
+    estimates = []
+    for _ in range(draws):
+        idx = torch.randint(len(x_all), (per_rank * world_size,), generator=draw)
+        local = torch.stack([grad_of(rows) for rows in idx.view(world_size, per_rank)])
+        estimates.append(from_two_batches(float(local.pow(2).sum(dim=1).mean()),
+                                          float(local.mean(dim=0).pow(2).sum()),
+                                          per_rank, per_rank * world_size))
+    return NoiseScale.mean(estimates)
+
+
+def exact_noise_scale(model: torch.nn.Module) -> NoiseScale:
+    """tr(Σ) and |G|² of ``model`` over all 1347 training digits (per-example gradients)."""
+    x_all, y_all = load_digits()[0].tensors
+    return from_per_example(per_example_grads(model, F.cross_entropy, x_all, y_all),
+                            whole_population=True)
 
 
 def check_batch_indices(n: int, batch: int, seed: int) -> torch.Tensor:
