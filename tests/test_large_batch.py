@@ -21,7 +21,8 @@ from minidist.data import load_digits
 from minidist.data_parallel.noise_scale import (NoiseScale, from_per_example, from_two_batches,
                                                 per_example_grads)
 from minidist.lessons.large_batch import (check_batch_indices, ddp_gradient_check,
-                                          fit_critical_batch, train_to_target, warmup_lr)
+                                          exact_noise_scale, fit_critical_batch,
+                                          ranks_noise_scale, train_to_target, warmup_lr)
 from minidist.models import MLP
 
 # ------------------------------------------------------------------ linear regression, analytic
@@ -193,14 +194,16 @@ def test_noise_scale_along_a_small_batch_run_is_finite_and_positive():
 
 
 # ------------------------------------------------------------------ DDP computes the big batch
-@pytest.mark.timeout(90)
-def test_ddp_gradient_is_the_global_batch_gradient_and_gives_the_noise_norms():
-    res = minidist.run(ddp_gradient_check, 2, 64, 0, timeout=60)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ddp_gradient_is_the_global_batch_gradient_and_gives_the_noise_norms(world):
+    batch = 48                                                  # divisible by 1, 2, 3 and 4
+    res = minidist.run(ddp_gradient_check, world, batch, 0, timeout=90)
     assert max(r["max_abs_diff"] for r in res) <= 1e-6                 # fp32: order of additions
-    assert res[0]["local_sq"] == res[1]["local_sq"] and res[0]["global_sq"] == res[1]["global_sq"]
-    # the same norms, one process: the two halves' gradients and the whole batch's
+    assert len({r["local_sq"] for r in res}) == 1 and len({r["global_sq"] for r in res}) == 1
+    # the same norms, one process: each rank's slice's gradient and the whole batch's
     x, y = load_digits()[0].tensors
-    idx = check_batch_indices(len(x), 64, 0)
+    idx = check_batch_indices(len(x), batch, 0)
     torch.manual_seed(0)
     model = MLP(64, (64,), 10)
 
@@ -209,10 +212,31 @@ def test_ddp_gradient_is_the_global_batch_gradient_and_gives_the_noise_norms():
         F.cross_entropy(model(x[rows]), y[rows]).backward()
         return float(sum(p.grad.pow(2).sum() for p in model.parameters()))
 
-    halves = idx.view(2, -1)
-    assert res[0]["local_sq"] == pytest.approx((sq(halves[0]) + sq(halves[1])) / 2, rel=1e-5)
+    local = sum(sq(rows) for rows in idx.view(world, -1)) / world
+    assert res[0]["local_sq"] == pytest.approx(local, rel=1e-5)
     assert res[0]["global_sq"] == pytest.approx(sq(idx), rel=1e-5)
-    want = from_two_batches((sq(halves[0]) + sq(halves[1])) / 2, sq(idx), 32, 64)
-    assert res[0]["noise"].trace_sigma == pytest.approx(want.trace_sigma, rel=1e-4)
+    if world == 1:
+        assert res[0]["noise"] is None
+    else:
+        want = from_two_batches(local, sq(idx), batch // world, batch)
+        assert res[0]["noise"].trace_sigma == pytest.approx(want.trace_sigma, rel=1e-4)
+        assert res[0]["noise"].grad_sq == pytest.approx(want.grad_sq, rel=1e-3, abs=1e-6)
+
+
+def test_ddp_gradient_check_rejects_a_batch_that_does_not_split():
     with pytest.raises(ValueError, match="batch 63 must split evenly over 2 ranks"):
         ddp_gradient_check(0, 2, 63)
+
+
+def test_the_ranks_estimate_converges_to_the_exact_noise_scale():
+    """App. A.1 on the course model: 2 simulated ranks of 32, averaged over 200 steps, within
+    25 % of tr(Σ)/|G|² over all 1347 digits (seen: within 12 % on 4 initialisations x 3 draws)."""
+    torch.manual_seed(1)
+    model = MLP(64, (64,), 10)
+    exact = exact_noise_scale(model)
+    est = ranks_noise_scale(model, per_rank=32, world_size=2, draws=200, seed=5)
+    assert exact.trace_sigma > 0 and exact.grad_sq > 0
+    assert est.b_simple == pytest.approx(exact.b_simple, rel=0.25)
+    assert est.trace_sigma == pytest.approx(exact.trace_sigma, rel=0.1)
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        ranks_noise_scale(model, per_rank=32, world_size=1, draws=10)

@@ -20,6 +20,7 @@ also lets a batch exceed the training set.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -87,11 +88,17 @@ def train_to_target(batch: int, seed: int = 0, target: float = 0.2, base_lr: flo
     Runs on one thread (restored after): the model is too small for a second to help, and on a
     shared machine extra threads only contend.
     """
+    with _one_thread():
+        return _train(batch, seed, target, base_lr, base_batch, momentum, warmup_epochs, max_steps,
+                      noise_every, noise_band)
+
+
+@contextlib.contextmanager
+def _one_thread():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _train(batch, seed, target, base_lr, base_batch, momentum, warmup_epochs, max_steps,
-                      noise_every, noise_band)
+        yield
     finally:
         torch.set_num_threads(threads)
 
@@ -240,20 +247,22 @@ def ranks_noise_scale(model: torch.nn.Module, per_rank: int, world_size: int, dr
         return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
 
     estimates = []
-    for _ in range(draws):
-        idx = torch.randint(len(x_all), (per_rank * world_size,), generator=draw)
-        local = torch.stack([grad_of(rows) for rows in idx.view(world_size, per_rank)])
-        estimates.append(from_two_batches(float(local.pow(2).sum(dim=1).mean()),
-                                          float(local.mean(dim=0).pow(2).sum()),
-                                          per_rank, per_rank * world_size))
+    with _one_thread():
+        for _ in range(draws):
+            idx = torch.randint(len(x_all), (per_rank * world_size,), generator=draw)
+            local = torch.stack([grad_of(rows) for rows in idx.view(world_size, per_rank)])
+            estimates.append(from_two_batches(float(local.pow(2).sum(dim=1).mean()),
+                                              float(local.mean(dim=0).pow(2).sum()),
+                                              per_rank, per_rank * world_size))
     return NoiseScale.mean(estimates)
 
 
 def exact_noise_scale(model: torch.nn.Module) -> NoiseScale:
     """tr(Σ) and |G|² of ``model`` over all 1347 training digits (per-example gradients)."""
     x_all, y_all = load_digits()[0].tensors
-    return from_per_example(per_example_grads(model, F.cross_entropy, x_all, y_all),
-                            whole_population=True)
+    with _one_thread():
+        return from_per_example(per_example_grads(model, F.cross_entropy, x_all, y_all),
+                                whole_population=True)
 
 
 def check_batch_indices(n: int, batch: int, seed: int) -> torch.Tensor:
