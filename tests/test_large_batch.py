@@ -171,6 +171,9 @@ def test_train_to_target_is_seeded_and_counts_the_first_step_below_target():
     assert a.examples == 128 * a.steps and a.lr == pytest.approx(0.02 * 4)
     never = train_to_target(128, seed=0, target=1e-9, max_steps=5)
     assert never.steps is None and never.examples is None and len(never.losses) == 5
+    for bad in (dict(batch=0), dict(max_steps=0), dict(target=0.0), dict(warmup_epochs=-1)):
+        with pytest.raises(ValueError, match="train_to_target: need batch >= 1"):
+            train_to_target(**(dict(batch=32) | bad))
 
 
 @pytest.mark.timeout(120)

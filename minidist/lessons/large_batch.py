@@ -88,6 +88,10 @@ def train_to_target(batch: int, seed: int = 0, target: float = 0.2, base_lr: flo
     Runs on one thread (restored after): the model is too small for a second to help, and on a
     shared machine extra threads only contend.
     """
+    if batch < 1 or max_steps < 1 or not target > 0 or warmup_epochs < 0:
+        raise ValueError(f"train_to_target: need batch >= 1, max_steps >= 1, target > 0 and "
+                         f"warmup_epochs >= 0, got batch={batch}, max_steps={max_steps}, "
+                         f"target={target}, warmup_epochs={warmup_epochs}")
     with _one_thread():
         return _train(batch, seed, target, base_lr, base_batch, momentum, warmup_epochs, max_steps,
                       noise_every, noise_band)
