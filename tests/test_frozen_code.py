@@ -38,7 +38,9 @@ DISPLAYED: dict[str, list[str]] = {
         "minidist.data_parallel.naive:NaiveDDP.sync_gradients",
         "minidist.data_parallel.flat:FlatDDP.sync_gradients",
         "minidist.data_parallel.bucketed:BucketedDDP._on_grad_ready",
-        "minidist.data_parallel.bucketed:BucketedDDP._launch_in_order"],
+        "minidist.data_parallel.bucketed:BucketedDDP._launch_in_order",
+        "minidist.lessons.large_batch:warmup_lr",
+        "minidist.data_parallel.noise_scale:from_two_batches"],
     "course/05_data_parallel_in_practice.ipynb": [
         "minidist.lessons.ddp_training:train_digits", "minidist.references.ddp:train_ddp"],
     "course/06_tensor_parallel.ipynb": [

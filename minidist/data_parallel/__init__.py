@@ -8,7 +8,10 @@ Three DDP versions a learner can follow, then the pieces real training needs:
   (:mod:`.bucketed`); communication hooks for compression (:mod:`.compression`, PowerSGD in :mod:`.powersgd`);
 * :class:`DistributedSampler`, :func:`evaluate` (every sample counted once), :class:`SyncBatchNorm`,
   mixed precision, checkpoints, and replica checks (:mod:`.replicas`);
-* across slow links: :class:`PowerSGD` (:mod:`.powersgd`), :class:`DiLoCo` / local SGD (:mod:`.diloco`).
+* across slow links: :class:`PowerSGD` (:mod:`.powersgd`), :class:`DiLoCo` / local SGD (:mod:`.diloco`);
+* how large a global batch still pays: the gradient noise scale (:mod:`.noise_scale`, McCandlish
+  et al. 2018), estimated from per-example gradients or from each rank's local gradient norm
+  against the averaged one.
 """
 
 from .base import DataParallelBase, SyncDecisionError, UnusedParametersError
@@ -21,6 +24,7 @@ from .evaluate import evaluate
 from .flat import FlatDDP
 from .mixed_precision import MixedPrecision
 from .naive import NaiveDDP
+from .noise_scale import NoiseScale
 from .powersgd import PowerSGD, orthogonalize_
 from .replicas import (ReplicaMismatchError, assert_replicas_identical,
                        broadcast_module, check_same_structure, replicas_max_difference, unwrap)
@@ -32,6 +36,6 @@ VERSIONS = {"naive": NaiveDDP, "flat": FlatDDP, "bucketed": BucketedDDP}
 __all__ = ["DataParallelBase", "SyncDecisionError", "UnusedParametersError", "Bucket",
            "BucketedDDP", "build_buckets", "clip_by_global_norm_", "load_checkpoint", "save_checkpoint", "TopK",
            "bf16_compress_hook", "fp16_compress_hook", "DiLoCo", "evaluate", "FlatDDP", "MixedPrecision",
-           "NaiveDDP", "PowerSGD", "orthogonalize_", "ReplicaMismatchError", "assert_replicas_identical", "broadcast_module",
+           "NaiveDDP", "NoiseScale", "PowerSGD", "orthogonalize_", "ReplicaMismatchError", "assert_replicas_identical", "broadcast_module",
            "check_same_structure", "replicas_max_difference", "unwrap", "DistributedSampler",
            "SyncBatchNorm", "convert_sync_batchnorm", "VERSIONS"]

@@ -10,6 +10,9 @@ module                  what it holds
                         against torch's, empty to large sizes)
 ``ddp_training``        the digits training loop of ch05 and of ``minidist demo``
 ``ddp_plots``           the bucket-layout picture of ch04
+``large_batch``         ch04's batch sweep: steps and examples to a target loss from B = 32 to
+                        2048 (linear scaling + warm-up), the noise scale along the way, the
+                        critical-batch fit, DDP's gradient against one process on the batch
 ``ddp_demo``            the data-parallel rows of ``minidist demo``
 ``tp_demo``             the tensor-parallel rows of ``minidist demo``
 ``pp_demo``             the pipeline rows of ``minidist demo``
@@ -27,6 +30,6 @@ module                  what it holds
 Nothing is imported here eagerly: ``import minidist.lessons.ddp_demo`` loads only what it needs.
 """
 
-__all__ = ["collectives_demo", "ddp_training", "ddp_plots", "ddp_demo", "tp_demo", "pp_demo",
+__all__ = ["collectives_demo", "ddp_training", "ddp_plots", "large_batch", "ddp_demo", "tp_demo", "pp_demo",
            "sharding_demo", "hybrid_demo", "hybrid_timeline", "ep_checks", "ep_demo", "cp_demo",
            "gpu_check"]  # modules, imported on use
