@@ -69,7 +69,8 @@ def test_a_killed_replica_group_rejoins_while_the_other_keeps_training():
     assert err <= 1e-6, err
     losses = [r["loss"] for r in steps0 if r["committed"]]
     assert sum(losses[-5:]) < sum(losses[:5]), (losses[:5], losses[-5:])
-    print(f"time to detect {detect_s:.2f} s; {len(alone)} steps alone; rejoined at step "
+    print(f"step aborted {dead_step[0]['t'] - kill['t']:.2f} s after the kill; "
+          f"time to detect {detect_s:.2f} s; {len(alone)} steps alone; rejoined at step "
           f"{rejoined[0]['step']}; |replay - torchft| {err:.1e}")
 
 

@@ -11,7 +11,7 @@ returns plain numbers, so the chapter and the tests compute and assert the same 
 - :func:`async_save_trap`: the deadlock public users hit (e.g. KempnerForge #104, a barrier on the
   default group while DCP's save thread runs its collectives on that same group): collectives from
   two threads on one process group are not ordered across ranks. With ``own_group=False`` rank 0's
-  save thread is held back (a planner that sleeps), rank 1's main thread is, so rank 0's
+  save thread is held back 3 s (a planner that sleeps), rank 1's main thread 1.5 s, so rank 0's
   ``all_reduce`` meets rank 1's save-planning gather: both wait forever. The fix (what torchtitan
   does): give ``async_save`` its own gloo group, ``dist.new_group(backend="gloo")``.
 - :func:`dcp_replicated_trap`: a plain tensor with different values per rank under one key is
@@ -115,18 +115,18 @@ def async_save_trap(rank: int, world: int, path: str, own_group: bool) -> list[f
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class LatePlanner(DefaultSavePlanner):
-        """Rank 0's save thread reaches its first collective 1 s late."""
+        """Rank 0's save thread reaches its planning gather 3 s late."""
 
         def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
             if dist.get_rank() == 0:
-                time.sleep(1.0)
+                time.sleep(3.0)
             return super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     group = dist.new_group(backend="gloo") if own_group else None
     fut = dcp.async_save({"w": torch.full((1000,), float(rank))}, checkpoint_id=path,
                          planner=LatePlanner(), process_group=group)
     if rank == 1:
-        time.sleep(0.5)              # rank 1's save thread issues its collectives first
+        time.sleep(1.5)              # rank 1's save thread issues its collectives first
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t)               # e.g. a loss average, or a barrier after the save
     fut.result()
