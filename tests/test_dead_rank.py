@@ -44,7 +44,11 @@ def test_a_rank_killed_mid_step_is_named_first_and_the_run_ends(strategy):
         minidist.run(_killed_mid_step, 2, strategy, 1, timeout=60)
     took = time.monotonic() - t0
     first = str(info.value).splitlines()[0]
-    assert first == "rank 1 failed: rank 1 killed by SIGKILL", first
+    from minidist.launch import errors as launch_errors
+    if launch_errors.oom_kill_count() is None:   # no counter here: the fallback with the RSS
+        assert first.startswith("rank 1 failed: rank 1 killed by SIGKILL: maybe out of memory"), first
+    else:
+        assert first == "rank 1 failed: rank 1 killed by SIGKILL", first
     assert took < 20, f"{strategy}: {took:.1f} s until the dead rank was reported"
 
 
@@ -75,3 +79,33 @@ def test_a_rank_the_oom_killer_ended_is_reported_as_out_of_memory(monkeypatch):
     monkeypatch.undo()
     count = launch_errors.oom_kill_count()       # this machine's real counter, where readable
     assert count is None or count >= 0
+
+
+def _grow_then_killed(rank, world):
+    if rank == 1:
+        hog = torch.ones(64 * 2**20)               # 256 MiB, touched
+        time.sleep(1.0)                            # the launcher samples every 0.1 s
+        assert hog[-1] == 1
+        os.kill(os.getpid(), signal.SIGKILL)
+    C.all_reduce(torch.ones(10))
+
+
+@pytest.mark.timeout(60)
+def test_without_the_oom_counter_a_sigkill_reports_the_ranks_last_resident_size(monkeypatch):
+    """Where the cgroup's oom_kill counter cannot be read (containers without cgroup files, this
+    machine), a SIGKILLed rank is reported with its last resident size sampled by the launcher,
+    its share of the memory limit, and what to try."""
+    import re
+    from minidist.launch import errors as launch_errors
+    monkeypatch.setattr(launch_errors, "oom_kill_count", lambda: None)
+    with pytest.raises(minidist.RankError) as info:
+        minidist.run(_grow_then_killed, 2, timeout=30)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("rank 1 failed: rank 1 killed by SIGKILL: maybe out of memory"), first
+    size = float(re.search(r"sampled by the launcher, was ([\d.]+) GiB", first)[1])
+    assert 0.25 <= size < 4, first            # the 256 MiB tensor plus the interpreter and torch
+    assert "smaller batch" in first and "minidist plan" in first
+    limit = launch_errors.memory_limit()
+    if limit:
+        assert f"of {limit[0] / 2**30:.2f} GiB ({limit[1]})" in first, first
+    assert launch_errors.describe_exit(-signal.SIGKILL, None, None).count("not sampled") == 1

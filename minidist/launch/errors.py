@@ -21,7 +21,8 @@ import signal
 import sys
 
 __all__ = ["RankError", "RankTimeoutError", "START_ATTEMPTS", "StartupFailure", "failure",
-           "timeout_error", "is_startup_failure", "log_restart", "describe_exit", "stack_of",
+           "timeout_error", "is_startup_failure", "log_restart", "describe_exit", "memory_hint",
+           "resident_bytes", "memory_limit", "oom_kill_count", "stack_of",
            "format_stack", "short_path", "tidy_traceback"]
 
 # A failure before any user code ran, while the ranks were still connecting, has no side effects,
@@ -149,41 +150,99 @@ def oom_kill_count() -> int | None:
     return None
 
 
+TRY_FOR_MEMORY = ("Try a smaller batch or model, fewer ranks on this machine, activation "
+                  "recomputation, or sharding (ZeRO-2/3, fully_shard); `minidist plan` estimates "
+                  "the memory per rank")
 OOM_ADVICE = ("out of memory: the kernel's OOM killer ended it (this cgroup's oom_kill count rose "
-              "during the run). Try a smaller batch or model, fewer ranks on this machine, "
-              "activation recomputation, or sharding (ZeRO-2/3, fully_shard); `minidist plan` "
-              "estimates the memory per rank")
+              "during the run). " + TRY_FOR_MEMORY)
 
 
-def describe_exit(code: int, oom_killed: bool = False) -> str:
+def resident_bytes(pid: int) -> int | None:
+    """A live process's resident set size (``VmRSS`` in ``/proc/<pid>/status``), in bytes; None
+    when unreadable (the process is gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memory_limit() -> tuple[int, str] | None:
+    """(bytes, what) the ranks share: this cgroup's ``memory.max`` (v2) or ``limit_in_bytes``
+    (v1) when set, else the machine's ``MemTotal``; None where none is readable."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                value = f.read().strip()
+            if value != "max" and int(value) < 1 << 60:
+                return int(value), "this cgroup's memory limit"
+        except (OSError, ValueError):
+            continue
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024, "this machine's memory"
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def memory_hint(resident: int | None) -> str:
+    """What a SIGKILL says when the OOM killer's counter cannot be read: the rank's last resident
+    size sampled by the launcher, against the memory limit, and what to try."""
+    size = "not sampled" if resident is None else _gib(resident)
+    limit = memory_limit()
+    share = ""
+    if resident is not None and limit:
+        share = f", {100 * resident / limit[0]:.0f} % of {_gib(limit[0])} ({limit[1]})"
+    return (f": maybe out of memory (this machine's OOM-kill counter is unreadable, so the kernel "
+            f"cannot confirm it); its last resident size, sampled by the launcher, was {size}"
+            f"{share}. If nobody sent the SIGKILL, the OOM killer is the usual sender. "
+            + TRY_FOR_MEMORY)
+
+
+def describe_exit(code: int, oom_killed: bool | None = False, resident: int | None = None) -> str:
     """What a rank's exit code says: a signal's name (with a hint for SIGABRT, and for SIGKILL
-    when the OOM killer struck, ``oom_killed``) or os._exit."""
+    when the OOM killer struck, ``oom_killed`` True, or may have: ``oom_killed`` None — the
+    counter is unreadable — then with the rank's last ``resident`` size in bytes) or os._exit."""
     if code < 0:
         name = signal.Signals(-code).name
         hint = " (SIGABRT from gloo often means ranks disagreed on a tensor's size: rerun with " \
                "MINIDIST_DEBUG=1)" if name == "SIGABRT" else ""
         if name == "SIGKILL" and oom_killed:
             hint = f": {OOM_ADVICE}"
+        elif name == "SIGKILL" and oom_killed is None:
+            hint = memory_hint(resident)
         return f"killed by {name}{hint}"
     return f"exited with code {code} without raising (os._exit or a crash in C code)"
 
 
 def failure(world_size: int, errors: dict, exited: dict, have: set,
-            oom_killed: bool = False) -> RankError:
+            oom_killed: bool | None = False, resident: dict | None = None) -> RankError:
     """One :class:`RankError` from what the ranks reported, the root cause first.
 
     Args:
         errors: ``{rank: (time, summary, traceback)}`` for ranks that raised.
         exited: ``{rank: (time, exit code)}`` for ranks that died without a result.
         have: ranks that returned a result.
-        oom_killed: the OOM killer killed a process of this cgroup during the run.
+        oom_killed: the OOM killer killed a process of this cgroup during the run (None: its
+            counter is unreadable, so a SIGKILL is reported with the rank's resident size).
+        resident: ``{rank: bytes}``, each rank's last resident size sampled by the launcher.
     """
     events = []  # (secondary?, time, rank, summary, details)
     for r, (t, summary, tb) in errors.items():
         events.append((bool(SECONDARY.search(summary)), t, r, summary, tb))
     for r, (t, code) in exited.items():
         if r not in errors:
-            events.append((False, t, r, f"rank {r} {describe_exit(code, oom_killed)}", ""))
+            events.append((False, t, r, f"rank {r} {describe_exit(code, oom_killed, (resident or {}).get(r))}", ""))
     events.sort(key=lambda e: (e[0], e[1]))
     failures = [(r, s, d) for _, _, r, s, d in events]
     secondary = {r for sec, _, r, _, _ in events if sec}

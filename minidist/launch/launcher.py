@@ -52,6 +52,7 @@ from . import errors as _errors
 __all__ = ["run", "RankError", "RankTimeoutError"]
 
 _GRACE_S = 1.0  # after the first failure: how long to wait for the other ranks' own errors
+_SAMPLE_S = 0.1  # how often the launcher samples each rank's resident size (for a SIGKILL report)
 
 
 def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0,
@@ -221,6 +222,8 @@ def _supervise(procs, q, out, shms, dumps, timeout, world_size):
     __tracebackhide__ = True
     deadline = time.monotonic() + timeout
     oom_at_start = _errors.oom_kill_count()   # a SIGKILL with this count risen: out of memory
+    resident: dict = {}                        # rank -> last resident size (bytes), sampled
+    sampled_at = 0.0
     results, have = [None] * world_size, set()
     errors = {}  # rank -> (time, summary, traceback)
     exited = {}  # rank -> (time, exitcode) for ranks seen dead without a result
@@ -247,6 +250,13 @@ def _supervise(procs, q, out, shms, dumps, timeout, world_size):
                 errors[rank] = (time.monotonic(), msg[2], msg[3])
                 first_failure = first_failure or time.monotonic()
             continue  # drain everything queued before looking at exit codes
+        if now - sampled_at > _SAMPLE_S:   # for the report of a rank SIGKILLed without a trace
+            sampled_at = now
+            for r, p in enumerate(procs):
+                if r not in have and r not in exited:
+                    size = _errors.resident_bytes(p.pid)
+                    if size is not None:
+                        resident[r] = size
         for r, p in enumerate(procs):
             if r not in have and r not in errors and r not in exited and p.exitcode is not None:
                 exited[r] = (time.monotonic(), p.exitcode)
@@ -257,8 +267,8 @@ def _supervise(procs, q, out, shms, dumps, timeout, world_size):
     if len(have) == world_size:
         return results
     oom_now = _errors.oom_kill_count()
-    error = failure(world_size, errors, exited, have,
-                    oom_killed=None not in (oom_at_start, oom_now) and oom_now > oom_at_start)
+    oom_killed = None if None in (oom_at_start, oom_now) else oom_now > oom_at_start
+    error = failure(world_size, errors, exited, have, oom_killed=oom_killed, resident=resident)
     if is_startup_failure(error, started=any(shm.raw.split(b"\0", 1)[0] for shm in shms)):
         raise StartupFailure(error)
     raise error

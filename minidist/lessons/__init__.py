@@ -25,6 +25,8 @@ module                  what it holds
 ``cp_demo``             the context-parallel rows of ``minidist demo`` (ring attention and
                         Ulysses against full attention on one process; the ring's traffic)
 ``gpu_check``           the checks of ``tools/gpu-check.sh`` (CUDA/NCCL paths against references)
+``ft_demo``             ch16's rank functions: ``async_save`` overlap and its two traps, the
+                        kill-a-rank lab, PowerSGD / DiLoCo loss and bytes against DDP
 ======================  ====================================================================
 
 Nothing is imported here eagerly: ``import minidist.lessons.ddp_demo`` loads only what it needs.
@@ -32,4 +34,4 @@ Nothing is imported here eagerly: ``import minidist.lessons.ddp_demo`` loads onl
 
 __all__ = ["collectives_demo", "ddp_training", "ddp_plots", "large_batch", "ddp_demo", "tp_demo", "pp_demo",
            "sharding_demo", "hybrid_demo", "hybrid_timeline", "ep_checks", "ep_demo", "cp_demo",
-           "gpu_check"]  # modules, imported on use
+           "gpu_check", "ft_demo"]  # modules, imported on use

@@ -17,9 +17,11 @@ module                  what it holds
                         sizes not divisible by W), its batches, one process on the global batch
 ``hybrid``              the 3-D oracle: the tiny tied GPT, its batch with ignored targets, one
                         process on it (clipped by the global norm), and ``compare``
+``fault_tolerant``      torchft on CPU (the production counterpart of restarts): a lighthouse,
+                        replica groups as processes, one killed and healed; torchft's DiLoCo
 ======================  ====================================================================
 
 Nothing is imported here eagerly: ``import minidist.references.ddp`` loads only what it needs.
 """
 
-__all__ = ["ddp", "tp", "sharding", "hybrid"]
+__all__ = ["ddp", "tp", "sharding", "hybrid", "fault_tolerant"]
