@@ -75,7 +75,7 @@ class BucketedDDP(DataParallelBase):
                 self._where[p] = (b, i)
         self._hook, self._hook_state = allreduce_hook, None
         # the communication thread, on a process group of its own (see minidist.communicator)
-        self._worker = CommThread(self.collectives, self.group)
+        self._worker = CommThread(self.collectives, self.group, algorithm=self.algorithm)
         me = weakref.ref(self)  # neither the thread nor the hooks keep the wrapper alive
         self._me = me
         self._handles = [p.register_post_accumulate_grad_hook(_weak_hook(me))
