@@ -148,8 +148,8 @@ def test_bad_input_is_a_clear_error():
         fit_alpha_beta_samples({1024: [1e-4]})
     with pytest.raises(ValueError, match="4096 bytes must be finite and positive"):
         fit_alpha_beta_samples({1024: [1e-4], 4096: [0.0]})
-    with pytest.raises(ValueError, match="no alpha-beta model for broadcast/tree"):
-        model_coefficients("broadcast", "tree", 4)
+    with pytest.raises(ValueError, match="no alpha-beta model for reduce/tree"):
+        model_coefficients("reduce", "tree", 4)      # (broadcast/tree has one since the tuner)
     with pytest.raises(ValueError, match="world_size must be >= 2"):
         fit_alpha_beta_samples(synthetic(), world_size=1)
     with pytest.raises(ValueError, match="statistic"):

@@ -301,3 +301,38 @@ def test_ddp_zero_and_fsdp_default_to_auto_and_the_counters_name_its_choice(forc
     assert "reduce_scatter/naive" in got[("naive", "zero2", None)]
     assert "reduce_scatter/naive" in got[("naive", "fsdp", None)]
     assert not any("ring" in k for k in got[("naive", "zero2", None)] if k.startswith("reduce"))
+
+
+def test_bucket_cap_grows_only_where_latency_dominates(tmp_path):
+    mib = 1 << 20
+
+    def table(alpha):
+        fits = {("all_reduce", a, 2): (alpha, 1e-9) for a in tuner.CANDIDATES["all_reduce"]}
+        return tuner.load_table(_table(tmp_path / f"{alpha}.json", fits))
+
+    fast, slow, very_slow = table(1e-6), table(1e-3), table(1.0)
+    assert tuner.bucket_cap_bytes(fast, 4) == tuner.BUCKET_FLOOR            # bandwidth-bound: 25 MiB
+    cap = tuner.bucket_cap_bytes(slow, 4)
+    assert tuner.BUCKET_FLOOR < cap < 4 * tuner.BUCKET_FLOOR
+    assert tuner.latency_share(slow, 4, cap) <= 0.05 < tuner.latency_share(slow, 4, cap - mib)
+    assert tuner.bucket_cap_bytes(very_slow, 4) == 4 * tuner.BUCKET_FLOOR   # the ceiling
+    assert tuner.bucket_cap_bytes(slow, 1) == tuner.BUCKET_FLOOR
+
+
+def _bucket_default(rank, world):
+    from torch import nn
+
+    from minidist.data_parallel import BucketedDDP
+    ddp = BucketedDDP(nn.Linear(4, 2))
+    fixed = BucketedDDP(nn.Linear(4, 2), algorithm="ring")
+    out = (ddp.bucket_cap_mb, fixed.bucket_cap_mb,
+           tuner.bucket_cap_bytes(tuner.table(), world) / 2**20)
+    ddp.close()
+    fixed.close()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_bucketed_ddp_takes_its_default_bucket_size_from_the_model():
+    for auto, fixed, model in minidist.run(_bucket_default, 2, timeout=45):
+        assert auto == model and fixed == 25.0

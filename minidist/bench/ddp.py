@@ -167,13 +167,13 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
         print(f"  communication hidden behind backward (minidist): {100 * hidden:.0f}%")
         print(f"  ratio minidist/torch = {out['ratio']:.3f} (goal <= 1.05)")
         if profile:
-            _print_profile(out["profile"])
+            _print_profile(out["profile"], algorithm)
     return out
 
 
-def _print_profile(per_rank: list[dict]) -> None:
-    names = {"torch": "torch DDP", "minidist": "BucketedDDP, hand-built ring",
-             "bucketed+torch": "BucketedDDP, torch's ring", "flat": "FlatDDP, hand-built ring"}
+def _print_profile(per_rank: list[dict], algorithm: str = "auto") -> None:
+    names = {"torch": "torch DDP", "minidist": f"BucketedDDP, hand-built {algorithm}",
+             "bucketed+torch": "BucketedDDP, torch's ring", "flat": f"FlatDDP, hand-built {algorithm}"}
     print("  per step, medians (wait: after backward, not hidden; comm: communication thread busy)")
     print(f"  {'rank':<5}{'variant':<31}{'step ms':>9}{'spread':>13}{'vs torch':>9}{'CPU ms':>8}"
           f"{'comm ms':>9}{'wait ms':>9}")

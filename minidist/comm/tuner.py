@@ -39,7 +39,7 @@ from pathlib import Path
 
 __all__ = ["CANDIDATES", "ENV", "FORMAT", "DEFAULT_TABLE", "Table", "coefficients", "predict",
            "machine_table_path", "load_table", "table", "choose", "agreed_table", "reset_cache",
-           "RING_BROADCAST_SEGMENT"]
+           "RING_BROADCAST_SEGMENT", "latency_share", "bucket_cap_bytes", "BUCKET_FLOOR"]
 
 FORMAT = "minidist-alpha-beta/1"
 ENV = "MINIDIST_ALPHA_BETA"
@@ -229,6 +229,7 @@ def reset_cache() -> None:
 
 
 _agreed: dict = {}
+_printed: set = set()
 
 
 def agreed_table(group=None) -> Table:
@@ -250,14 +251,51 @@ def agreed_table(group=None) -> Table:
     return hit
 
 
+BUCKET_FLOOR = 25 << 20   # torch DDP's bucket_cap_mb=25 (Li et al. 2020, §5.2 measured it)
+
+
+def latency_share(t: Table, world: int, nbytes: int, op: str = "all_reduce") -> float:
+    """The share of the predicted time of auto's choice that is latency (``c_alpha·alpha``)."""
+    if world <= 1:
+        return 0.0
+    a = t.choose(op, world, nbytes)
+    ca, _ = coefficients(op, a, world, nbytes)
+    total = t.predict(op, a, world, nbytes)
+    return ca * t.alpha_beta(op, a, world)[0] / total if total > 0 else 0.0
+
+
+def bucket_cap_bytes(t: Table, world: int, share: float = 0.05, floor: int = BUCKET_FLOOR,
+                     ceiling: int = 4 * BUCKET_FLOOR) -> int:
+    """A DDP bucket size from the same model: the smallest size (MiB steps) at which the
+    latency of auto's all-reduce is at most ``share`` of its predicted time, kept within
+    [``floor``, ``ceiling``].
+
+    Why: B buckets of a model's n gradient bytes cost about ``B·c_alpha·alpha + c_beta·n·beta``
+    of communication, of which only the last bucket's is not hidden behind backward. Smaller
+    buckets start communicating earlier and leave a smaller last bucket; each costs one more
+    alpha. Where latency dominates (a slow alpha, many ranks: c_alpha grows with W), a bucket
+    must be larger before its alpha stops mattering, so fewer, larger buckets; where bandwidth
+    dominates, torch's 25 MiB (the floor) already pays under 5 % latency (this machine's
+    default table: about 1 % at W=2, 4 % at W=4). The ceiling (100 MiB) bounds the
+    un-overlapped last bucket.
+    """
+    if world <= 1:
+        return floor
+    mib = max(1, floor >> 20)
+    while (mib << 20) < ceiling and latency_share(t, world, mib << 20) > share:
+        mib += 1
+    return min(ceiling, mib << 20)
+
+
 def choose(op: str, world: int, nbytes: int, itemsize: int = 4, group=None,
            debug: bool = False) -> str:
     """The algorithm ``auto`` runs for ``op`` on an ``nbytes`` buffer over ``group`` (W = ``world``);
     with ``debug``, prints the choice and every candidate's predicted time (once per size)."""
     t = agreed_table(group) if world > 1 else table()
-    seen = (op, world, nbytes, itemsize) in t._choices
     algorithm = t.choose(op, world, nbytes, itemsize)
-    if debug and not seen:
+    key = (os.getpid(), id(t), op, world, nbytes, itemsize)   # this process's (a fork inherits)
+    if debug and key not in _printed:
+        _printed.add(key)
         times = ", ".join(f"{a} {t.predict(op, a, world, nbytes, itemsize) * 1e6:.0f} us"
                           for a in CANDIDATES[op])
         print(f"minidist auto: {op} of {nbytes} B on {world} ranks -> {algorithm} (predicted "

@@ -109,13 +109,13 @@ def _over_replicas(result: StepResult, modules, pp_group, dp_group, reduction: s
     local = result.loss
     if reduction == "per_token" and dist.get_world_size(pp_group) > 1:
         n = torch.tensor([count], dtype=torch.float64, device=device)
-        C.all_reduce(n, "sum", algorithm="auto", group=pp_group)
+        C.all_reduce(n, "sum", group=pp_group)
         count_pp = n.item()
     else:
         count_pp = count
     stats = torch.tensor([result.global_loss, count_pp], dtype=torch.float64, device=device)
     if dp > 1:
-        C.all_reduce(stats, "sum", algorithm="auto", group=dp_group)
+        C.all_reduce(stats, "sum", group=dp_group)
     loss_sum, tokens = stats.tolist()
     if reduction == "sum":
         scale, result.global_loss = float(dp), loss_sum
