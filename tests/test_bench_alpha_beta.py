@@ -228,8 +228,9 @@ def test_cli_runs_quickly_with_tiny_settings_and_writes_json(tmp_path):
 
 
 def test_cli_rejects_bad_options():
-    for args in (["--world-size", "1"], ["--algorithm", "naive"], ["--min-bytes", "4K",
-                                                                   "--max-bytes", "4K"]):
+    # (naive has a model since the tuner; tree has none for the all-reduce)
+    for args in (["--world-size", "1"], ["--algorithm", "tree"], ["--algorithm", "bogus"],
+                 ["--min-bytes", "4K", "--max-bytes", "4K"]):
         res = subprocess.run([sys.executable, "-m", "minidist.cli", "bench", "alpha-beta", *args],
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 2, (args, res.stdout, res.stderr)
