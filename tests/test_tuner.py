@@ -336,3 +336,23 @@ def _bucket_default(rank, world):
 def test_bucketed_ddp_takes_its_default_bucket_size_from_the_model():
     for auto, fixed, model in minidist.run(_bucket_default, 2, timeout=45):
         assert auto == model and fixed == 25.0
+
+
+def test_bench_has_an_auto_row_naming_what_it_ran():
+    from minidist import bench
+    rows = bench.run_bench(ops=("all_reduce", "broadcast"), algorithms=("torch", "auto"),
+                           world_sizes=(2,), sizes=[1024, 4096], iters=1, progress=False)
+    auto = [r for r in rows if r["algorithm"] == "auto"]
+    assert len(auto) == 4 and not any(r["wrong"] for r in rows)
+    for r in auto:
+        assert r["chosen"] == tuner.table().choose(r["op"], 2, r["bytes"])
+    table = bench.format_table(rows)
+    assert f"auto:{'rd' if auto[0]['chosen'] == 'recursive_doubling' else auto[0]['chosen']}" in table
+    assert "auto:X: algorithm='auto' ran X" in table
+
+
+def test_a_bad_algorithm_name_is_a_clear_error():
+    from minidist.communicator import check_algorithm
+    assert check_algorithm("auto") == "auto" and check_algorithm("tree") == "tree"
+    with pytest.raises(ValueError, match="algorithm must be 'auto' or one of .*'recursive_doubling'"):
+        check_algorithm("rign")
