@@ -74,10 +74,9 @@ def coefficients(op: str, algorithm: str, world: int, nbytes: float = 0,
     one above) and the hand-back; naive all-reduce's rank 0 receives W-1 whole buffers, then
     sends W-1. ValueError for an unknown pair.
     """
-    w = world
-    if w <= 1:
+    if (w := world) <= 1:
         return 0.0, 0.0
-    if (op, algorithm) in (("all_reduce", "ring"),):
+    if (op, algorithm) == ("all_reduce", "ring"):
         return 2.0 * (w - 1), 2 * (w - 1) / w
     if (op, algorithm) == ("all_reduce", "recursive_doubling"):
         p = w.bit_length() - 1
@@ -211,6 +210,8 @@ def load_table(path: str | os.PathLike | None = None) -> Table:
 
 
 _cache: dict = {}
+_agreed: dict = {}
+_printed: set = set()
 
 
 def table() -> Table:
@@ -226,10 +227,6 @@ def reset_cache() -> None:
     """Forget the tables read and agreed (after writing a new machine table in this process)."""
     _cache.clear()
     _agreed.clear()
-
-
-_agreed: dict = {}
-_printed: set = set()
 
 
 def agreed_table(group=None) -> Table:
@@ -256,12 +253,9 @@ BUCKET_FLOOR = 25 << 20   # torch DDP's bucket_cap_mb=25 (Li et al. 2020, §5.2 
 
 def latency_share(t: Table, world: int, nbytes: int, op: str = "all_reduce") -> float:
     """The share of the predicted time of auto's choice that is latency (``c_alpha·alpha``)."""
-    if world <= 1:
-        return 0.0
     a = t.choose(op, world, nbytes)
-    ca, _ = coefficients(op, a, world, nbytes)
-    total = t.predict(op, a, world, nbytes)
-    return ca * t.alpha_beta(op, a, world)[0] / total if total > 0 else 0.0
+    total = t.predict(op, a, world, nbytes)   # 0 at W = 1: nothing moves
+    return coefficients(op, a, world, nbytes)[0] * t.alpha_beta(op, a, world)[0] / total if total else 0.0
 
 
 def bucket_cap_bytes(t: Table, world: int, share: float = 0.05, floor: int = BUCKET_FLOOR,
