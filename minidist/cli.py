@@ -92,7 +92,7 @@ def bench(argv=None) -> int:
     args = p.parse_args(argv)
     if args.what == "ddp":
         from .bench.ddp import bench_ddp
-        bench_ddp()
+        bench_ddp(algorithm=(args.algorithms or ["auto"])[0])
         return 0
     if args.what == "zero":
         from .bench.zero import bench_zero

@@ -8,14 +8,22 @@ algorithms in ``minidist.comm`` — built only from point-to-point isend/irecv:
 collective         algorithms                 torch.distributed equivalent
 =================  =========================  ============================================
 all_reduce         ring (default), naive,     ``dist.all_reduce``
-                   recursive_doubling
-reduce_scatter     ring (default), naive      ``dist.reduce_scatter`` / ``reduce_scatter_tensor``
-all_gather         ring (default), naive      ``dist.all_gather`` / ``all_gather_into_tensor``
+                   recursive_doubling, auto
+reduce_scatter     ring (default), naive,     ``dist.reduce_scatter`` / ``reduce_scatter_tensor``
+                   auto
+all_gather         ring (default), naive,     ``dist.all_gather`` / ``all_gather_into_tensor``
+                   auto
 broadcast          tree (default), naive,     ``dist.broadcast``
-                   ring (pipelined chain)
+                   ring (pipelined chain), auto
 reduce             tree (default), naive      ``dist.reduce``
 all_to_all         naive (pairwise)           ``dist.all_to_all``
 =================  =========================  ============================================
+
+``algorithm="auto"`` runs the algorithm with the lowest predicted alpha-beta time for this size
+and world size (:mod:`minidist.comm.tuner`, as NCCL's tuner does); the traffic counters name the
+algorithm it ran (``"all_reduce/recursive_doubling"``), ``MINIDIST_DEBUG=1`` prints each choice.
+The strategies (DDP, ZeRO, FSDP, the 3-D DP step) use ``auto`` through
+:class:`minidist.communicator.Communicator`; these functions keep their explicit defaults.
 
 Ops: ``sum``, ``avg`` (sum, then divide by the world size, on every backend), ``max``, ``min``
 (see ``minidist.comm.ops``); on bool ``sum`` is a logical or, as torch's; complex tensors move as
@@ -32,12 +40,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm import naive, p2p, recursive_doubling, ring, tree
+from .comm import naive, p2p, recursive_doubling, ring, tree, tuner
 from .comm.ops import (check_exchange_sizes, check_group, check_same_across_ranks, check_sizes_agree,
                        contiguous, debug_enabled, finish_avg_, normalize_op)
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
-           "ALGORITHMS"]
+           "ALGORITHMS", "AUTO", "resolve_algorithm"]
+
+AUTO = "auto"  # the algorithm name that asks the tuner (ops in tuner.CANDIDATES)
 
 ALGORITHMS: dict[str, dict] = {
     "all_reduce": {"ring": ring.all_reduce, "naive": naive.all_reduce,
@@ -61,9 +71,21 @@ def _setup(opname: str, algorithm: str, tensor, group):
         raise ValueError("all_reduce: algorithm 'tree' is now called 'recursive_doubling' (log2 W "
                          "rounds of pairwise exchange; 'tree' names only the binomial-tree "
                          "broadcast and reduce)")
-    if table is not None and algorithm not in table:
-        raise ValueError(f"{opname}: algorithm must be one of {sorted(table)}, got {algorithm!r}")
+    if table is not None and algorithm not in table and not (
+            algorithm == AUTO and opname in tuner.CANDIDATES):
+        names = sorted(table) + ([AUTO] if opname in tuner.CANDIDATES else [])
+        raise ValueError(f"{opname} (rank {dist.get_rank(group)}): algorithm must be one of "
+                         f"{names}, got {algorithm!r}")
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def resolve_algorithm(opname: str, algorithm: str, nbytes: int, itemsize: int, world: int,
+                      group=None, debug: bool | None = None) -> str:
+    """``algorithm``, or for ``"auto"`` the tuner's choice for an ``nbytes`` buffer on ``world``
+    ranks (the same on every rank of ``group``: :func:`minidist.comm.tuner.agreed_table`)."""
+    if algorithm != AUTO:
+        return algorithm
+    return tuner.choose(opname, world, nbytes, itemsize, group, debug_enabled(debug))
 
 
 def _data(tensor):
@@ -88,10 +110,13 @@ def all_reduce(tensor: torch.Tensor, op="sum", algorithm: str = "ring", group=No
     """Reduce ``tensor`` across ranks, in place; every rank ends with the same values.
 
     Shape: any (it is treated as flat). Every rank must pass the same shape and dtype.
-    Traffic per rank (ring): 2(W-1)/W · numel elements.
+    Traffic per rank (ring): 2(W-1)/W · numel elements. ``algorithm="auto"``: the tuner's choice
+    (:mod:`minidist.comm.tuner`).
     """
     rank, world = _setup("all_reduce", algorithm, tensor, group)
     op = normalize_op(op, tensor.dtype, f"all_reduce (rank {rank})")
+    algorithm = resolve_algorithm("all_reduce", algorithm, tensor.numel() * tensor.element_size(),
+                                  tensor.element_size(), world, group, debug)
     if debug_enabled(debug):
         check_same_across_ranks("all_reduce", group, shape=tuple(tensor.shape), dtype=tensor.dtype,
                                 op=op, algorithm=algorithm)
@@ -141,6 +166,9 @@ def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring
         pieces = [c if c.is_contiguous() else c.contiguous() for c in pieces]
     with contiguous(_data(output)) as out:
         chunks = _as_chunks(pieces, out, rank, world, "reduce_scatter", "input")
+        algorithm = resolve_algorithm("reduce_scatter", algorithm,
+                                      sum(c.numel() for c in chunks) * out.element_size(),
+                                      out.element_size(), world, group, debug)
         if debug_enabled(debug):
             check_same_across_ranks("reduce_scatter", group, sizes=[c.numel() for c in chunks],
                                     dtype=out.dtype, op=op, algorithm=algorithm)
@@ -168,6 +196,9 @@ def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
     if strided:                                   # gather into contiguous copies, copy back
         targets, output = output, [o.contiguous() for o in output]
     chunks = _as_chunks(output, mine, rank, world, "all_gather", "output")
+    algorithm = resolve_algorithm("all_gather", algorithm,
+                                  sum(c.numel() for c in chunks) * mine.element_size(),
+                                  mine.element_size(), world, group, debug)
     if debug_enabled(debug):
         check_same_across_ranks("all_gather", group, sizes=[c.numel() for c in chunks],
                                 dtype=mine.dtype, algorithm=algorithm)
@@ -188,6 +219,8 @@ def broadcast(tensor: torch.Tensor, src: int, algorithm: str = "tree", group=Non
     """Copy ``tensor`` from rank ``src`` to every rank, in place."""
     rank, world = _setup("broadcast", algorithm, tensor, group)
     _check_root("broadcast", src, rank, world)
+    algorithm = resolve_algorithm("broadcast", algorithm, tensor.numel() * tensor.element_size(),
+                                  tensor.element_size(), world, group, debug)
     if debug_enabled(debug):
         check_same_across_ranks("broadcast", group, shape=tuple(tensor.shape), dtype=tensor.dtype,
                                 src=src, algorithm=algorithm)

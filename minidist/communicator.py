@@ -4,8 +4,11 @@ communication thread that runs them beside the computation.
 Every strategy (DDP, SyncBatchNorm, ZeRO, FSDP, the 3-D DP modes) takes ``collectives=`` and
 ``group=`` and talks through a :class:`Communicator` made from them:
 
-* ``collectives="hand-built"`` — minidist's own ring (:mod:`minidist.collectives`, built from
-  isend/irecv; traffic counted by :mod:`minidist.comm.p2p`);
+* ``collectives="hand-built"`` — minidist's own (:mod:`minidist.collectives`, built from
+  isend/irecv; traffic counted by :mod:`minidist.comm.p2p`), with ``algorithm="auto"`` by
+  default: per call, the algorithm with the lowest predicted alpha-beta time for its size
+  (:mod:`minidist.comm.tuner`, as NCCL's tuner); ``algorithm="ring"`` (or any name of
+  ``collectives.ALGORITHMS``: the ops that have it run it, the others their default) fixes one;
 * ``collectives="torch"`` — ``torch.distributed``'s (``all_reduce``, ``all_gather_single`` /
   ``reduce_scatter_single``, formerly ``*_into_tensor`` / ``*_tensor``; not counted by minidist's
   counters). gloo has no average (``ReduceOp.AVG`` raises): a sum, then a division.
@@ -35,7 +38,8 @@ from . import collectives as C
 from .comm import threads
 from .comm.ops import check_group
 
-__all__ = ["COLLECTIVES", "check_collectives", "Communicator", "CommThread", "Handle"]
+__all__ = ["COLLECTIVES", "check_collectives", "check_algorithm", "Communicator", "CommThread",
+           "Handle"]
 
 COLLECTIVES = ("hand-built", "torch")
 # torch renamed the flat-tensor collectives (the old names warn); keep torch >= 2.4 working
@@ -43,6 +47,14 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
               "min": dist.ReduceOp.MIN}
+
+
+def check_algorithm(algorithm: str) -> str:
+    """``"auto"`` or the name of a hand-built algorithm of at least one op; else a ValueError."""
+    names = {a for table in C.ALGORITHMS.values() for a in table}
+    if algorithm != C.AUTO and algorithm not in names:
+        raise ValueError(f"algorithm must be 'auto' or one of {sorted(names)}, got {algorithm!r}")
+    return algorithm
 
 
 def check_collectives(collectives: str) -> str:
@@ -54,15 +66,23 @@ def check_collectives(collectives: str) -> str:
 
 class Communicator:
     """``all_reduce`` / ``all_gather`` / ``reduce_scatter`` / ``broadcast`` on ``group`` (default:
-    the world) with the implementation ``collectives`` names.
+    the world) with the implementation ``collectives`` names; hand-built ones with ``algorithm``
+    (default ``"auto"``; a fixed name applies to the ops that have it, the others run their
+    default: ring, or tree for broadcast).
 
     Raises ``ValueError`` for an unknown ``collectives`` and ``RuntimeError`` without a process group;
     a ``group`` that is not a process group of this rank is a ``TypeError`` / ``ValueError``
     naming ``where`` (the caller: "data parallel", "sharding").
     """
 
-    def __init__(self, collectives: str = "hand-built", group=None, where: str = "communicator"):
+    def __init__(self, collectives: str = "hand-built", group=None, where: str = "communicator",
+                 algorithm: str = "auto"):
         check_collectives(collectives)
+        check_algorithm(algorithm)
+        self.algorithm = algorithm
+        # a fixed name for the ops that have it; the others their default (the first listed)
+        self._alg = {op: algorithm if algorithm in table or algorithm == C.AUTO else next(iter(table))
+                     for op, table in C.ALGORITHMS.items()}
         if not dist.is_initialized():
             raise RuntimeError("the process group is not initialised; run inside minidist.run(...) "
                                "or call minidist.init() first")
@@ -75,7 +95,7 @@ class Communicator:
         if self.world_size == 1:
             return t
         if self.collectives == "hand-built":
-            return C.all_reduce(t, op=op, group=self.group)
+            return C.all_reduce(t, op=op, algorithm=self._alg["all_reduce"], group=self.group)
         if op not in _TORCH_OPS:
             raise ValueError(f"all_reduce (rank {self.rank}): op must be one of "
                              f"{sorted(_TORCH_OPS)}, got {op!r}")
@@ -96,7 +116,8 @@ class Communicator:
                 flat.copy_(x.reshape(-1))
             return out
         if self.collectives == "hand-built":
-            C.all_gather(flat, x.reshape(-1).contiguous(), group=self.group)
+            C.all_gather(flat, x.reshape(-1).contiguous(), algorithm=self._alg["all_gather"],
+                         group=self.group)
         else:
             _ALL_GATHER(flat, x.reshape(-1).clone(), group=self.group)
         return out
@@ -110,7 +131,8 @@ class Communicator:
                              f"elements, expected W x shard = {self.world_size} x {shard.numel()}")
         if self.world_size > 1:
             if self.collectives == "hand-built":
-                C.reduce_scatter(shard, flat.reshape(-1), op="sum", group=self.group)
+                C.reduce_scatter(shard, flat.reshape(-1), op="sum",
+                                 algorithm=self._alg["reduce_scatter"], group=self.group)
             else:
                 out = torch.empty_like(shard)
                 _REDUCE_SCATTER(out, flat.reshape(-1), group=self.group)
@@ -128,7 +150,7 @@ class Communicator:
         if self.world_size == 1:
             return t
         if self.collectives == "hand-built":
-            return C.broadcast(t, src, group=self.group)
+            return C.broadcast(t, src, algorithm=self._alg["broadcast"], group=self.group)
         dist.broadcast(t, dist.get_global_rank(self.group, src) if self.group is not None else src,
                        group=self.group)
         return t
@@ -150,13 +172,14 @@ class Handle:
 class CommThread:
     """The communication thread: runs ``fn(communicator, *args)`` for each :meth:`submit`, in
     submission order, with a :class:`Communicator` on a process group of its own (the members of
-    ``group``; default: the world).
+    ``group``; default: the world) and ``algorithm`` (default ``"auto"``).
 
     Every rank of the group must submit the same collectives in the same order. Stopped by
     :meth:`close` or when garbage-collected.
     """
 
-    def __init__(self, collectives: str = "hand-built", group=None, name: str = "comm"):
+    def __init__(self, collectives: str = "hand-built", group=None, name: str = "comm",
+                 algorithm: str = "auto"):
         # A group of its own: collectives on the main thread never share a wire with it. On a
         # subgroup only its members create it (use_local_synchronization: the name is hashed from
         # the ranks). A plain new_group expects every rank of the world to create the same group;
@@ -167,7 +190,7 @@ class CommThread:
         else:
             own = dist.new_group(ranks=dist.get_process_group_ranks(group),
                                  use_local_synchronization=True)
-        self.comm = Communicator(collectives, own)
+        self.comm = Communicator(collectives, own, algorithm=algorithm)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=_serve, args=(self._queue,), daemon=True, name=name)
         self._thread.start()

@@ -8,6 +8,11 @@ import pytest
 
 _LONG_LIVED = ("ipykernel", "resource_tracker", "forkserver")
 
+# algorithm="auto" reads the table shipped with minidist, never a learner's measurement of their
+# machine (~/.cache/minidist/alpha_beta.json): the suite's choices, traffic counts and notebook
+# outputs are then the same everywhere (tests that need another table set it themselves)
+os.environ.setdefault("MINIDIST_ALPHA_BETA", "default")
+
 # Tests that need root, apt, containers or extra environments, and the exhaustive sweeps (whose
 # representative subsets run in the default tier), form the integration tier: bare `pytest`
 # deselects them (pyproject's addopts), `pytest -m integration` runs only them.

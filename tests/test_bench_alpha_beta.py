@@ -148,8 +148,8 @@ def test_bad_input_is_a_clear_error():
         fit_alpha_beta_samples({1024: [1e-4]})
     with pytest.raises(ValueError, match="4096 bytes must be finite and positive"):
         fit_alpha_beta_samples({1024: [1e-4], 4096: [0.0]})
-    with pytest.raises(ValueError, match="no alpha-beta model for broadcast/tree"):
-        model_coefficients("broadcast", "tree", 4)
+    with pytest.raises(ValueError, match="no alpha-beta model for reduce/tree"):
+        model_coefficients("reduce", "tree", 4)      # (broadcast/tree has one since the tuner)
     with pytest.raises(ValueError, match="world_size must be >= 2"):
         fit_alpha_beta_samples(synthetic(), world_size=1)
     with pytest.raises(ValueError, match="statistic"):
@@ -228,8 +228,9 @@ def test_cli_runs_quickly_with_tiny_settings_and_writes_json(tmp_path):
 
 
 def test_cli_rejects_bad_options():
-    for args in (["--world-size", "1"], ["--algorithm", "naive"], ["--min-bytes", "4K",
-                                                                   "--max-bytes", "4K"]):
+    # (naive has a model since the tuner; tree has none for the all-reduce)
+    for args in (["--world-size", "1"], ["--algorithm", "tree"], ["--algorithm", "bogus"],
+                 ["--min-bytes", "4K", "--max-bytes", "4K"]):
         res = subprocess.run([sys.executable, "-m", "minidist.cli", "bench", "alpha-beta", *args],
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 2, (args, res.stdout, res.stderr)

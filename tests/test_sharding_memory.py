@@ -34,12 +34,14 @@ def _stage(rank, world, stage, name):
     model = known_model()
     if stage == 0:
         from minidist.data_parallel import BucketedDDP
-        model = BucketedDDP(model, broadcast_buffers=False)
+        # ZeRO's traffic formula (Rajbhandari et al. 2020, §7) is the ring's: fix it
+        model = BucketedDDP(model, broadcast_buffers=False, algorithm="ring")
         opt = cls(model.parameters(), **hyper)
     elif stage in (1, 2):
-        opt = ShardedOptimizer(model.parameters(), cls, stage=stage, grads="local", **hyper)
+        opt = ShardedOptimizer(model.parameters(), cls, stage=stage, grads="local",
+                               algorithm="ring", **hyper)
     else:
-        model = fsdp.fully_shard(model, auto_wrap=(Block,))
+        model = fsdp.fully_shard(model, auto_wrap=(Block,), algorithm="ring")
         opt = cls(model.parameters(), **hyper)
     sent = []
     for step in range(2):

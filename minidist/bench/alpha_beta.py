@@ -35,22 +35,33 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..comm import tuner
+
 __all__ = ["MODELS", "model_coefficients", "model_time", "AlphaBetaFit", "fit_alpha_beta_samples",
            "format_fit", "compare_fits", "format_comparison", "save_fits", "load_fits",
            "machine_note", "FORMAT"]
 
 FORMAT = "minidist-alpha-beta/1"  # the "format" field of the JSON file
 
-# (op, algorithm) -> (formula, coefficient of alpha, coefficient of n·beta), as functions of W
-_RING_AR = ("2(W-1)·alpha + 2(W-1)/W·n·beta", lambda w: 2 * (w - 1), lambda w: 2 * (w - 1) / w)
-_RING_HALF = ("(W-1)·alpha + (W-1)/W·n·beta", lambda w: w - 1, lambda w: (w - 1) / w)
-MODELS = {("all_reduce", "ring"): _RING_AR, ("all_reduce", "torch"): _RING_AR,
-          ("reduce_scatter", "ring"): _RING_HALF, ("reduce_scatter", "torch"): _RING_HALF,
-          ("all_gather", "ring"): _RING_HALF, ("all_gather", "torch"): _RING_HALF}
+# (op, algorithm) -> the model's formula; the coefficients are the tuner's (minidist.comm.tuner,
+# counted from what each algorithm sends); "torch" (gloo's ring) is fitted with the ring's model
+_FORMULAS = {"all_reduce": {"ring": "2(W-1)·alpha + 2(W-1)/W·n·beta",
+                            "recursive_doubling": "k·alpha + k·n·beta, k = log2 W (+2 off a power of 2)",
+                            "naive": "2(W-1)·alpha + 2(W-1)·n·beta"},
+             "reduce_scatter": {"ring": "(W-1)·alpha + (W-1)/W·n·beta",
+                                "naive": "alpha + (W-1)/W·n·beta"},
+             "all_gather": {"ring": "(W-1)·alpha + (W-1)/W·n·beta", "naive": "alpha + (W-1)/W·n·beta"},
+             "broadcast": {"tree": "ceil(log2 W)·(alpha + n·beta)", "naive": "alpha + (W-1)·n·beta",
+                           "ring": "(W-2+S)·alpha + (W-2+S)/S·n·beta, S segments"}}
+MODELS = {(op, a): f for op, algs in _FORMULAS.items() for a, f in algs.items()}
+MODELS.update({(op, "torch"): _FORMULAS[op]["ring"] for op in ("all_reduce", "reduce_scatter",
+                                                                 "all_gather")})
 
 
-def model_coefficients(op: str, algorithm: str, world_size: int) -> tuple[float, float]:
-    """(c_alpha, c_beta) with ``time = c_alpha · alpha + c_beta · n · beta`` for an n-byte buffer.
+def model_coefficients(op: str, algorithm: str, world_size: int, nbytes: float = 0,
+                       itemsize: int = 4) -> tuple[float, float]:
+    """(c_alpha, c_beta) with ``time = c_alpha · alpha + c_beta · n · beta`` for an n-byte buffer
+    (:func:`minidist.comm.tuner.coefficients`; only the ring broadcast's depend on ``nbytes``).
 
     Raises ValueError for an (op, algorithm) without a model or world_size < 2 (one rank sends
     nothing: there is nothing to fit).
@@ -61,8 +72,8 @@ def model_coefficients(op: str, algorithm: str, world_size: int) -> tuple[float,
     if world_size < 2:
         raise ValueError(f"alpha-beta model of {op}/{algorithm}: world_size must be >= 2, "
                          f"got {world_size}")
-    _, ca, cb = MODELS[(op, algorithm)]
-    return float(ca(world_size)), float(cb(world_size))
+    return tuner.coefficients(op, "ring" if algorithm == "torch" else algorithm, world_size,
+                              nbytes, itemsize)
 
 
 def model_time(op: str, algorithm: str, world_size: int, nbytes: float, alpha: float,
@@ -71,7 +82,7 @@ def model_time(op: str, algorithm: str, world_size: int, nbytes: float, alpha: f
     buffer, given link ``alpha`` (s) and ``beta`` (s/byte). 0 at world_size 1 (nothing moves)."""
     if world_size == 1:
         return 0.0
-    ca, cb = model_coefficients(op, algorithm, world_size)
+    ca, cb = model_coefficients(op, algorithm, world_size, nbytes)
     return ca * alpha + cb * nbytes * beta
 
 
@@ -171,7 +182,7 @@ def fit_alpha_beta_samples(samples: dict[int, list[float]], op: str = "all_reduc
         :class:`AlphaBetaFit`. Raises ValueError on fewer than two sizes, an empty or non-positive
         sample set, or an unknown statistic/model.
     """
-    ca, cb = model_coefficients(op, algorithm, world_size)
+    model_coefficients(op, algorithm, world_size)   # raises for an unknown model
     if statistic not in ("median", "mean"):
         raise ValueError(f"statistic must be 'median' or 'mean', got {statistic!r}")
     sizes = sorted(samples)
@@ -186,8 +197,9 @@ def fit_alpha_beta_samples(samples: dict[int, list[float]], op: str = "all_reduc
         data.append(t)
     stat = (lambda t, dim: t.quantile(0.5, dim=dim)) if statistic == "median" else \
         (lambda t, dim: t.mean(dim=dim))
-    xa = torch.full((len(sizes),), ca, dtype=torch.float64)
-    xb = torch.tensor([cb * s for s in sizes], dtype=torch.float64)
+    coef = [model_coefficients(op, algorithm, world_size, s) for s in sizes]
+    xa = torch.tensor([ca for ca, _ in coef], dtype=torch.float64)
+    xb = torch.tensor([cb * s for (_, cb), s in zip(coef, sizes)], dtype=torch.float64)
     scale_b = float(xb.max())  # solve for beta·scale_b: both columns O(1), well conditioned
     y = torch.stack([stat(t, 0) for t in data])[None, :]
     a, b, a_free, b_free = _nonneg_lstsq(xa, xb / scale_b, y, 1 / y)
@@ -206,12 +218,12 @@ def fit_alpha_beta_samples(samples: dict[int, list[float]], op: str = "all_reduc
     points = [dict(bytes=s, reps=t.numel(), median_s=t.quantile(0.5).item(),
                    q25_s=t.quantile(0.25).item(), q75_s=t.quantile(0.75).item(),
                    mean_s=t.mean().item(), model_s=ca * alpha + cb * s * beta)
-              for s, t in zip(sizes, data)]
+              for s, t, (ca, cb) in zip(sizes, data, coef)]
     return AlphaBetaFit(op=op, algorithm=algorithm, world_size=world_size, alpha=alpha, beta=beta,
                         alpha_spread=a_sp, beta_spread=b_sp, spread_level=spread_level,
                         n_bootstrap=n_bootstrap, statistic=statistic, clamped=clamped,
                         unconstrained=(a_free.item(), b_free.item() / scale_b),
-                        model=MODELS[(op, algorithm)][0], points=points,
+                        model=MODELS[(op, algorithm)], points=points,
                         machine=machine if machine is not None else {})
 
 

@@ -28,7 +28,8 @@ from .alpha_beta import (MODELS, compare_fits, fit_alpha_beta_samples, format_co
                          load_fits, machine_note, save_fits)
 from .collectives import _one_op, parse_size
 
-__all__ = ["repetitions", "measure_samples", "bench_alpha_beta", "main", "DEFAULT_SIZES"]
+__all__ = ["repetitions", "measure_samples", "bench_alpha_beta", "write_machine_table", "main",
+           "DEFAULT_SIZES"]
 
 DEFAULT_SIZES = tuple(1 << k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB, x4
 
@@ -124,28 +125,78 @@ def bench_alpha_beta(world_size: int = 2, algorithms=("ring", "torch"), op: str 
                                    seed=seed, machine=machine) for a in algorithms]
 
 
+def write_machine_table(fits: list, path=None) -> str:
+    """Merge ``fits`` into this machine's table (:func:`minidist.comm.tuner.machine_table_path`):
+    a fit replaces the one of the same (op, algorithm, world size), the others stay. Written to a
+    temporary file and renamed (a reader never sees half a table). Returns the path."""
+    import os
+    from pathlib import Path
+
+    from ..comm import tuner
+
+    path = Path(path) if path is not None else tuner.machine_table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keep = []
+    if path.exists():
+        try:
+            keep = load_fits(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            keep = []                                   # a corrupt table is replaced
+    new = {(f.op, f.algorithm, f.world_size) for f in fits}
+    merged = [f for f in keep if (f.op, f.algorithm, f.world_size) not in new] + list(fits)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_fits(tmp, merged)
+    os.replace(tmp, path)
+    tuner.reset_cache()
+    return str(path)
+
+
 def main(argv=None) -> int:
-    """``minidist bench alpha-beta [--world-size W] [--algorithm ring torch] [--json FILE] ...``"""
+    """``minidist bench alpha-beta [--world-size W ...] [--algorithm ...] [--json [FILE]] ...``"""
+    from ..comm import tuner
+
     p = argparse.ArgumentParser(prog="minidist bench alpha-beta", description="Fit link alpha "
                                 "(latency, s) and beta (s/byte) of a collective from medians of "
-                                "repetitions scaled to the message size, with bootstrap spreads.")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--op", default="all_reduce", choices=sorted({k[0] for k in MODELS}))
-    p.add_argument("--algorithm", nargs="+", default=["ring", "torch"], choices=["ring", "torch"],
-                   help="one or more; several are timed in alternation in the same run")
+                                "repetitions scaled to the message size, with bootstrap spreads. "
+                                "--json without a file measures what algorithm='auto' chooses "
+                                "from (every op and algorithm of the tuner, W = 2 and 4) and "
+                                f"writes this machine's table ({tuner.machine_table_path()}).")
+    p.add_argument("--world-size", type=int, nargs="+", default=None,
+                   help="one or more (default 2; with --json and no file: 2 4)")
+    p.add_argument("--op", nargs="+", default=None, choices=sorted({k[0] for k in MODELS}),
+                   help="default all_reduce; with --json and no file: every op auto chooses for")
+    p.add_argument("--algorithm", nargs="+", default=None, choices=sorted({k[1] for k in MODELS}),
+                   help="one or more; several are timed in alternation in the same run (default "
+                        "ring torch; with --json and no file: every algorithm auto chooses from)")
     p.add_argument("--min-bytes", default="1K")
     p.add_argument("--max-bytes", default="16M")
     p.add_argument("--factor", type=int, default=4, help="size multiplier between sizes")
     p.add_argument("--budget-s", type=float, default=30.0,
-                   help="seconds of repetitions in all (split over sizes and algorithms)")
+                   help="seconds of repetitions per op and world size (split over sizes and "
+                        "algorithms)")
     p.add_argument("--min-reps", type=int, default=10)
     p.add_argument("--max-reps", type=int, default=2000)
     p.add_argument("--bootstrap", type=int, default=1000, help="resamples for the spread")
     p.add_argument("--note", default="", help="free text stored with the result (e.g. 'loaded')")
-    p.add_argument("--json", metavar="FILE", help="write the fits (format minidist-alpha-beta/1)")
+    p.add_argument("--json", metavar="FILE", nargs="?", const="",
+                   help="write the fits (format minidist-alpha-beta/1); without FILE: merge them "
+                        "into this machine's table, which algorithm='auto' reads")
     p.add_argument("--compare", metavar="FILE", help="an earlier run's --json: do the spreads overlap?")
+    p.add_argument("--reset", action="store_true",
+                   help="delete this machine's table (auto goes back to the shipped default)")
     args = p.parse_args(argv)
-    if args.world_size < 2:
+    if args.reset:
+        path = tuner.machine_table_path()
+        if path.exists():
+            path.unlink()
+            print(f"removed {path}; algorithm='auto' uses the default table shipped with minidist")
+        else:
+            print(f"no machine table at {path}; algorithm='auto' uses the shipped default")
+        return 0
+    for_tuner = args.json == ""
+    worlds = args.world_size or ([2, 4] if for_tuner else [2])
+    ops = args.op or (list(tuner.CANDIDATES) if for_tuner else ["all_reduce"])
+    if any(w < 2 for w in worlds):
         p.error("--world-size must be >= 2 (one rank sends nothing)")
     if args.factor < 2:
         p.error("--factor must be >= 2")
@@ -156,8 +207,16 @@ def main(argv=None) -> int:
     if len(sizes) < 2:
         p.error("need at least two sizes between --min-bytes and --max-bytes")
     start = time.perf_counter()
-    fits = bench_alpha_beta(args.world_size, args.algorithm, args.op, sizes, args.budget_s,
-                            args.min_reps, args.max_reps, args.bootstrap, note=args.note)
+    fits = []
+    for op in ops:
+        algorithms = args.algorithm or (list(tuner.CANDIDATES[op]) if for_tuner else ["ring", "torch"])
+        algorithms = [a for a in algorithms if (op, a) in MODELS]
+        if not algorithms:
+            p.error(f"no algorithm with a model for {op}: choose from "
+                    f"{sorted(k[1] for k in MODELS if k[0] == op)}")
+        for w in worlds:
+            fits += bench_alpha_beta(w, algorithms, op, sizes, args.budget_s, args.min_reps,
+                                     args.max_reps, args.bootstrap, note=args.note)
     for f in fits:
         print(format_fit(f) + "\n")
     m = fits[0].machine
@@ -166,7 +225,10 @@ def main(argv=None) -> int:
           f"spread covers the noise within this run only)")
     if args.compare:
         print(f"against {args.compare}:\n" + format_comparison(compare_fits(load_fits(args.compare), fits)))
-    if args.json:
+    if for_tuner:
+        print(f"wrote this machine's table {write_machine_table(fits)} (algorithm='auto' reads it; "
+              f"`minidist bench alpha-beta --reset` removes it)")
+    elif args.json:
         save_fits(args.json, fits)
         print(f"wrote {args.json}")
     return 0

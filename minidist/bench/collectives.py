@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives as C
+from ..comm import tuner
 from ..launch import run
 
 __all__ = ["run_bench", "busbw_factor", "fit_alpha_beta", "plot_busbw", "format_table",
@@ -40,8 +41,11 @@ __all__ = ["run_bench", "busbw_factor", "fit_alpha_beta", "plot_busbw", "format_
 CEILING = "p2p"  # the name of the point-to-point ceiling's timings (not an algorithm of any op)
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-# per op: torch's built-in (the reference) and every hand-built algorithm the library offers
-ALGORITHMS = {op: ("torch", *C.ALGORITHMS[op]) for op in OPS}
+# per op: torch's built-in (the reference), every hand-built algorithm the library offers, and
+# "auto" (the tuner's choice per size: minidist.comm.tuner; its row names the algorithm it ran)
+ALGORITHMS = {op: ("torch", *C.ALGORITHMS[op], *((C.AUTO,) if op in tuner.CANDIDATES else ()))
+              for op in OPS}
+_SHORT = {"recursive_doubling": "rd"}   # the auto row's "auto:rd" in the table
 
 
 def busbw_factor(op: str, world_size: int) -> float:
@@ -170,7 +174,8 @@ def run_bench(ops=OPS, algorithms=None, world_sizes=(2, 4), sizes=None, iters: i
               warmup: int = 1, timeout: float = 600.0, progress: bool = True) -> list[dict]:
     """Measure ``ops`` x ``algorithms`` x ``world_sizes`` x ``sizes`` (bytes) and return rows.
 
-    Each row: op, algorithm, world_size, bytes, time_s (median of the slowest rank), algbw_GBps,
+    Each row: op, algorithm (``"auto"``: the tuner's choice, named in ``chosen``), world_size,
+    bytes, time_s (median of the slowest rank), algbw_GBps,
     busbw_GBps, ratio_to_torch (busbw / torch's busbw for the same op, W and size; 1.0 for torch),
     ceiling_s (the point-to-point ceiling's time, same run; NaN at W=1), of_ceiling (ceiling_s /
     time_s), max_error and wrong (max_error above 1e-3 relative, which would be a bug).
@@ -191,6 +196,10 @@ def run_bench(ops=OPS, algorithms=None, world_sizes=(2, 4), sizes=None, iters: i
             raise RuntimeError(f"bench: the point-to-point ceiling of {r['op']} at W="
                                f"{r['world_size']} received wrong data (error {r['max_error']})")
     rows = [r for r in rows if r["algorithm"] != CEILING]
+    for r in rows:   # what auto ran: the tuner's choice for the buffer _one_op builds
+        if r["algorithm"] == C.AUTO:
+            w = r["world_size"]
+            r["chosen"] = tuner.table().choose(r["op"], w, 4 * max(r["bytes"] // 4 // w * w, w))
     torch_time = {(r["op"], r["world_size"], r["bytes"]): r["time_s"]
                   for r in rows if r["algorithm"] == "torch"}
     for r in rows:
@@ -231,17 +240,22 @@ def _human(nbytes: int) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """The nccl-tests-like table, one line per row, plus an alpha-beta line per group."""
-    head = f"{'op':<15}{'algorithm':<10}{'W':>3}{'size':>11}{'time ms':>10}{'algbw GB/s':>12}" \
+    head = f"{'op':<15}{'algorithm':<11}{'W':>3}{'size':>11}{'time ms':>10}{'algbw GB/s':>12}" \
            f"{'busbw GB/s':>12}{'vs torch':>10}{'of p2p':>8}{'#wrong':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['op']:<15}{r['algorithm']:<10}{r['world_size']:>3}{_human(r['bytes']):>11}"
+        alg = r["algorithm"] + (":" + _SHORT.get(r["chosen"], r["chosen"]) if "chosen" in r else "")
+        lines.append(f"{r['op']:<15}{alg:<11}{r['world_size']:>3}{_human(r['bytes']):>11}"
                      f"{r['time_s'] * 1e3:>10.3f}{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}"
                      f"{r['ratio_to_torch']:>9.2f}x{r.get('of_ceiling', float('nan')):>8.2f}"
                      f"{int(r['wrong']):>8}")
     lines.append("")
     lines.append("of p2p: the ceiling's time / this time; the ceiling = one isend to the right and one "
                  "irecv from the left per rank of busbw factor x N elements, timed in the same run")
+    if any("chosen" in r for r in rows):
+        lines.append("auto:X: algorithm='auto' ran X, the lowest predicted alpha-beta time (rd = "
+                     "recursive_doubling); table: " + ", ".join(sorted(set(
+                         tuner.table().sources.get(r["op"], "default") for r in rows if "chosen" in r))))
     groups = {}
     for r in rows:
         groups.setdefault((r["op"], r["algorithm"], r["world_size"]), []).append(r)
@@ -255,7 +269,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot_busbw(rows: list[dict], op: str | None = None):
-    """busbw against size (log scale), one line per (algorithm, world size). Returns the Figure."""
+    """busbw against size (log scale), one line per (algorithm, world size); ``auto`` drawn as a
+    wide grey band over the others (it should lie on the best one). Returns the Figure."""
     import matplotlib.pyplot as plt
 
     op = op or rows[0]["op"]
@@ -266,8 +281,9 @@ def plot_busbw(rows: list[dict], op: str | None = None):
             groups.setdefault((r["algorithm"], r["world_size"]), []).append(r)
     for (alg, w), g in sorted(groups.items()):
         g = sorted(g, key=lambda r: r["bytes"])
-        ax.plot([r["bytes"] for r in g], [r["busbw_GBps"] for r in g], marker="o",
-                linestyle="--" if alg == "torch" else "-", label=f"{alg}, W={w}")
+        style = dict(linewidth=6, alpha=0.3, color="black") if alg == C.AUTO else dict(marker="o")
+        ax.plot([r["bytes"] for r in g], [r["busbw_GBps"] for r in g],
+                linestyle="--" if alg == "torch" else "-", label=f"{alg}, W={w}", **style)
     for w in sorted({w for _, w in groups}):  # the point-to-point ceiling of each W, dotted
         g = sorted({r["bytes"]: r for r in rows if r["op"] == op and r["world_size"] == w
                     and r.get("ceiling_s", float("nan")) > 0}.values(), key=lambda r: r["bytes"])

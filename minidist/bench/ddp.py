@@ -41,7 +41,7 @@ def _model(name: str):
 
 
 def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_mb, collectives,
-                with_flat, first_bucket_cap_mb, profile=False):
+                with_flat, first_bucket_cap_mb, profile=False, algorithm="auto"):
     from ..trace import Timeline
     from ..data_parallel.bucketed import BucketedDDP
     from ..data_parallel.flat import FlatDDP
@@ -51,7 +51,7 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
     m, shape = _model(model_name)
     variants["minidist"] = BucketedDDP(m, bucket_cap_mb=bucket_cap_mb, collectives=collectives,
                                        timeline=tls["minidist"],
-                                       first_bucket_cap_mb=first_bucket_cap_mb)
+                                       first_bucket_cap_mb=first_bucket_cap_mb, algorithm=algorithm)
     if profile:
         m, _ = _model(model_name)
         tls["bucketed+torch"] = Timeline()
@@ -62,7 +62,7 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
     variants["torch"] = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb)
     if with_flat:
         m, _ = _model(model_name)
-        variants["flat"] = FlatDDP(m, collectives=collectives)
+        variants["flat"] = FlatDDP(m, collectives=collectives, algorithm=algorithm)
     opts = {k: torch.optim.SGD(v.parameters(), lr=0.01) for k, v in variants.items()}
     times = {k: [] for k in variants}
     cpu = {k: [] for k in variants}
@@ -100,6 +100,10 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
                     if name == "minidist":
                         hidden.append(max(0.0, 1.0 - wait_s / comm_s) if comm_s > 0 else 0.0)
     n_buckets = len(variants["minidist"].buckets)
+    from ..comm import tuner
+    chosen = [algorithm if algorithm != "auto" else
+              tuner.agreed_table(None).choose("all_reduce", world, b.numel * b.buffer.element_size())
+              for b in variants["minidist"].buckets]
     for name in tls:
         variants[name].close()
     pair_ratio = statistics.median(a / b for a, b in zip(times["minidist"], times["torch"]))
@@ -109,14 +113,14 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
                 "step_spread_s": (min(times[k]), max(times[k])),
                 **({"wait_s": med(waits[k]), "comm_s": med(comms[k])} if k in tls else {})}
             for k in variants}
-    return ({k: med(v) for k, v in times.items()}, med(hidden), n_buckets, pair_ratio, prof)
+    return ({k: med(v) for k, v in times.items()}, med(hidden), n_buckets, pair_ratio, prof, chosen)
 
 
 def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
               model: str = "resnet18", batch_size: int = 16, warmup: int = 2,
               collectives: str = "hand-built", with_flat: bool = True, timeout: float = 600,
               verbose: bool = True, first_bucket_cap_mb: float | None = 1.0,
-              profile: bool = False) -> dict:
+              profile: bool = False, algorithm: str = "auto") -> dict:
     """Median step time of minidist's BucketedDDP vs torch's DDP (same run, same model).
 
     Returns ``{"minidist_s", "torch_s", "ratio", "hidden_share", "flat_s" (if with_flat),
@@ -125,7 +129,8 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
     machine whose load changes during the run), the slowest rank's.
     Times are seconds per step, the slowest rank's median. Both DDPs use ``bucket_cap_mb``;
     ``first_bucket_cap_mb`` (default 1 MiB, as torch's DDP does internally) caps minidist's
-    bucket 0. ``profile=True`` adds ``out["profile"]``: per rank, per variant ("torch",
+    bucket 0. ``algorithm``: minidist's all-reduce (default ``"auto"``, the tuner's choice per
+    bucket, listed in ``out["chosen"]``; or ``"ring"``, ...). ``profile=True`` adds ``out["profile"]``: per rank, per variant ("torch",
     "minidist", "bucketed+torch" = BucketedDDP over torch's collectives, "flat"), the medians
     ``step_s``, ``cpu_s`` (CPU seconds of the rank's threads per step), ``ratio`` (to torch, per
     step), ``step_spread_s`` (min, max) and, for the bucketed ones, ``wait_s`` (after backward)
@@ -135,13 +140,14 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
     import torch._dynamo  # noqa: F401  (optimizers import it; do it once before forking)
 
     results = run(_rank_bench, world_size, model, steps, warmup, batch_size, bucket_cap_mb,
-                  collectives, with_flat, first_bucket_cap_mb, profile, timeout=timeout)
+                  collectives, with_flat, first_bucket_cap_mb, profile, algorithm, timeout=timeout)
     med = {k: max(r[0][k] for r in results) for k in results[0][0]}
     hidden = min(r[1] for r in results)
     out = {"world_size": world_size, "model": model, "batch_size": batch_size, "steps": steps,
            "bucket_cap_mb": bucket_cap_mb, "collectives": collectives, "minidist_s": med["minidist"],
            "torch_s": med["torch"], "ratio": max(r[3] for r in results),
-           "hidden_share": hidden, "n_buckets": results[0][2]}
+           "hidden_share": hidden, "n_buckets": results[0][2], "algorithm": algorithm,
+           "chosen": results[0][5]}
     if with_flat:
         out["flat_s"] = med["flat"]
     if profile:
@@ -149,8 +155,9 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
     if verbose:
         print(f"DDP step time, {model}, world size {world_size}, batch {batch_size}/rank, "
               f"bucket cap {bucket_cap_mb} MiB ({out['n_buckets']} buckets), "
-              f"collectives={collectives}, "
-              f"median of {steps} steps")
+              f"collectives={collectives}, algorithm={algorithm} ("
+              + ", ".join(f"b{i}: {a}" for i, a in enumerate(out["chosen"]))
+              + f"), median of {steps} steps")
         print(f"  {'variant':<28}{'step (ms)':>10}{'vs torch':>10}")
         print(f"  {'torch DDP':<28}{1e3 * out['torch_s']:>10.1f}{1.0:>10.2f}")
         print(f"  {'minidist BucketedDDP':<28}{1e3 * out['minidist_s']:>10.1f}{out['ratio']:>10.2f}")
@@ -160,13 +167,13 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
         print(f"  communication hidden behind backward (minidist): {100 * hidden:.0f}%")
         print(f"  ratio minidist/torch = {out['ratio']:.3f} (goal <= 1.05)")
         if profile:
-            _print_profile(out["profile"])
+            _print_profile(out["profile"], algorithm)
     return out
 
 
-def _print_profile(per_rank: list[dict]) -> None:
-    names = {"torch": "torch DDP", "minidist": "BucketedDDP, hand-built ring",
-             "bucketed+torch": "BucketedDDP, torch's ring", "flat": "FlatDDP, hand-built ring"}
+def _print_profile(per_rank: list[dict], algorithm: str = "auto") -> None:
+    names = {"torch": "torch DDP", "minidist": f"BucketedDDP, hand-built {algorithm}",
+             "bucketed+torch": "BucketedDDP, torch's ring", "flat": f"FlatDDP, hand-built {algorithm}"}
     print("  per step, medians (wait: after backward, not hidden; comm: communication thread busy)")
     print(f"  {'rank':<5}{'variant':<31}{'step ms':>9}{'spread':>13}{'vs torch':>9}{'CPU ms':>8}"
           f"{'comm ms':>9}{'wait ms':>9}")

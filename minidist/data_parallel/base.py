@@ -54,24 +54,27 @@ class DataParallelBase(nn.Module):
         find_unused_parameters: treat a missing gradient as zero instead of raising.
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm running stats) at every forward.
         reduce_dtype: dtype gradients are averaged in (fp32: bf16 gradients are upcast first).
+        algorithm: the hand-built algorithm, ``"auto"`` (default: per bucket, the lowest predicted
+            alpha-beta time, :mod:`minidist.comm.tuner`) or a fixed name such as ``"ring"``.
     """
 
     def __init__(self, module: nn.Module, collectives: str = "hand-built", group=None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, algorithm: str = "auto"):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__}: the process group is not initialised; run "
                                "inside minidist.run(...) or call minidist.init() first")
         self.module = module
-        self.communicator = Communicator(collectives, group, where="data parallel")
-        self.collectives, self.group = collectives, group
+        self.communicator = Communicator(collectives, group, where="data parallel",
+                                         algorithm=algorithm)
+        self.collectives, self.group, self.algorithm = collectives, group, algorithm
         self.rank, self.world_size = self.communicator.rank, self.communicator.world_size
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.reduce_dtype = reduce_dtype
         check_same_structure(module, group, what=f"{type(self).__name__} construction")
-        broadcast_module(module, collectives, group)
+        broadcast_module(module, collectives, group, algorithm=algorithm)
         self.param_names = {p: n for n, p in module.named_parameters() if p.requires_grad}
         self.params = list(self.param_names)  # registration order
         self._sync_enabled = True         # False inside no_sync()
@@ -80,7 +83,8 @@ class DataParallelBase(nn.Module):
     # ------------------------------------------------------------------ forward & the sync decision
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.world_size > 1 and any(True for _ in self.module.buffers()):
-            broadcast_module(self.module, self.collectives, self.group, buffers_only=True)
+            broadcast_module(self.module, self.collectives, self.group, buffers_only=True,
+                             algorithm=self.algorithm)
         self._sync_this_backward = self._sync_enabled
         return self.module(*args, **kwargs)
 

@@ -36,6 +36,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..comm import tuner
 from ..communicator import CommThread, Communicator
 from ..trace import Timeline
 from .base import DataParallelBase
@@ -52,15 +53,22 @@ def allreduce_hook(state, bucket: Bucket, comm: Communicator) -> None:
 class BucketedDDP(DataParallelBase):
     """Bucketed DDP with communication overlapped with backward.
 
-    Args (besides :class:`DataParallelBase`'s): ``bucket_cap_mb`` (MiB per bucket, default 25 as
-    in torch's DDP), ``first_bucket_cap_mb`` (cap of bucket 0 only, default: the same; torch's DDP
+    Args (besides :class:`DataParallelBase`'s): ``bucket_cap_mb`` (MiB per bucket; default
+    ``None``: from the alpha-beta model, :func:`minidist.comm.tuner.bucket_cap_bytes` — torch's
+    25 MiB, larger where the all-reduce's latency is still over 5 % of its time at 25 MiB: fewer,
+    larger buckets where latency dominates; the same on every rank, from the agreed table),
+    ``first_bucket_cap_mb`` (cap of bucket 0 only, default: the same; torch's DDP
     uses 1 MiB so that the first all-reduce starts early), ``timeline`` (a :class:`minidist.trace.Timeline` that records, per bucket,
     when it became ready and its all-reduce on the "comm" lane, and the final "wait" on "main").
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, timeline: Timeline | None = None,
-                 first_bucket_cap_mb: float | None = None, **kwargs):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None,
+                 timeline: Timeline | None = None, first_bucket_cap_mb: float | None = None, **kwargs):
         super().__init__(module, **kwargs)
+        if bucket_cap_mb is None:   # the model's size (hand-built auto; torch's 25 MiB otherwise)
+            auto = self.collectives == "hand-built" and self.algorithm == "auto"
+            bucket_cap_mb = (tuner.bucket_cap_bytes(tuner.agreed_table(self.group), self.world_size)
+                             / 2**20 if auto else tuner.BUCKET_FLOOR / 2**20)
         check_bucket_cap(f"BucketedDDP (rank {self.rank})", "bucket_cap_mb", bucket_cap_mb)
         check_bucket_cap(f"BucketedDDP (rank {self.rank})", "first_bucket_cap_mb",
                          first_bucket_cap_mb, allow_none=True)
@@ -75,7 +83,7 @@ class BucketedDDP(DataParallelBase):
                 self._where[p] = (b, i)
         self._hook, self._hook_state = allreduce_hook, None
         # the communication thread, on a process group of its own (see minidist.communicator)
-        self._worker = CommThread(self.collectives, self.group)
+        self._worker = CommThread(self.collectives, self.group, algorithm=self.algorithm)
         me = weakref.ref(self)  # neither the thread nor the hooks keep the wrapper alive
         self._me = me
         self._handles = [p.register_post_accumulate_grad_hook(_weak_hook(me))

@@ -82,7 +82,7 @@ def _fmt(entry) -> str:
 
 @torch.no_grad()
 def broadcast_module(module: nn.Module, collectives: str = "hand-built", group=None,
-                     buffers_only: bool = False) -> None:
+                     buffers_only: bool = False, algorithm: str = "auto") -> None:
     """Copy rank 0's parameters and buffers to every rank, in place.
 
     Tensors are packed into one flat tensor per dtype and device, so a model with many small
@@ -95,7 +95,7 @@ def broadcast_module(module: nn.Module, collectives: str = "hand-built", group=N
     for t in tensors:
         if t.numel():
             by_kind.setdefault((t.dtype, t.device), []).append(t)
-    comm = Communicator(collectives, group)
+    comm = Communicator(collectives, group, algorithm=algorithm)
     for same in by_kind.values():
         flat = torch.cat([t.reshape(-1) for t in same])
         comm.broadcast(flat, 0)

@@ -73,12 +73,13 @@ def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
 def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built",
                 auto_wrap: tuple = (), mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool = True, prefetch: bool = True,
-                per_parameter: bool = True) -> nn.Module:
+                per_parameter: bool = True, algorithm: str = "auto") -> nn.Module:
     """Shard ``module`` as one unit (after sharding its submodules of the classes in
     ``auto_wrap`` as units of their own) and return it. Call on children first, then the root.
 
     Args: ``group`` (data-parallel process group, e.g. ``ProcessGrid.dp_group``), ``collectives``
-    (``"hand-built"`` or ``"torch"``), ``mp_policy`` (:class:`MixedPrecisionPolicy`),
+    (``"hand-built"`` or ``"torch"``), ``algorithm`` (hand-built: ``"auto"``, the tuner's choice per
+    call, or a fixed name such as ``"ring"``), ``mp_policy`` (:class:`MixedPrecisionPolicy`),
     ``reshard_after_forward`` (free after forward; False keeps it gathered until backward),
     ``prefetch`` (all-gather the next unit on the comm thread), ``per_parameter`` (True: dim-0
     shards per parameter, FSDP2; False: one flat shard per unit, FSDP1 — see the module doc).
@@ -90,20 +91,20 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
         raise ValueError(f"fully_shard: {type(module).__name__} is already a unit")
     opts = dict(group=group, collectives=collectives, mp_policy=mp_policy,
                 reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-                per_parameter=per_parameter)
+                per_parameter=per_parameter, algorithm=algorithm)
     if auto_wrap:
         for sub in list(module.modules())[1:][::-1]:
             if isinstance(sub, tuple(auto_wrap)) and getattr(sub, "_fsdp", None) is None:
                 fully_shard(sub, **opts)
     cls = ParamShardUnit if per_parameter else FlatParamUnit
-    unit = cls(module, Communicator(collectives, group, where="sharding"),
+    unit = cls(module, Communicator(collectives, group, where="sharding", algorithm=algorithm),
                mp_policy or MixedPrecisionPolicy(),
                reshard_after_forward, prefetch)
     module._fsdp = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
     below = units(module)
-    ctx = _Context(collectives, group)         # the newest outer unit's context is the shared one
+    ctx = _Context(collectives, group, algorithm)        # the newest outer unit's context is the shared one
     for u in below:
         if u.ctx is not None:
             u.ctx.close()

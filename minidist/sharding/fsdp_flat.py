@@ -26,8 +26,9 @@ __all__ = ["FlatParamUnit"]
 class _Context:
     """What the units under one root share: the comm thread, the order, pending reduce-scatters."""
 
-    def __init__(self, collectives, group):
-        self.collectives, self.group, self._worker = collectives, group, None
+    def __init__(self, collectives, group, algorithm: str = "auto"):
+        self.collectives, self.group, self.algorithm = collectives, group, algorithm
+        self._worker: CommThread | None = None
         self.order: list = []            # units in forward order (recorded in step 1)
         self.recording = True
         self.pending: list = []          # (unit, handle, reduced shard) of this backward
@@ -38,7 +39,8 @@ class _Context:
     def worker(self) -> CommThread:
         """Created at first use (the first forward, on every rank): only the root's is ever made."""
         if self._worker is None:
-            self._worker = CommThread(self.collectives, self.group, name="fsdp-comm")
+            self._worker = CommThread(self.collectives, self.group, name="fsdp-comm",
+                                      algorithm=self.algorithm)
         return self._worker
 
     def close(self) -> None:

@@ -64,7 +64,9 @@ class ShardedOptimizer:
         params: tensors or param-group dicts (as for any ``torch.optim`` optimizer).
         optimizer_class: e.g. ``torch.optim.AdamW``; built on this rank's flat slices.
         group: data-parallel process group (default: the world), e.g. ``ProcessGrid.dp_group``.
-        collectives: ``"hand-built"`` (minidist's ring) or ``"torch"``.
+        collectives: ``"hand-built"`` (minidist's) or ``"torch"``.
+        algorithm: hand-built only: ``"auto"`` (default; :mod:`minidist.comm.tuner`) or a fixed
+            name (``"ring"``, ``"naive"``) for the reduce-scatters and all-gathers.
         stage: 1 (optimizer states sharded) or 2 (gradients too, reduce-scattered in backward).
         grads: stage 1 only — ``"averaged"`` (p.grad already averaged) or ``"local"``.
         bucket_cap_mb: MiB per flat buffer (default: one buffer per param group for stage 1,
@@ -74,13 +76,13 @@ class ShardedOptimizer:
 
     def __init__(self, params, optimizer_class, group=None, *, collectives: str = "hand-built",
                  stage: int = 1, grads: str = "averaged", bucket_cap_mb: float | None = None,
-                 **defaults):
+                 algorithm: str = "auto", **defaults):
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizer: stage must be 1 or 2, got {stage!r}")
         if grads not in ("averaged", "local"):
             raise ValueError("ShardedOptimizer: grads must be 'averaged' or 'local', "
                              f"got {grads!r}")
-        self.comm = Communicator(collectives, group, where="sharding")
+        self.comm = Communicator(collectives, group, where="sharding", algorithm=algorithm)
         self.rank, self.world_size, self.stage, self.grads = (self.comm.rank, self.comm.world_size,
                                                               stage, grads)
         groups = list(params)
@@ -114,7 +116,7 @@ class ShardedOptimizer:
         self.optim = optimizer_class(inner_groups, **defaults)
         self._handles, self._in_backward, self._next = [], False, 0
         if stage == 2:
-            self.worker = CommThread(collectives, group, name="zero-comm")
+            self.worker = CommThread(collectives, group, name="zero-comm", algorithm=algorithm)
             self._hook(list(self._where))
 
     def _add_buckets(self, gi: int, params: list) -> list[_Bucket]:

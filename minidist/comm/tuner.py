@@ -1,0 +1,297 @@
+"""``algorithm="auto"``: the algorithm with the lowest predicted alpha-beta time, as NCCL's tuner.
+
+NCCL does not run one algorithm. At start-up its tuner (``ncclTopoTuneModel``, src/graph/tuning.cc)
+fills, per collective, algorithm (Ring, Tree, ...) and protocol, a latency (a base latency plus
+one hardware latency per step) and a bandwidth; each call then takes the algorithm and protocol
+with the lowest ``latency + bytes / bandwidth`` for its size (``NCCL_ALGO`` restricts the choice).
+minidist does the same with its own algorithms and the alpha-beta model (Hockney 1994): each
+algorithm costs ``c_alpha · alpha + c_beta · n · beta`` for an n-byte buffer on W ranks, the
+coefficients counted from what the implementation in :mod:`minidist.comm` sends along its longest
+chain of dependent messages (:func:`coefficients`; ``tests/test_tuner.py`` checks them against the
+traffic counters), and ``alpha`` (s), ``beta`` (s/byte) fitted per algorithm, so that each
+algorithm's own per-message overhead is in its alpha, like NCCL's per-algorithm base latency.
+
+The table of fits (the JSON of ``minidist bench alpha-beta``, format ``minidist-alpha-beta/1``):
+
+* **the default**, shipped with the library (``alpha_beta_default.json`` beside this file: gloo
+  on loopback, measured on the machine the library was developed on, its load recorded);
+* **this machine's**, written by ``minidist bench alpha-beta --json`` to :func:`machine_table_path`
+  (``$MINIDIST_ALPHA_BETA``, else ``$XDG_CACHE_HOME/minidist/alpha_beta.json``, else
+  ``~/.cache/minidist/alpha_beta.json``). An op's fits come from it when it has every algorithm of
+  that op, else from the default. ``MINIDIST_ALPHA_BETA=default`` uses the shipped table only
+  (the test suite does, so that its results do not depend on a learner's measurement). Reset:
+  ``minidist bench alpha-beta --reset``, or delete the file. A named table that is missing, or a
+  corrupt one, falls back to the default with a warning. Tables are read once per process.
+
+A world size the table lacks uses the fit of the nearest measured one (the formulas carry W).
+Ranks agree on one table per process group (group rank 0's, at the group's first ``auto`` call),
+so machines with different tables still choose alike. ``MINIDIST_DEBUG=1`` prints each choice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+
+__all__ = ["CANDIDATES", "ENV", "FORMAT", "DEFAULT_TABLE", "Table", "coefficients", "predict",
+           "machine_table_path", "load_table", "table", "choose", "agreed_table", "reset_cache",
+           "RING_BROADCAST_SEGMENT", "latency_share", "bucket_cap_bytes", "BUCKET_FLOOR"]
+
+FORMAT = "minidist-alpha-beta/1"
+ENV = "MINIDIST_ALPHA_BETA"
+DEFAULT_TABLE = Path(__file__).with_name("alpha_beta_default.json")
+RING_BROADCAST_SEGMENT = 1 << 18   # elements per segment of ring.broadcast (its default)
+# the algorithms auto chooses among, per op; the first is the tie-break (and the op's default)
+CANDIDATES = {"all_reduce": ("ring", "recursive_doubling", "naive"),
+              "reduce_scatter": ("ring", "naive"), "all_gather": ("ring", "naive"),
+              "broadcast": ("tree", "ring", "naive")}
+
+
+def coefficients(op: str, algorithm: str, world: int, nbytes: float = 0,
+                 itemsize: int = 4) -> tuple[float, float]:
+    """(c_alpha, c_beta) of ``time = c_alpha·alpha + c_beta·n·beta`` for ``op`` by ``algorithm``
+    on ``world`` ranks and an ``nbytes`` buffer (the whole buffer: reduce-scatter's input,
+    all-gather's output). Counted from the code (p = floor(log2 W), P = ceil(log2 W)):
+
+    =====================================  ======================  ==========================
+    op / algorithm                         c_alpha                 c_beta
+    =====================================  ======================  ==========================
+    all_reduce / ring                      2(W-1)                  2(W-1)/W
+    all_reduce / recursive_doubling        p (+2 if W != 2^p)      same as c_alpha
+    all_reduce / naive (via rank 0)        2(W-1)                  2(W-1)
+    reduce_scatter, all_gather / ring      W-1                     (W-1)/W
+    reduce_scatter, all_gather / naive     1 (all posted at once)  (W-1)/W
+    broadcast / tree (binomial)            P                       P
+    broadcast / naive                      1 (all posted at once)  W-1
+    broadcast / ring (chain, S segments)   W-2+S                   (W-2+S)/S
+    =====================================  ======================  ==========================
+
+    Recursive doubling off a power of two adds the fold (an even rank hands its data to the odd
+    one above) and the hand-back; naive all-reduce's rank 0 receives W-1 whole buffers, then
+    sends W-1. ValueError for an unknown pair.
+    """
+    if (w := world) <= 1:
+        return 0.0, 0.0
+    if (op, algorithm) == ("all_reduce", "ring"):
+        return 2.0 * (w - 1), 2 * (w - 1) / w
+    if (op, algorithm) == ("all_reduce", "recursive_doubling"):
+        p = w.bit_length() - 1
+        k = p + (2 if w != 1 << p else 0)
+        return float(k), float(k)
+    if (op, algorithm) == ("all_reduce", "naive"):
+        return 2.0 * (w - 1), 2.0 * (w - 1)
+    if op in ("reduce_scatter", "all_gather") and algorithm == "ring":
+        return float(w - 1), (w - 1) / w
+    if op in ("reduce_scatter", "all_gather") and algorithm == "naive":
+        return 1.0, (w - 1) / w
+    if (op, algorithm) == ("broadcast", "tree"):
+        k = (w - 1).bit_length()
+        return float(k), float(k)
+    if (op, algorithm) == ("broadcast", "naive"):
+        return 1.0, float(w - 1)
+    if (op, algorithm) == ("broadcast", "ring"):
+        s = max(1, math.ceil(nbytes / (RING_BROADCAST_SEGMENT * itemsize)))
+        return float(w - 2 + s), (w - 2 + s) / s
+    raise ValueError(f"tuner: no alpha-beta model for {op}/{algorithm}; models exist for "
+                     + ", ".join(f"{o}/{a}" for o, algs in CANDIDATES.items() for a in algs))
+
+
+def predict(op: str, algorithm: str, world: int, nbytes: float, alpha: float, beta: float,
+            itemsize: int = 4) -> float:
+    """Predicted seconds of ``op`` by ``algorithm`` for ``nbytes`` on ``world`` ranks."""
+    ca, cb = coefficients(op, algorithm, world, nbytes, itemsize)
+    return ca * alpha + cb * nbytes * beta
+
+
+class Table:
+    """Fits ``{(op, algorithm, world_size): (alpha s, beta s/byte)}`` and where they came from
+    (``sources``: op -> file). :meth:`predict` and :meth:`choose` answer for any world size."""
+
+    def __init__(self, fits: dict, sources: dict | None = None):
+        self.fits = dict(fits)
+        self.sources = dict(sources or {})
+        self._choices: dict = {}
+
+    def alpha_beta(self, op: str, algorithm: str, world: int) -> tuple[float, float]:
+        """The fit at ``world``, else at the nearest measured world size (ties: the smaller)."""
+        sizes = [w for (o, a, w) in self.fits if (o, a) == (op, algorithm)]
+        if not sizes:
+            raise KeyError(f"tuner: the table has no fit of {op}/{algorithm}")
+        best = min(sizes, key=lambda w: (abs(w - world), w))
+        return self.fits[(op, algorithm, best)]
+
+    def predict(self, op: str, algorithm: str, world: int, nbytes: float, itemsize: int = 4) -> float:
+        """Predicted seconds (see :func:`predict`) with this table's alpha and beta."""
+        return predict(op, algorithm, world, nbytes, *self.alpha_beta(op, algorithm, world), itemsize)
+
+    def choose(self, op: str, world: int, nbytes: int, itemsize: int = 4) -> str:
+        """The candidate (:data:`CANDIDATES`) with the lowest predicted time; ties (W = 1, or an
+        empty buffer on a table without latency) go to the first, the op's default."""
+        key = (op, world, nbytes, itemsize)
+        hit = self._choices.get(key)
+        if hit is None:
+            times = {a: self.predict(op, a, world, nbytes, itemsize) for a in CANDIDATES[op]}
+            hit = min(CANDIDATES[op], key=lambda a: times[a])   # min keeps the first of equals
+            self._choices[key] = hit
+        return hit
+
+    def to_json(self) -> dict:
+        return {"fits": [[o, a, w, al, be] for (o, a, w), (al, be) in sorted(self.fits.items())],
+                "sources": self.sources}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Table":
+        return cls({(o, a, int(w)): (float(al), float(be)) for o, a, w, al, be in d["fits"]},
+                   d.get("sources"))
+
+
+def machine_table_path() -> Path:
+    """Where ``minidist bench alpha-beta --json`` writes this machine's table, and auto reads it."""
+    env = os.environ.get(ENV)
+    if env and env != "default":
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "minidist" / "alpha_beta.json"
+
+
+def _read(path: Path) -> dict:
+    """{(op, algorithm, W): (alpha, beta)} of a ``minidist-alpha-beta/1`` file; ValueError if
+    it is not one (unreadable JSON, another format, a fit without finite non-negative values)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError(f"format {doc.get('format') if isinstance(doc, dict) else None!r}, "
+                             f"expected {FORMAT!r}")
+        out = {}
+        for fit in doc["fits"]:
+            alpha, beta = float(fit["alpha"]), float(fit["beta"])
+            if not (math.isfinite(alpha) and math.isfinite(beta) and alpha >= 0 and beta >= 0):
+                raise ValueError(f"fit {fit['op']}/{fit['algorithm']} has alpha={alpha}, beta={beta}")
+            out[(str(fit["op"]), str(fit["algorithm"]), int(fit["world_size"]))] = (alpha, beta)
+        return out
+    except (OSError, KeyError, TypeError, ValueError) as e:   # JSONDecodeError is a ValueError
+        raise ValueError(f"{path}: not a usable alpha-beta table ({type(e).__name__}: {e})") from e
+
+
+def load_table(path: str | os.PathLike | None = None) -> Table:
+    """The shipped default, with each op whose every candidate this machine's table (``path``,
+    default :func:`machine_table_path`) measured taken from it. Warns and keeps the default when
+    that table is corrupt, or missing although named by ``$MINIDIST_ALPHA_BETA``."""
+    fits = _read(DEFAULT_TABLE)
+    sources = {op: "default" for op in CANDIDATES}
+    if path is None and os.environ.get(ENV) == "default":
+        return Table(fits, sources)
+    named = path is not None or bool(os.environ.get(ENV))
+    where = Path(path) if path is not None else machine_table_path()
+    if not where.exists():
+        if named:
+            warnings.warn(f"minidist tuner: no alpha-beta table at {where}; using the default "
+                          f"table shipped with minidist (measure this machine with `minidist "
+                          f"bench alpha-beta --json`)", RuntimeWarning, stacklevel=2)
+        return Table(fits, sources)
+    try:
+        mine = _read(where)
+    except ValueError as e:
+        warnings.warn(f"minidist tuner: {e}; using the default table shipped with minidist "
+                      f"(`minidist bench alpha-beta --reset` removes it)", RuntimeWarning,
+                      stacklevel=2)
+        return Table(fits, sources)
+    for op, algs in CANDIDATES.items():
+        if all(any((o, a) == (op, alg) for o, a, _ in mine) for alg in algs):
+            fits = {k: v for k, v in fits.items() if k[0] != op}
+            fits.update({k: v for k, v in mine.items() if k[0] == op})
+            sources[op] = str(where)
+    return Table(fits, sources)
+
+
+_cache: dict = {}
+_agreed: dict = {}
+_printed: set = set()
+
+
+def table() -> Table:
+    """:func:`load_table` of the current ``$MINIDIST_ALPHA_BETA`` setting, read once per process."""
+    key = os.environ.get(ENV) or str(machine_table_path())
+    hit = _cache.get(key)
+    if hit is None:
+        hit = _cache[key] = load_table()
+    return hit
+
+
+def reset_cache() -> None:
+    """Forget the tables read and agreed (after writing a new machine table in this process)."""
+    _cache.clear()
+    _agreed.clear()
+
+
+def agreed_table(group=None) -> Table:
+    """The table every rank of ``group`` uses: group rank 0's, broadcast at the first call per
+    group (a pickled dict, once), so that ranks whose machines measured different tables still
+    choose the same algorithm (different choices would deadlock)."""
+    import torch.distributed as dist
+
+    mine = table()
+    if dist.get_world_size(group) == 1:
+        return mine
+    key = ((group.group_name if group is not None else "world"), id(mine))
+    hit = _agreed.get(key)
+    if hit is None:
+        box = [mine.to_json()]
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(box, src=src, group=group)
+        hit = _agreed[key] = mine if box[0] == mine.to_json() else Table.from_json(box[0])
+    return hit
+
+
+BUCKET_FLOOR = 25 << 20   # torch DDP's bucket_cap_mb=25 (Li et al. 2020, §5.2 measured it)
+
+
+def latency_share(t: Table, world: int, nbytes: int, op: str = "all_reduce") -> float:
+    """The share of the predicted time of auto's choice that is latency (``c_alpha·alpha``)."""
+    a = t.choose(op, world, nbytes)
+    total = t.predict(op, a, world, nbytes)   # 0 at W = 1: nothing moves
+    return coefficients(op, a, world, nbytes)[0] * t.alpha_beta(op, a, world)[0] / total if total else 0.0
+
+
+def bucket_cap_bytes(t: Table, world: int, share: float = 0.05, floor: int = BUCKET_FLOOR,
+                     ceiling: int = 4 * BUCKET_FLOOR) -> int:
+    """A DDP bucket size from the same model: the smallest size (MiB steps) at which the
+    latency of auto's all-reduce is at most ``share`` of its predicted time, kept within
+    [``floor``, ``ceiling``].
+
+    Why: B buckets of a model's n gradient bytes cost about ``B·c_alpha·alpha + c_beta·n·beta``
+    of communication, of which only the last bucket's is not hidden behind backward. Smaller
+    buckets start communicating earlier and leave a smaller last bucket; each costs one more
+    alpha. Where latency dominates (a slow alpha, many ranks: c_alpha grows with W), a bucket
+    must be larger before its alpha stops mattering, so fewer, larger buckets; where bandwidth
+    dominates, torch's 25 MiB (the floor) already pays under 5 % latency (this machine's
+    default table: about 1 % at W=2, 4 % at W=4). The ceiling (100 MiB) bounds the
+    un-overlapped last bucket.
+    """
+    if world <= 1:
+        return floor
+    mib = max(1, floor >> 20)
+    while (mib << 20) < ceiling and latency_share(t, world, mib << 20) > share:
+        mib += 1
+    return min(ceiling, mib << 20)
+
+
+def choose(op: str, world: int, nbytes: int, itemsize: int = 4, group=None,
+           debug: bool = False) -> str:
+    """The algorithm ``auto`` runs for ``op`` on an ``nbytes`` buffer over ``group`` (W = ``world``);
+    with ``debug``, prints the choice and every candidate's predicted time (once per size)."""
+    t = agreed_table(group) if world > 1 else table()
+    algorithm = t.choose(op, world, nbytes, itemsize)
+    key = (os.getpid(), id(t), op, world, nbytes, itemsize)   # this process's (a fork inherits)
+    if debug and key not in _printed:
+        _printed.add(key)
+        times = ", ".join(f"{a} {t.predict(op, a, world, nbytes, itemsize) * 1e6:.0f} us"
+                          for a in CANDIDATES[op])
+        print(f"minidist auto: {op} of {nbytes} B on {world} ranks -> {algorithm} (predicted "
+              f"{times}; fits from {t.sources.get(op, 'default')})", file=sys.stderr, flush=True)
+    return algorithm
