@@ -72,6 +72,7 @@ def test_data_lane_on_two_ranks(folder):
         for cfg, r in zip(CONFIGS, per_cfg):
             ev = r["events"]
             assert {e.lane for e in ev} == {"data", "main", "comm"}, (rank, cfg)
+            assert {e.rank for e in ev} == {rank}
             assert r["steps"] == steps
             waits = [e for e in ev if e.name == "data wait"]
             assert len(waits) == steps + 2                 # + the empty next() ending each epoch

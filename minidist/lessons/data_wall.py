@@ -173,7 +173,8 @@ def train_input_pipeline(rank: int, world_size: int, folder: str, epochs: int = 
 
     Returns:
         ``{"events", "t0", "wall_s", "samples_per_s", "data_s", "compute_s", "comm_s",
-        "exposed_comm_s", "steps", "pinned", "loss"}``: ``events`` the Timeline's (lanes in the
+        "exposed_comm_s", "steps", "pinned", "loss", "warnings"}``: ``events`` the Timeline's (with
+        this ``rank``; lanes in the
         module docstring; ``t0`` its origin on ``perf_counter``), ``data_s`` the lane ``data``
         summed, ``compute_s`` forward + backward + optimizer less DDP's wait, ``comm_s`` the summed
         all-reduces (mostly hidden behind backward), ``exposed_comm_s`` DDP's ``"wait"``,
@@ -228,7 +229,7 @@ def train_input_pipeline(rank: int, world_size: int, folder: str, epochs: int = 
     ddp.close()
     exposed = tl.total("wait", lane="main")   # DDP waits inside backward (autograd's callback)
     compute = sum(tl.total(k) for k in ("forward", "backward", "optimizer")) - exposed
-    return {"events": list(tl.events), "t0": tl.origin, "wall_s": wall,
+    return {"events": [e._replace(rank=rank) for e in tl.events], "t0": tl.origin, "wall_s": wall,
             "samples_per_s": steps * batch_size / wall, "data_s": tl.total(lane="data"),
             "compute_s": compute, "comm_s": tl.total("all-reduce", lane="comm"),
             "exposed_comm_s": exposed, "steps": steps,
