@@ -19,8 +19,8 @@ the one chrome://tracing and Perfetto's JSON importer read): ``{"traceEvents": [
 * one *thread* per lane (``tid`` numbered per rank in order of first appearance), named by a
   ``thread_name`` metadata event;
 * one *complete event* (``ph: "X"``) per interval: ``ts`` its start and ``dur`` its length, in
-  microseconds, the earliest event of the trace at 0; ``cat`` the lane; ``args`` the micro-batch
-  and stage where they apply; a zero-length event (DDP's ``ready bN`` marks) becomes a
+  microseconds rounded to the nanosecond, the earliest event of the trace at 0; ``cat`` the lane; ``args`` the micro-batch
+  and stage where they apply; an event shorter than a nanosecond (DDP's ``ready bN`` marks) becomes a
   thread-scoped *instant event* (``ph: "i"``, ``s: "t"``).
 
 Complete events on one thread must nest (the viewers draw a thread as a stack of slices). Events
@@ -42,23 +42,30 @@ from .trace import Event, align, as_events
 __all__ = ["to_chrome_trace", "write_chrome_trace", "read_chrome_trace"]
 
 
-def _tracks(events: list[Event]) -> list[int]:
-    """For events of one lane sorted by (start, -end): the track (0, 1, ...) of each, so that the
-    events of every track nest (each either contains the next or ends before it starts)."""
-    stacks: list[list[float]] = []           # per track: the ends of the events still open
+def _tracks(spans: list[tuple[float, float]]) -> list[int]:
+    """For (start, end) spans of one lane sorted by (start, -end): the track (0, 1, ...) of each,
+    so that the spans of every track nest (each either contains the next or ends before it
+    starts)."""
+    stacks: list[list[float]] = []           # per track: the ends of the spans still open
     out = []
-    for e in events:
+    for start, end in spans:
         for k, stack in enumerate(stacks):
-            while stack and stack[-1] <= e.start:
+            while stack and stack[-1] <= start:
                 stack.pop()
-            if not stack or e.end <= stack[-1]:
-                stack.append(e.end)
+            if not stack or end <= stack[-1]:
+                stack.append(end)
                 out.append(k)
                 break
         else:
-            stacks.append([e.end])
+            stacks.append([end])
             out.append(len(stacks) - 1)
     return out
+
+
+def _us(t: float, us_per_unit: float) -> float:
+    """A time in µs, rounded to the nanosecond: equal times stay equal after scaling, so touching
+    events do not overlap by a rounding error (which a viewer would draw as misnested)."""
+    return round(t * us_per_unit, 3)
 
 
 def to_chrome_trace(events, t0s=None, us_per_unit: float = 1e6, name: str = "minidist") -> dict:
@@ -106,7 +113,10 @@ def to_chrome_trace(events, t0s=None, us_per_unit: float = 1e6, name: str = "min
         mine = [e for e in flat if e.rank == rank]
         for lane in dict.fromkeys(e.lane for e in mine):
             in_lane = [e for e in mine if e.lane == lane]
-            for e, track in zip(in_lane, _tracks(in_lane)):
+            spans = [(_us(e.start, us_per_unit), _us(e.end, us_per_unit)) for e in in_lane]
+            order = sorted(range(len(in_lane)), key=lambda i: (spans[i][0], -spans[i][1]))
+            in_lane, spans = [in_lane[i] for i in order], [spans[i] for i in order]
+            for e, (ts, end), track in zip(in_lane, spans, _tracks(spans)):
                 label = lane if track == 0 else f"{lane} ({track + 1})"
                 if (rank, label) not in tids:
                     tid = tids[rank, label] = sum(1 for r, _ in tids if r == rank)
@@ -116,9 +126,9 @@ def to_chrome_trace(events, t0s=None, us_per_unit: float = 1e6, name: str = "min
                                   "args": {"sort_index": tid}})
                 args = {k: v for k, v in (("mb", e.mb), ("stage", e.stage)) if v >= 0}
                 item = {"name": e.name, "cat": lane, "pid": rank, "tid": tids[rank, label],
-                        "ts": e.start * us_per_unit, "args": args}
-                if e.end > e.start:
-                    item.update(ph="X", dur=(e.end - e.start) * us_per_unit)
+                        "ts": ts, "args": args}
+                if end > ts:
+                    item.update(ph="X", dur=round(end - ts, 3))
                 else:
                     item.update(ph="i", s="t")
                 trace.append(item)
