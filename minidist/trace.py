@@ -27,7 +27,8 @@ import threading
 import time
 from typing import NamedTuple
 
-__all__ = ["Event", "Timeline", "COMPUTE", "align", "busy_time", "bubble_fraction", "plot_timeline"]
+__all__ = ["Event", "Timeline", "COMPUTE", "align", "as_events", "busy_time", "bubble_fraction",
+           "plot_timeline"]
 
 COMPUTE = ("F", "B", "W")  # a pipeline's compute ops (W: weight gradients); everything else is bubble
 
@@ -137,7 +138,7 @@ _STYLE = {"F": ("#4C72B0", "forward"), "B": ("#55A868", "backward"),
           "W": ("#CCB974", "weight gradient"),
           "backward": ("#4C72B0", "backward"), "forward": ("#55A868", "forward"),
           "all-reduce": ("#DD8452", "all-reduce"), "wait": ("#C44E52", "wait"),
-          "optimizer": ("#8172B2", "optimizer")}
+          "optimizer": ("#8172B2", "optimizer"), "data": ("#937860", "waiting for data")}
 _THIN = ("#999999", "send / recv")  # a pipeline's communication, drawn under its rank's row
 
 
@@ -148,7 +149,7 @@ def _style(name: str) -> tuple[str, str]:
                 ("#999999", name))
 
 
-def _as_events(events) -> list[Event]:
+def as_events(events) -> list[Event]:
     """A flat list of Events; one list per rank (of Events or tuples) gets its ranks from the index."""
     if events and not isinstance(events[0], Event) and isinstance(events[0], (list, tuple)) \
             and (not events[0] or isinstance(events[0][0], (Event, list, tuple))):
@@ -174,7 +175,7 @@ def plot_timeline(events, title: str = "", lanes: list[str] | None = None, ax=No
     """
     import matplotlib.pyplot as plt
 
-    events = _as_events(events)
+    events = as_events(events)
     pipeline = any(e.name in COMPUTE for e in events)
     P = n_ranks if n_ranks is not None else max((e.rank for e in events), default=-1) + 1
     rows = [(r, None) for r in range(P)] if pipeline else [

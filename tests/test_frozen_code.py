@@ -43,7 +43,8 @@ DISPLAYED: dict[str, list[str]] = {
         "minidist.lessons.large_batch:warmup_lr",
         "minidist.data_parallel.noise_scale:from_two_batches"],
     "course/05_data_parallel_in_practice.ipynb": [
-        "minidist.lessons.ddp_training:train_digits", "minidist.references.ddp:train_ddp"],
+        "minidist.lessons.ddp_training:train_digits", "minidist.references.ddp:train_ddp",
+        "minidist.lessons.data_wall:PNGDigits.__getitem__"],
     "course/06_tensor_parallel.ipynb": [
         "minidist.tensor_parallel.regions:copy_to_tensor_model_parallel_region",
         "minidist.tensor_parallel.regions:reduce_from_tensor_model_parallel_region",

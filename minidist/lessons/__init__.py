@@ -14,6 +14,9 @@ module                  what it holds
                         2048 (linear scaling + warm-up), the noise scale along the way, the
                         critical-batch fit, DDP's gradient against one process on the batch
 ``ddp_demo``            the data-parallel rows of ``minidist demo``
+``data_wall``           ch05's input pipeline: PNG digits decoded per sample, the DataLoader's
+                        fixes and preprocessing offline, a ``data`` lane in the timeline
+``scaling``             ch05's strong and weak scaling of DDP measured on this machine
 ``tp_demo``             the tensor-parallel rows of ``minidist demo``
 ``pp_demo``             the pipeline rows of ``minidist demo``
 ``sharding_demo``       the sharding rows of ``minidist demo`` (ZeRO-1/2/3, memory, traffic)
@@ -32,6 +35,7 @@ module                  what it holds
 Nothing is imported here eagerly: ``import minidist.lessons.ddp_demo`` loads only what it needs.
 """
 
-__all__ = ["collectives_demo", "ddp_training", "ddp_plots", "large_batch", "ddp_demo", "tp_demo", "pp_demo",
+__all__ = ["collectives_demo", "ddp_training", "ddp_plots", "large_batch", "ddp_demo", "data_wall",
+           "scaling", "tp_demo", "pp_demo",
            "sharding_demo", "hybrid_demo", "hybrid_timeline", "ep_checks", "ep_demo", "cp_demo",
            "gpu_check", "ft_demo"]  # modules, imported on use

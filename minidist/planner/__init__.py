@@ -10,6 +10,8 @@
   (``minidist plan --this-machine``), measured links, calibration
 * :mod:`~minidist.planner.published` — link and precision presets and the published runs the
   planner is checked on (Megatron-LM Table 1, BLOOM)
+* :mod:`~minidist.planner.scaling` — data parallelism's strong and weak scaling efficiency and its
+  communication/computation ratio, predicted (``dp_scaling``; chapter 05)
 * :mod:`~minidist.planner.experts` — expert parallelism: an MoE model's expert memory per rank and
   the all-to-all time of a step (``MoESpec``, ``predict_ep``; chapter 15)
 * context parallelism's formulas (activations / cp, the ring's K/V traffic, the longest context in
