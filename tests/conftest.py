@@ -19,6 +19,24 @@ os.environ.setdefault("MINIDIST_ALPHA_BETA", "default")
 INTEGRATION = ("docker", "frameworks", "browser", "slurm", "exhaustive")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """How many pytest-xdist workers `-n auto` (pyproject's addopts) starts.
+
+    The default tier runs on two workers, whole files at a time (`--dist loadfile`: a notebook's
+    cells share one kernel, a file's launches share its fixtures). On 2 cores one worker leaves a
+    core idle while ranks start, wait on a socket or a timeout; two fill it. More workers than two
+    would oversubscribe the ranks the tests start (up to 4 each) and stretch the tests that time a
+    deadlock. The integration tier runs serially: its Slurm cluster, containers and framework
+    environments are shared, single resources. MINIDIST_TEST_WORKERS=N overrides (0: no workers).
+    """
+    if "MINIDIST_TEST_WORKERS" in os.environ:
+        return int(os.environ["MINIDIST_TEST_WORKERS"])
+    markexpr = config.getoption("markexpr", "") or ""
+    if "integration" in markexpr and "not integration" not in markexpr:
+        return 0
+    return 2 if (os.cpu_count() or 1) >= 2 else 0
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(item.get_closest_marker(m) for m in INTEGRATION):
