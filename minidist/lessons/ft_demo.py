@@ -57,7 +57,8 @@ def async_save_overlap(rank: int, world: int, path: str, numel: int = 4_000_000,
 
     The state: the course MLP plus a ``numel``-float buffer per rank (the bulk of the bytes).
     After ``async_save`` returns, ``train_steps`` DDP steps run; ``steps_during_async`` counts
-    those that ended before the save was written (the minimum over ranks).
+    those that started while the save was still being written (the minimum over ranks; the
+    first one does whenever the call returns before the write ends, which is the point).
     Returns ``{"blocking_dcp_s", "minidist_s", "async_call_s", "async_total_s",
     "steps_during_async", "saved_equals_state_at_call", "changed_after_call"}``.
     """
@@ -85,8 +86,8 @@ def async_save_overlap(rank: int, world: int, path: str, numel: int = 4_000_000,
     out["async_call_s"] = time.perf_counter() - t
     steps = 0
     for s in range(train_steps):                 # training goes on while the files are written
-        _train_step(model, opt, ddp, s)          # (a fixed count: DDP steps are collective, and
-        steps += not fut.done()                  # ranks may see the save finish at other times)
+        steps += not fut.done()                  # (a fixed count: DDP steps are collective, and
+        _train_step(model, opt, ddp, s)          # ranks may see the save finish at other times)
     fut.result()
     out["async_total_s"] = time.perf_counter() - t
     # ranks agree on how many steps they took (DDP steps are collective: they are equal anyway)
