@@ -15,7 +15,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import minidist
 from minidist.chrome_trace import read_chrome_trace, to_chrome_trace, write_chrome_trace
@@ -109,6 +108,7 @@ def test_bad_unit_and_empty():
 def _ddp_steps(rank, world):
     from minidist.data_parallel import BucketedDDP
     from minidist.models import MLP
+    from minidist.lessons.scaling import recorded_step
 
     torch.manual_seed(0)
     tl = Timeline()
@@ -116,14 +116,7 @@ def _ddp_steps(rank, world):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
     for _ in range(2):
-        with tl.record("forward"):
-            loss = F.cross_entropy(ddp(x), y)
-        with tl.record("backward"):
-            loss.backward()
-        ddp.sync_gradients()
-        with tl.record("optimizer"):
-            opt.step()
-            opt.zero_grad()
+        recorded_step(ddp, opt, x, y, tl)
     n_buckets = len(ddp.buckets)
     ddp.close()
     return tl.events, tl.origin, n_buckets

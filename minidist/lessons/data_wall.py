@@ -45,6 +45,7 @@ from ..data_parallel import BucketedDDP
 from ..data_parallel.sampler import DistributedSampler
 from ..models import MLP
 from ..trace import Timeline
+from .scaling import recorded_step
 
 __all__ = ["write_digit_pngs", "PNGDigits", "preprocess_offline", "OfflineDigits",
            "augment_batch", "train_input_pipeline", "LOADER_OPTIONS"]
@@ -216,14 +217,7 @@ def train_input_pipeline(rank: int, world_size: int, folder: str, epochs: int = 
                 break
             x, y = batch
             pinned.append(x.is_pinned())
-            with tl.record("forward"):
-                loss = F.cross_entropy(ddp(x.flatten(1)), y)
-            with tl.record("backward"):
-                loss.backward()
-            ddp.sync_gradients()
-            with tl.record("optimizer"):
-                opt.step()
-                opt.zero_grad()
+            recorded_step(ddp, opt, x.flatten(1), y, tl)
             steps += 1
     wall = time.perf_counter() - start
     ddp.close()

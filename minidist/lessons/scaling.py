@@ -27,6 +27,21 @@ from ..trace import Timeline
 __all__ = ["time_dp_steps", "measured_scaling"]
 
 
+
+def recorded_step(ddp, opt, x: torch.Tensor, y: torch.Tensor, tl: Timeline) -> torch.Tensor:
+    """One DDP training step (cross-entropy) with its phases on ``tl``'s ``main`` lane:
+    ``forward``, ``backward`` (the buckets' all-reduces start inside it, on ``comm``), the wait
+    for the last bucket (``ddp.sync_gradients``) and ``optimizer``. Returns the loss."""
+    with tl.record("forward"):
+        loss = F.cross_entropy(ddp(x), y)
+    with tl.record("backward"):
+        loss.backward()
+    ddp.sync_gradients()
+    with tl.record("optimizer"):
+        opt.step()
+        opt.zero_grad()
+    return loss
+
 def time_dp_steps(rank: int, world_size: int, batch: int, steps: int = 20, warmup: int = 3,
                   hidden: int = 512, seed: int = 0) -> dict:
     """``steps`` DDP steps of an MLP 256 → hidden → hidden → 10 on ``batch`` random samples per
@@ -43,14 +58,7 @@ def time_dp_steps(rank: int, world_size: int, batch: int, steps: int = 20, warmu
         tl.clear()
         dist.barrier()
         start = time.perf_counter()
-        with tl.record("forward"):
-            loss = F.cross_entropy(ddp(x), y)
-        with tl.record("backward"):
-            loss.backward()
-        ddp.sync_gradients()
-        with tl.record("optimizer"):
-            opt.step()
-            opt.zero_grad()
+        recorded_step(ddp, opt, x, y, tl)
         if i >= warmup:
             times.append(time.perf_counter() - start)
             exposed.append(tl.total("wait", lane="main"))   # inside backward (autograd's callback)
