@@ -13,16 +13,10 @@ from minidist.pipeline_parallel import make_schedule
 from minidist.pipeline_parallel.engine import local_stages, pipeline_step
 from minidist.pipeline_parallel.partition import split_model
 
+from _pp_models import make_model
+
 N, WIDTH, STEPS, LR = 10, 6, 3, 0.1
 CASES = [(name, M) for name in ("gpipe", "1f1b", "interleaved") for M in (1, 3, 4, 8)]
-
-
-def make_model():
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(8):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
-    return nn.Sequential(*layers)
 
 
 def make_batch(step):

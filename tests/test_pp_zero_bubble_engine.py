@@ -19,15 +19,9 @@ from minidist.pipeline_parallel.memory import StageActivationMeter
 from minidist.pipeline_parallel.microbatch import split
 from minidist.pipeline_parallel.partition import split_model
 
+from _pp_models import make_model
+
 N, WIDTH = 13, 6  # 13 samples: ragged micro-batches for every M tested
-
-
-def make_model():
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(8):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
-    return nn.Sequential(*layers)
 
 
 def make_batch(n=N):
