@@ -56,19 +56,10 @@ class FlatParamUnit:
         self.module, self.comm, self.mp = module, comm, mp
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.rank, self.world_size = comm.rank, comm.world_size
-        self.slots, params, seen = [], [], {}   # slots: (submodule, name, index into params)
-        self.frozen = []                        # (name, parameter) left unsharded: frozen at wrap
-        for mod_name, sub in _own_modules(module):
-            for name, p in list(sub._parameters.items()):
-                if p is not None and not p.requires_grad:
-                    self.frozen.append((f"{mod_name}{name}", p))
-                if p is None or not p.requires_grad:
-                    continue
-                if id(p) not in seen:
-                    seen[id(p)] = len(params)
-                    params.append(p)
-                self.slots.append((sub, name, seen[id(p)], f"{mod_name}{name}"))
-        self.names = [next(fq for _, _, i, fq in self.slots if i == k) for k in range(len(params))]
+        self.slots, params, self.names = _slots(module, lambda p: p.requires_grad)
+        self.frozen = [(f"{mod_name}{name}", p)  # (name, parameter) left unsharded: frozen at wrap
+                       for mod_name, sub in _own_modules(module)
+                       for name, p in sub._parameters.items() if p is not None and not p.requires_grad]
         self.layout = FlatBuffer(params, self.world_size, self.rank) if params else None
         _claim(params, self.names, type(module).__name__)
         self.ctx, self.sync, self.state, self.handle = None, True, "sharded", None
@@ -250,6 +241,23 @@ def _gather(comm, unit: FlatParamUnit) -> None:
 
 def _reduce_scatter(comm, out, grad) -> None:
     comm.reduce_scatter(out, grad, "avg")
+
+
+def _slots(module: nn.Module, shard) -> tuple[list, list, list]:
+    """(slots, params, names) of a unit: one slot (submodule, attribute name, index into params,
+    qualified name) per parameter attribute of ``module`` outside other units that ``shard(p)``
+    keeps; a tied parameter is one entry of ``params``, named by its first slot."""
+    slots, params, seen = [], [], {}
+    for mod_name, sub in _own_modules(module):
+        for name, p in list(sub._parameters.items()):
+            if p is None or not shard(p):
+                continue
+            if id(p) not in seen:
+                seen[id(p)] = len(params)
+                params.append(p)
+            slots.append((sub, name, seen[id(p)], f"{mod_name}{name}"))
+    names = [next(fq for _, _, i, fq in slots if i == k) for k in range(len(params))]
+    return slots, params, names
 
 
 def _own_modules(module: nn.Module, prefix: str = ""):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .fsdp_flat import FlatParamUnit, _claim, _own_modules
+from .fsdp_flat import FlatParamUnit, _claim, _own_modules, _slots
 
 __all__ = ["ParamShardUnit", "ParamLayout"]
 
@@ -87,17 +87,8 @@ class ParamShardUnit(FlatParamUnit):
         self.module, self.comm, self.mp = module, comm, mp
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.rank, self.world_size = comm.rank, comm.world_size
-        params: list[torch.nn.Parameter] = []
-        self.slots, seen, self.frozen = [], {}, []
-        for mod_name, sub in _own_modules(module):
-            for name, p in list(sub._parameters.items()):
-                if p is None:
-                    continue
-                if id(p) not in seen:
-                    seen[id(p)] = len(params)
-                    params.append(p)
-                self.slots.append((sub, name, seen[id(p)], f"{mod_name}{name}"))
-        self.names = [next(fq for _, _, i, fq in self.slots if i == k) for k in range(len(params))]
+        self.slots, params, self.names = _slots(module, lambda p: True)   # frozen ones too
+        self.frozen = []
         unit = type(module).__name__
         for p, n in zip(params, self.names):
             if p.dim() == 0:
