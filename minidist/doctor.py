@@ -12,7 +12,7 @@ Checks (each row is ``(check, status, detail)``, status one of ``ok``, ``info``,
 * hostname and the address it resolves to — a warning on 127.x when more than one node is expected;
 * network interfaces and their IPv4 addresses;
 * ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name interfaces that exist
-  (:func:`minidist.env.check_socket_ifnames`, the check ``minidist.init`` makes);
+  (:func:`minidist.netif.check_socket_ifnames`, the check ``minidist.init`` makes);
 * NCCL: the version torch was built with and the variables that change how it behaves
   (``NCCL_DEBUG``, ``NCCL_SOCKET_IFNAME``, ``NCCL_IB_DISABLE``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``,
   ``TORCH_NCCL_BLOCKING_WAIT``), shown as set or unset;
@@ -40,7 +40,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .env import EnvError, check_socket_ifnames, detect, interfaces
+from .env import detect
+from .netif import EnvError, check_socket_ifnames, interfaces
 
 __all__ = ["doctor", "main", "check_socket_ifnames", "interfaces", "LAUNCH_VARS", "NCCL_VARS"]
 

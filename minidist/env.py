@@ -13,8 +13,9 @@ VARIABLES" of srun(1)/sbatch(1) — and Kubernetes' Kubeflow training operator (
 RANK = the pod's index, WORLD_SIZE = pods × nprocPerNode, MASTER_ADDR/PORT, and torchrun's
 arguments as PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT;
 kubeflow/training-operator, pkg/controller.v1/pytorch/envvar.go, release 1.9; the Trainer's
-TrainJob sets only the PET_* ones). The interface checks ``init`` makes before it connects
-(:func:`check_socket_ifnames`, :func:`interfaces`) live here too; ``minidist doctor`` only reads them.
+TrainJob sets only the PET_* ones). The network-interface check ``init`` makes before it connects
+(:func:`~minidist.netif.check_socket_ifnames`, also what ``minidist doctor`` runs) and
+:class:`~minidist.netif.EnvError` are in :mod:`minidist.netif`, re-exported here.
 """
 
 from __future__ import annotations
@@ -28,13 +29,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .netif import EnvError, check_socket_ifnames, interfaces
+
 __all__ = ["DistEnv", "detect", "choose_backend", "device_for", "set_device", "init", "EnvError",
            "DevicePlan", "plan_devices", "oom_hint",
            "parse_tasks_per_node", "check_socket_ifnames", "interfaces"]
-
-
-class EnvError(RuntimeError):
-    """The environment describes an impossible or dangerous launch; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -347,56 +346,3 @@ def oom_hint(error: BaseException) -> str:
                 "with other ranks; use fewer ranks per GPU, a smaller batch, or a larger "
                 "memory_fraction]")
     return " [this rank ran out of GPU memory: use a smaller batch or model]"
-
-
-# --------------------------------------------------------------------------- network interfaces
-def interfaces() -> dict[str, str | None]:
-    """``{interface name: IPv4 address or None}`` for every network interface of this machine."""
-    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
-    return {name: _ipv4_of(name) for name in names}
-
-
-def _ipv4_of(name: str) -> str | None:
-    try:  # Linux: SIOCGIFADDR on a throwaway datagram socket
-        import fcntl
-        import struct
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-        return socket.inet_ntoa(packed[20:24])
-    except (OSError, ImportError):
-        return None
-
-
-def check_socket_ifnames(environ=None, existing=None) -> None:
-    """Fail early when ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name missing interfaces.
-
-    Gloo takes a comma-separated list of exact names; NCCL takes prefixes (``eth`` matches eth0),
-    ``=name`` for an exact name and ``^...`` for exclusions (never an error). Without this check a
-    wrong name shows up as a failed or hanging ``init_process_group``.
-
-    Args:
-        environ: mapping to read (``os.environ`` by default).
-        existing: interface names to check against (this machine's by default).
-
-    Raises:
-        EnvError: naming the variable, the interface and the interfaces that exist, e.g.
-            ``GLOO_SOCKET_IFNAME=doesnotexist0: no such network interface on host 'vm'; this
-            host has: eth0, lo``.
-    """
-    environ = os.environ if environ is None else environ
-    existing = sorted(interfaces() if existing is None else existing)
-    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        value = environ.get(var, "").strip()
-        if not value or (var == "NCCL_SOCKET_IFNAME" and value.startswith("^")):
-            continue
-        exact = var == "GLOO_SOCKET_IFNAME" or value.startswith("=")
-        for want in (w.strip() for w in value.lstrip("=").split(",")):
-            if not want:
-                continue
-            found = want in existing if exact else any(e.startswith(want) for e in existing)
-            if not found:
-                kind = "no such network interface" if exact else "no network interface starts with it"
-                raise EnvError(
-                    f"{var}={value}: {kind} ({want!r}) on host {socket.gethostname()!r}; this host "
-                    f"has: {', '.join(existing) or '(none found)'}. Set {var} to the interface "
-                    "that carries traffic between the nodes (same name on every node), or unset it.")

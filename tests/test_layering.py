@@ -4,7 +4,7 @@ and no two modules import each other.
 Every module of the package is parsed (``ast``), every import counted — at the top, inside a
 function, or relative — and compared with the floor of the module it imports from:
 
-* floor 0, the ground: ``env``, ``comm``, ``trace``, ``chrome_trace``, ``grid``, ``models``, ``data``,
+* floor 0, the ground: ``env``, ``netif``, ``comm``, ``trace``, ``chrome_trace``, ``grid``, ``models``, ``data``,
   ``text``
 * floor 1, the launcher, the public collectives and checkpoint generations: ``collectives``,
   ``communicator`` (hand-built or torch, bound to a group; the one communication thread),
@@ -32,7 +32,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "minidist"
 
 FLOORS = {
-    0: ("env", "comm", "trace", "chrome_trace", "grid", "models", "data", "text"),
+    0: ("env", "netif", "comm", "trace", "chrome_trace", "grid", "models", "data", "text"),
     1: ("collectives", "communicator", "launch", "checkpoint_io"),
     2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding", "hybrid",
         "expert_parallel", "context_parallel"),
