@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import p2p
-from .ops import combine_
+from .ops import combine_, scratch_buffer
 
 
 def reduce(flat: torch.Tensor, op: str, dst: int, rank: int, world: int, group=None) -> None:
@@ -22,7 +22,7 @@ def reduce(flat: torch.Tensor, op: str, dst: int, rank: int, world: int, group=N
     if rank != dst:
         p2p.send(flat, dst, group)
         return
-    tmp = torch.empty_like(flat)
+    tmp = scratch_buffer(flat.numel(), flat).view_as(flat)
     for src in range(world):
         if src != dst:
             p2p.recv(tmp, src, group)

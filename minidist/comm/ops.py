@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["check_group", "normalize_op", "combine_", "finish_avg_", "contiguous", "check_same_across_ranks",
            "CollectiveMismatchError", "debug_enabled", "check_sizes_agree",
-           "check_exchange_sizes"]
+           "check_exchange_sizes", "scratch_buffer"]
 
 OPS = ("sum", "avg", "max", "min")
 
@@ -56,6 +57,23 @@ def normalize_op(op, dtype: torch.dtype, where: str) -> str:
     if dtype == torch.bool and name == "sum":
         return "max"   # torch.distributed's SUM of bools is a logical or (any), i.e. max
     return name
+
+
+_scratch = threading.local()
+
+
+def scratch_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A reusable receive buffer of ``numel`` elements of ``like``'s dtype and device, one per
+    thread (a DDP communication thread has its own). Fresh allocations of tens of MiB cost a page
+    fault per 4 KiB page on every call: at 64 MiB that was a third of a recursive-doubling
+    all-reduce. The contents are garbage; no algorithm may return it or hold it across a call."""
+    key = (like.dtype, like.device)
+    bufs = getattr(_scratch, "bufs", {})
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+        _scratch.bufs = {**bufs, key: buf}
+    return buf[:numel]
 
 
 def combine_(acc: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:

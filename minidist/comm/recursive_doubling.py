@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import p2p
-from .ops import combine_
+from .ops import combine_, scratch_buffer
 
 
 def all_reduce(flat: torch.Tensor, op: str, rank: int, world: int, group=None) -> None:
@@ -26,7 +26,7 @@ def all_reduce(flat: torch.Tensor, op: str, rank: int, world: int, group=None) -
         return
     pof2 = 1 << (world.bit_length() - 1)
     rem = world - pof2
-    tmp = torch.empty_like(flat)
+    tmp = scratch_buffer(flat.numel(), flat).view_as(flat)
     # fold: ranks below 2*rem pair up; the even one sits out
     if rank < 2 * rem:
         if rank % 2 == 0:

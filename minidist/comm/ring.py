@@ -30,25 +30,10 @@ Empty chunks are skipped on both sides.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from . import p2p
-from .ops import combine_
-
-
-_scratch = threading.local()
-
-
-def _scratch_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
-    """A reusable receive buffer (fresh 48 MiB allocations cost page faults on every call)."""
-    key = (like.dtype, like.device)
-    buf = getattr(_scratch, "bufs", {}).get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=like.dtype, device=like.device)
-        _scratch.bufs = {**getattr(_scratch, "bufs", {}), key: buf}
-    return buf[:numel]
+from .ops import combine_, scratch_buffer as _scratch_buffer
 
 
 # --- the base ring: one exchange per step ------------------------------------------------------
