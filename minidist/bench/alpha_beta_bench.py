@@ -169,7 +169,9 @@ def main(argv=None) -> int:
                    help="one or more; several are timed in alternation in the same run (default "
                         "ring torch; with --json and no file: every algorithm auto chooses from)")
     p.add_argument("--min-bytes", default="1K")
-    p.add_argument("--max-bytes", default="16M")
+    p.add_argument("--max-bytes", default=None,
+                   help="default 16M; with --json and no file 64M (the largest size auto is "
+                        "benchmarked at, so the choice there is measured, not extrapolated)")
     p.add_argument("--factor", type=int, default=4, help="size multiplier between sizes")
     p.add_argument("--budget-s", type=float, default=30.0,
                    help="seconds of repetitions per op and world size (split over sizes and "
@@ -200,8 +202,9 @@ def main(argv=None) -> int:
         p.error("--world-size must be >= 2 (one rank sends nothing)")
     if args.factor < 2:
         p.error("--factor must be >= 2")
+    max_bytes = args.max_bytes or ("64M" if for_tuner else "16M")
     sizes, s = [], parse_size(args.min_bytes)
-    while s <= parse_size(args.max_bytes):
+    while s <= parse_size(max_bytes):
         sizes.append(s)
         s *= args.factor
     if len(sizes) < 2:
