@@ -38,10 +38,10 @@ def demo(argv=None) -> int:
               f"world size {args.world_size} (gloo on CPU unless GPUs are available)\n")
         rows = collectives_demo.demo_rows(args.world_size,
                                           device=args.device if args.device == "cuda" else None)
-        head = f"{'op/algorithm':<24}{'W':>3}{'max error':>12}{'busbw GB/s':>12}{'vs torch':>10}  ok"
+        head = f"{'op/algorithm':<30}{'W':>3}{'max error':>12}{'busbw GB/s':>12}{'vs torch':>10}  ok"
         print(head + "\n" + "-" * len(head))
         for r in rows:
-            print(f"{r['check']:<24}{r['world_size']:>3}{r['max_error']:>12.2e}{r['busbw']:>12.3f}"
+            print(f"{r['check']:<30}{r['world_size']:>3}{r['max_error']:>12.2e}{r['busbw']:>12.3f}"
                   f"{r['ratio']:>9.2f}x  {'✓' if r['ok'] else '✗ WRONG'}")
         print(f"(sizes checked: {', '.join(map(str, collectives_demo.SIZES))} elements per rank; busbw and "
               f"ratio measured at {collectives_demo.SIZES[-1]} elements, one call each: see `minidist bench`)")

@@ -240,12 +240,12 @@ def _human(nbytes: int) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """The nccl-tests-like table, one line per row, plus an alpha-beta line per group."""
-    head = f"{'op':<15}{'algorithm':<11}{'W':>3}{'size':>11}{'time ms':>10}{'algbw GB/s':>12}" \
+    head = f"{'op':<15}{'algorithm':<19}{'W':>3}{'size':>11}{'time ms':>10}{'algbw GB/s':>12}" \
            f"{'busbw GB/s':>12}{'vs torch':>10}{'of p2p':>8}{'#wrong':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
         alg = r["algorithm"] + (":" + _SHORT.get(r["chosen"], r["chosen"]) if "chosen" in r else "")
-        lines.append(f"{r['op']:<15}{alg:<11}{r['world_size']:>3}{_human(r['bytes']):>11}"
+        lines.append(f"{r['op']:<15}{alg:<19}{r['world_size']:>3}{_human(r['bytes']):>11}"
                      f"{r['time_s'] * 1e3:>10.3f}{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}"
                      f"{r['ratio_to_torch']:>9.2f}x{r.get('of_ceiling', float('nan')):>8.2f}"
                      f"{int(r['wrong']):>8}")
