@@ -197,7 +197,7 @@ def test_wrong_reduce_scatter_is_decoded_into_missing_ranks_on_every_rank():
     for r in range(3):  # every failing rank is shown, not rank 0 only
         assert msg.count(f"rank {r}: result") == 1, msg
     assert "rank 0: chunk 0 holds ranks {0}, missing {1, 2}" in msg, msg
-    assert "at reduce-scatter step 2 rank 0 sent nothing" in msg, msg
+    assert "at reduce-scatter step 2 (s = 1 in the loop) rank 0 sent nothing" in msg, msg
     assert str(report).endswith("score: 0/4")
 
 
@@ -206,7 +206,7 @@ def test_first_diverging_ring_step_is_named():
                                       sizes=(6,), traffic="ring")
     msg = report.results[0].message
     assert "rank 1: chunk 1 holds ranks {1}, missing {0, 2}" in msg, msg
-    assert ("at reduce-scatter step 1 rank 0 sent chunk 0, which holds ranks {0}; the ring sends "
+    assert ("at reduce-scatter step 1 (s = 0 in the loop) rank 0 sent chunk 0, which holds ranks {0}; the ring sends "
             "chunk 2") in msg, msg
 
 

@@ -137,8 +137,9 @@ def _check(tensor: torch.Tensor, kind: str, peer: int, group) -> None:
         raise ValueError(
             f"{where}: {role}={peer} is this rank itself; a rank cannot {verb} itself "
             f"(gloo has no connection to self). At world size {size} "
-            + ("there is no other rank: copy the tensor locally instead, or skip the "
-               "exchange when world_size == 1" if size == 1 else
+            + ("there is no other rank: a ring of W ranks makes W - 1 steps, none at W = 1 "
+               "(check the loop's count: range(world_size - 1)); elsewhere copy the tensor "
+               "locally or skip the exchange when world_size == 1" if size == 1 else
                f"pick another rank as the peer (e.g. (rank + 1) % world_size), and have that "
                f"rank {other} this one"))
     if not tensor.is_contiguous():

@@ -91,12 +91,75 @@ REFERENCES = {
 }
 
 
-def _collective_rank(rank, world, fn, reference, n, op, dtype, traffic):
+class _Watched:
+    """A p2p Work that remembers whether it was waited."""
+
+    def __init__(self, work, what: str):
+        self.work, self.what, self.waited = work, what, False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _watch_waits(posted: list):
+    """Patch p2p.isend/irecv (what exchange, send and recv call too) so every Work is recorded in
+    ``posted``, and every floating receive buffer is filled with NaN before its irecv is posted:
+    code that reads a buffer before its receive completed then computes NaN, never a plausible
+    number. Returns a function that undoes the patch."""
+    isend, irecv = p2p.isend, p2p.irecv
+
+    def watched_isend(tensor, dst, group=None, tag=0, **kw):
+        w = _Watched(isend(tensor, dst, group, tag, **kw), f"isend to rank {dst}")
+        posted.append(w)
+        return w
+
+    def watched_irecv(tensor, src, group=None, tag=0, **kw):
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and tensor.numel():
+            tensor.fill_(float("nan"))
+        w = _Watched(irecv(tensor, src, group, tag, **kw), f"irecv from rank {src}")
+        posted.append(w)
+        return w
+
+    p2p.isend, p2p.irecv = watched_isend, watched_irecv
+
+    def undo():
+        p2p.isend, p2p.irecv = isend, irecv
+    return undo
+
+
+def _collective_rank(rank, world, fn, reference, n, op, dtype, traffic, watch=False):
     case = REFERENCES[reference][0]
     x = _rank_data(rank, world, n, dtype)
-    with p2p.count_traffic() as t:
-        got, expected = case(fn, x, rank, world, op)
-    return got, expected, t.bytes_sent // x.element_size()
+    posted: list = []
+    undo = _watch_waits(posted) if watch else (lambda: None)
+    try:
+        with p2p.count_traffic() as t:
+            got, expected = case(fn, x, rank, world, op)
+    finally:
+        undo()
+    unwaited = [w.what for w in posted if not w.waited]
+    for w in posted:   # finish what the learner left posted, so the next check starts clean
+        if not w.waited:
+            w.wait()
+    return got, expected, t.bytes_sent // x.element_size(), unwaited
+
+
+def _wait_problem(outs, reference: str, name: str) -> str | None:
+    """A Work never waited, or (a reduction) NaN in a result: a buffer read before its receive."""
+    lines = [f"rank {r}: {', '.join(unwaited)} never waited before {name} returned (an unwaited "
+             f"receive may not have arrived yet; wait for every Work, e.g. p2p.wait_all(works))"
+             for r, (_, _, _, unwaited) in enumerate(outs) if unwaited]
+    if not lines and reference != "all_gather":
+        lines = [f"rank {r}: the result holds NaN. The grader fills every receive buffer with NaN "
+                 "when its irecv is posted, so a NaN means a buffer was read (added) before its "
+                 "irecv completed: wait for the receive first, then add"
+                 for r, (got, _, _, _) in enumerate(outs)
+                 if torch.is_tensor(got) and got.is_floating_point() and bool(got.isnan().any())]
+    return "\n".join(lines) or None
 
 
 def _traffic_problem(sent: list, reference: str, world: int, n: int) -> str | None:
@@ -183,7 +246,8 @@ def _first_divergence(sent: list, world: int, phases: int) -> str | None:
         for r in range(world):
             c = chunk_sent[r]
             want = sum(_code(k, c, world) for k in before[r][c])
-            where = f"first difference from the ring taught above: at {phase} step {step} rank {r}"
+            where = (f"first difference from the ring taught above: at {phase} step {step} "
+                     f"(s = {step - 1} in the loop) rank {r}")
             if len(sent[r]) <= s:
                 return (f"{where} sent nothing (it sent {len(sent[r])} messages in all, the ring "
                         f"sends {phases * (world - 1)})")
@@ -242,6 +306,8 @@ def collective_rules(traffic: str | None = None, pairing: bool = False) -> dict:
     if pairing:
         rules["pairing"] = ("every send meets a receive posted at the same time (isend/irecv or "
                             "exchange): no deadlock")
+        rules["wait"] = ("every isend/irecv is waited (p2p.wait_all or .wait()) before its buffer "
+                         "is read or the function returns")
     return rules
 
 
@@ -297,12 +363,16 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
                 awkward = n % world != 0 or n // world < 2
                 try:
                     outs = run(_collective_rank, world, learner_fn, reference, n, op, dtype,
-                               traffic, timeout=timeout)
+                               traffic, pairing, timeout=timeout)
                 except RankError as e:   # a crash only on awkward sizes: the sizes rule
                     if not isinstance(e, RankTimeoutError) and awkward and any(r.passed for r in report.results):
                         return "sizes", describe_exception(e)
                     raise
-                wrong = [m for r, (got, expected, _) in enumerate(outs)
+                if pairing:
+                    problem = _wait_problem(outs, reference, name)
+                    if problem:
+                        return "wait", problem
+                wrong = [m for r, (got, expected, _, _) in enumerate(outs)
                          if (m := compare(got, expected, r))]
                 if wrong:
                     return ("sizes" if awkward else "equal"), "\n".join(wrong)

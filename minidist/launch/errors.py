@@ -215,8 +215,10 @@ def describe_exit(code: int, oom_killed: bool | None = False, resident: int | No
     counter is unreadable — then with the rank's last ``resident`` size in bytes) or os._exit."""
     if code < 0:
         name = signal.Signals(-code).name
-        hint = " (SIGABRT from gloo often means ranks disagreed on a tensor's size: rerun with " \
-               "MINIDIST_DEBUG=1)" if name == "SIGABRT" else ""
+        hint = (" (SIGABRT from gloo often means a message and its receive buffer differ in "
+                "size: ranks sent or received different chunks, or tensors of different shapes; "
+                "MINIDIST_DEBUG=1 checks the arguments of minidist's collectives, not your own "
+                "send/recv)") if name == "SIGABRT" else ""
         if name == "SIGKILL" and oom_killed:
             hint = f": {OOM_ADVICE}"
         elif name == "SIGKILL" and oom_killed is None:
