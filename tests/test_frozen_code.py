@@ -81,8 +81,8 @@ DISPLAYED: dict[str, list[str]] = {
     "course/16_fault_tolerance.ipynb": ["minidist.lessons.ft_demo:killed_mid_step",
                                         "minidist.references.fault_tolerant:_replica",
                                         "minidist.lessons.ft_demo:async_save_overlap"],
-    "solutions/03_ring_allreduce.ipynb": ["minidist.comm.ring:reduce_scatter_chunks"],
-    "exercises/03_ring_allreduce.ipynb": ["minidist.comm.ring:reduce_scatter_chunks"],
+    "solutions/03_ring_allreduce.ipynb": ["minidist.comm.ring:reduce_scatter_simple"],
+    "exercises/03_ring_allreduce.ipynb": ["minidist.comm.ring:reduce_scatter_simple"],
     "solutions/07_one_f_one_b.ipynb": ["minidist.pipeline_parallel.schedules:gpipe"],
     "exercises/07_one_f_one_b.ipynb": ["minidist.pipeline_parallel.schedules:gpipe"],
 }
