@@ -200,9 +200,25 @@ class Report:
 
     def __str__(self) -> str:
         lines = [f"{self.title}:"] + [f"  ! {n}" for n in self.notes]
-        lines += ["  " + r.line().replace("\n", "\n  ") for r in self.results]
+        i, rs = 0, self.results
+        while i < len(rs):   # a run of checks not run for the same reason: one line
+            j = i
+            while rs[i].message.startswith("not run (") and j + 1 < len(rs) \
+                    and rs[j + 1].message == rs[i].message:
+                j += 1
+            if j > i:
+                lines.append(f"  ✗ {j - i + 1} checks, {rs[i].name} … {rs[j].name}: {rs[i].message}")
+            else:
+                lines.append("  " + rs[i].line().replace("\n", "\n  "))
+            i = j + 1
         lines.append(f"score: {self.score:g}/{self.max_score:g}")
         return "\n".join(lines)
+
+    def first_failure(self) -> "Result":
+        """The failed check to quote first: one whose message decodes the mistake (which chunk,
+        which step) if any, else the first."""
+        return next((r for r in self.failed if "first difference" in r.message
+                     or "decoded" in r.message), self.failed[0])
 
     def assert_passed(self, show: bool = True) -> None:
         """Print the report, then raise ``AssertionError`` if any check failed (or none ran).
@@ -218,7 +234,7 @@ class Report:
             note = f" {self.notes[0]}." if self.notes else ""
             raise AssertionError(f"{self.title}: {len(self.failed)} of {len(self.results)} checks "
                                  f"failed (score {self.score:g}/{self.max_score:g}).{note} First: "
-                                 f"{self.failed[0].line()}")
+                                 f"{self.first_failure().line()}")
 
 
 # --------------------------------------------------------------------------- tensors
