@@ -75,6 +75,8 @@ def _where_waiting(stack: str, state: str) -> str:
         return ("your function had returned on this rank, which waits in the grader's next "
                 "collective: it skipped a collective that the other ranks are still in")
     frames = re.findall(r"(\S+:\d+ \S+)", stack.split("call stack (innermost first):")[-1])
+    if state.startswith("idle after "):   # the rank waits in a torch call, not in minidist's
+        state = f"outside minidist's collectives (the last it ran: {last})"
     return state + (f" — at {frames[0]}" if frames else "")
 
 

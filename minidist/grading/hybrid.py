@@ -173,8 +173,7 @@ NORM_RULES = {
 
 
 _RULES = {   # each mistake: what the learner did, and what to do instead
-    "replicated": "TP-replicated parameters (LayerNorm, row-parallel biases, position embedding) "
-                  "are counted on every TP rank; count them on TP rank 0 only",
+    "replicated": "your sum has them counted on every TP rank; count them on TP rank 0 only",
     "tied": "the last stage's copy of the tied embedding is counted as well; skip "
             "model.is_tied_copy(p), it is the first stage's embedding again",
     "dp": "summed over the DP replicas, which hold the same averaged gradient; do not reduce over "
