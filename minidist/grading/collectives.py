@@ -6,7 +6,8 @@ of a sum counts one (rank, chunk) contribution: a result reads "ranks {0, 1, 3}"
 2 times" or "chunk 1 of ranks {2}" (data of the wrong chunk). It reports, for every failing rank,
 which ranks a chunk holds and which are missing; with ``traffic="ring"`` it also decodes every
 message each rank sent through ``minidist.comm.p2p`` and names the first step that differs from
-chapter 03's ring.
+chapter 03's ring. Where the exercise teaches pairing, :mod:`.waits` also checks that every
+send and receive was waited before its buffer was used.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..launch import run
 from ..diagrams import ring_schedule
 from ..launch import RankError, RankTimeoutError
 from .core import Report, compare, describe_exception
+from .waits import wait_problem, watch_waits
 
 __all__ = ["grade_collective", "REFERENCES", "collective_rules"]
 
@@ -91,51 +93,11 @@ REFERENCES = {
 }
 
 
-class _Watched:
-    """A p2p Work that remembers whether it was waited."""
-
-    def __init__(self, work, what: str):
-        self.work, self.what, self.waited = work, what, False
-
-    def wait(self, *args, **kwargs):
-        self.waited = True
-        return self.work.wait(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.work, name)
-
-
-def _watch_waits(posted: list):
-    """Patch p2p.isend/irecv (what exchange, send and recv call too) so every Work is recorded in
-    ``posted``, and every floating receive buffer is filled with NaN before its irecv is posted:
-    code that reads a buffer before its receive completed then computes NaN, never a plausible
-    number. Returns a function that undoes the patch."""
-    isend, irecv = p2p.isend, p2p.irecv
-
-    def watched_isend(tensor, dst, group=None, tag=0, **kw):
-        w = _Watched(isend(tensor, dst, group, tag, **kw), f"isend to rank {dst}")
-        posted.append(w)
-        return w
-
-    def watched_irecv(tensor, src, group=None, tag=0, **kw):
-        if torch.is_tensor(tensor) and tensor.is_floating_point() and tensor.numel():
-            tensor.fill_(float("nan"))
-        w = _Watched(irecv(tensor, src, group, tag, **kw), f"irecv from rank {src}")
-        posted.append(w)
-        return w
-
-    p2p.isend, p2p.irecv = watched_isend, watched_irecv
-
-    def undo():
-        p2p.isend, p2p.irecv = isend, irecv
-    return undo
-
-
 def _collective_rank(rank, world, fn, reference, n, op, dtype, traffic, watch=False):
     case = REFERENCES[reference][0]
     x = _rank_data(rank, world, n, dtype)
     posted: list = []
-    undo = _watch_waits(posted) if watch else (lambda: None)
+    undo = watch_waits(posted) if watch else (lambda: None)
     try:
         with p2p.count_traffic() as t:
             got, expected = case(fn, x, rank, world, op)
@@ -146,20 +108,6 @@ def _collective_rank(rank, world, fn, reference, n, op, dtype, traffic, watch=Fa
         if not w.waited:
             w.wait()
     return got, expected, t.bytes_sent // x.element_size(), unwaited
-
-
-def _wait_problem(outs, reference: str, name: str) -> str | None:
-    """A Work never waited, or (a reduction) NaN in a result: a buffer read before its receive."""
-    lines = [f"rank {r}: {', '.join(unwaited)} never waited before {name} returned (an unwaited "
-             f"receive may not have arrived yet; wait for every Work, e.g. p2p.wait_all(works))"
-             for r, (_, _, _, unwaited) in enumerate(outs) if unwaited]
-    if not lines and reference != "all_gather":
-        lines = [f"rank {r}: the result holds NaN. The grader fills every receive buffer with NaN "
-                 "when its irecv is posted, so a NaN means a buffer was read (added) before its "
-                 "irecv completed: wait for the receive first, then add"
-                 for r, (got, _, _, _) in enumerate(outs)
-                 if torch.is_tensor(got) and got.is_floating_point() and bool(got.isnan().any())]
-    return "\n".join(lines) or None
 
 
 def _traffic_problem(sent: list, reference: str, world: int, n: int) -> str | None:
@@ -369,7 +317,7 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
                         return "sizes", describe_exception(e)
                     raise
                 if pairing:
-                    problem = _wait_problem(outs, reference, name)
+                    problem = wait_problem(outs, reference, name)
                     if problem:
                         return "wait", problem
                 wrong = [m for r, (got, expected, _, _) in enumerate(outs)
