@@ -97,7 +97,7 @@ def _collective_rank(rank, world, fn, reference, n, op, dtype, traffic, watch=Fa
     case = REFERENCES[reference][0]
     x = _rank_data(rank, world, n, dtype)
     posted: list = []
-    undo = watch_waits(posted) if watch else (lambda: None)
+    undo = watch_waits(posted, poison=reference != "all_gather") if watch else (lambda: None)
     try:
         with p2p.count_traffic() as t:
             got, expected = case(fn, x, rank, world, op)
@@ -108,6 +108,19 @@ def _collective_rank(rank, world, fn, reference, n, op, dtype, traffic, watch=Fa
         if not w.waited:
             w.wait()
     return got, expected, t.bytes_sent // x.element_size(), unwaited
+
+
+PEER_LEFT = ("(gloo's 'Connection closed by peer' and no other error: a rank returned or exited "
+             "while another still waited for a message from it — a send or receive without its "
+             "match: a step one rank skipped, or a chunk index that differs between the two sides, "
+             "so that one sends an empty chunk (nothing is sent) while the other waits for data)")
+
+
+def _peer_left(e: RankError) -> bool:
+    """Every failing rank lost its connection, and none crashed otherwise (a size mismatch
+    kills one rank with SIGABRT first): a peer left the exchange early."""
+    return not isinstance(e, RankTimeoutError) and bool(e.failures) and all(
+        "Connection closed by peer" in f"{summary} {details}" for _, summary, details in e.failures)
 
 
 def _traffic_problem(sent: list, reference: str, world: int, n: int) -> str | None:
@@ -313,6 +326,9 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
                     outs = run(_collective_rank, world, learner_fn, reference, n, op, dtype,
                                traffic, pairing, timeout=timeout)
                 except RankError as e:   # a crash only on awkward sizes: the sizes rule
+                    if _peer_left(e):
+                        rule = "sizes" if awkward and any(r.passed for r in report.results) else "equal"
+                        return rule, f"{describe_exception(e)}\n{PEER_LEFT}"
                     if not isinstance(e, RankTimeoutError) and awkward and any(r.passed for r in report.results):
                         return "sizes", describe_exception(e)
                     raise

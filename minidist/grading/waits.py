@@ -32,11 +32,12 @@ class _Watched:
         return getattr(self.work, name)
 
 
-def watch_waits(posted: list):
+def watch_waits(posted: list, poison: bool = True):
     """Patch p2p.isend/irecv (what exchange, send and recv call too) so every Work is recorded in
     ``posted``, and every floating receive buffer is filled with NaN before its irecv is posted:
     code that reads a buffer before its receive completed then computes NaN, never a plausible
-    number. Returns a function that undoes the patch."""
+    number (``poison``; off for an all-gather, whose unreceived slots already start as NaN and whose
+received chunks are forwarded, not added). Returns a function that undoes the patch."""
     isend, irecv = p2p.isend, p2p.irecv
 
     def watched_isend(tensor, dst, group=None, tag=0, **kw):
@@ -45,7 +46,7 @@ def watch_waits(posted: list):
         return w
 
     def watched_irecv(tensor, src, group=None, tag=0, **kw):
-        if torch.is_tensor(tensor) and tensor.is_floating_point() and tensor.numel():
+        if poison and torch.is_tensor(tensor) and tensor.is_floating_point() and tensor.numel():
             tensor.fill_(float("nan"))
         w = _Watched(irecv(tensor, src, group, tag, **kw), f"irecv from rank {src}")
         posted.append(w)
