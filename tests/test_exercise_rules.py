@@ -48,6 +48,14 @@ def mutate(m: Mutant) -> dict:
     return {m.cell: src}
 
 
+# exercise 03's reduce-scatter with one mistake: Part A is graded on it, and Part C through it
+_RS_BLOCKING = (("p2p.exchange(chunks[send_idx], right, incoming, left)",
+                 "p2p.send(chunks[send_idx], right)\n        p2p.recv(incoming, left)"),)
+_RS_ADDS_BEFORE_WAIT = (
+    ("p2p.exchange(chunks[send_idx], right, incoming, left)\n        chunks[recv_idx] += incoming",
+     "works = [p2p.irecv(incoming, left), p2p.isend(chunks[send_idx], right)]\n"
+     "        chunks[recv_idx] += incoming\n        p2p.wait_all(works)"),)
+
 M = Mutant
 MUTANTS = [
     # ------------------------------------------------------------------ 00
@@ -132,13 +140,10 @@ MUTANTS = [
         "    chunks[rank].copy_(full.tensor_split(world_size)[rank])\n"
         "    for step in range(0):\n        send_idx"),), "the whole tensor passed around"),
     M("03_ring_allreduce", "ring_reduce_scatter_grade", "pairing", "ring_reduce_scatter",
-      (("p2p.exchange(chunks[send_idx], right, incoming, left)",
-        "p2p.send(chunks[send_idx], right)\n        p2p.recv(incoming, left)"),),
+      _RS_BLOCKING,
       "blocking send before receive (deadlock)"),
     M("03_ring_allreduce", "ring_reduce_scatter_grade", "wait", "ring_reduce_scatter",
-      (("p2p.exchange(chunks[send_idx], right, incoming, left)\n        chunks[recv_idx] += incoming",
-        "works = [p2p.irecv(incoming, left), p2p.isend(chunks[send_idx], right)]\n"
-        "        chunks[recv_idx] += incoming\n        p2p.wait_all(works)"),),
+      _RS_ADDS_BEFORE_WAIT,
       "adds the buffer before its irecv is waited"),
     M("03_ring_allreduce", "ring_reduce_scatter_grade", "wait", "ring_reduce_scatter",
       (("p2p.exchange(chunks[send_idx], right, incoming, left)",
@@ -153,13 +158,10 @@ MUTANTS = [
         "p2p.isend(chunks[send_idx], right)\n        p2p.irecv(chunks[recv_idx], left).wait()"),),
       "an isend never waited"),
     M("03_ring_allreduce", "ring_all_reduce_grade", "pairing", "ring_reduce_scatter",
-      (("p2p.exchange(chunks[send_idx], right, incoming, left)",
-        "p2p.send(chunks[send_idx], right)\n        p2p.recv(incoming, left)"),),
+      _RS_BLOCKING,
       "its reduce-scatter sends before receiving (deadlock)"),
     M("03_ring_allreduce", "ring_all_reduce_grade", "wait", "ring_reduce_scatter",
-      (("p2p.exchange(chunks[send_idx], right, incoming, left)\n        chunks[recv_idx] += incoming",
-        "works = [p2p.irecv(incoming, left), p2p.isend(chunks[send_idx], right)]\n"
-        "        chunks[recv_idx] += incoming\n        p2p.wait_all(works)"),),
+      _RS_ADDS_BEFORE_WAIT,
       "its reduce-scatter adds before the irecv is waited"),
     M("03_ring_allreduce", "ring_all_gather_grade", "equal", "ring_all_gather",
       (("send_idx = (rank - step) % world_size", "send_idx = (rank - step - 1) % world_size"),),
