@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it: 5-10 s each)
 from torch import nn
 
@@ -25,21 +27,62 @@ def _layout(rank, world, cap_mb):
 
 @pytest.mark.parametrize("cap_bytes,expected", [
     (1, [["net.4.bias"], ["net.4.weight"], ["net.2.bias"], ["net.2.weight"], ["net.0.bias"],
-         ["net.0.weight"]]),                                     # every parameter over the cap
-    (600, [["net.4.bias", "net.4.weight", "net.2.bias"], ["net.2.weight", "net.0.bias"],
-           ["net.0.weight"]]),                                   # 768 > 600: a bucket of its own
+         ["net.0.weight"]]),                                     # every parameter reaches the cap
+    (600, [["net.4.bias", "net.4.weight", "net.2.bias", "net.2.weight"],   # 724 >= 600: closed
+           ["net.0.bias", "net.0.weight"]]),                     # the rest (832 bytes)
     (2**20, [list(reversed(NAMES))]),
 ])
 def test_layout_reverse_registration_no_split(cap_bytes, expected):
     layout, order, log = minidist.run(_layout, 2, cap_bytes / 2**20, timeout=30)[0]
     assert [b["params"] for b in layout] == expected
     assert sum(b["numel"] for b in layout) == 12 * 16 + 16 + 16 * 8 + 8 + 8 * 5 + 5
-    for b in layout:
+    sizes = dict(zip(NAMES, [768, 64, 512, 32, 160, 20]))
+    for i, b in enumerate(layout):
         assert b["bytes"] == 4 * b["numel"]
-        assert b["bytes"] <= cap_bytes or len(b["params"]) == 1
+        if i < len(layout) - 1:   # closed once it reached the cap, not before
+            assert b["bytes"] >= cap_bytes > b["bytes"] - sizes[b["params"][-1]]
     # buckets fill in the order the gradients became ready
     assert [n for b in layout for n in b["params"]] == order
     assert [i for i, _ in log] == list(range(len(layout)))  # launched in bucket order
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=12), st.integers(1, 12000),
+       st.none() | st.integers(1, 12000))
+def test_fill_rule_is_torchs_bucket_assignment(numels, cap, first):
+    """pack_by_size(fill=True) against torch's own C++ cut (reducer.cpp's
+    compute_bucket_assignment_by_size), on tensors already in gradient-ready order."""
+    import torch.distributed as dist
+    from minidist.data_parallel.buckets import pack_by_size
+    tensors = [torch.empty(n) for n in numels]
+    limits = [cap] if first is None else [first, cap]
+    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(numels),
+                                                        list(range(len(numels))))
+    assert pack_by_size([4 * n for n in numels], cap, first, fill=True) == theirs
+
+
+def _torch_rebuilt(rank, world, cap_mb):
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 24), nn.Tanh(),
+                          nn.Linear(24, 5), nn.Tanh(), nn.Linear(5, 3))
+    names = {p: n for n, p in model.named_parameters()}
+    theirs = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
+    x, y = torch.randn(4, 12), torch.randint(0, 3, (4,))
+    for _ in range(2):  # torch's DDP rebuilds its buckets in gradient-ready order after step 1
+        F.cross_entropy(theirs(x), y).backward()
+    torch_layout = [[names[p] for p in b.parameters()]
+                    for b in theirs.reducer._get_zeros_like_grad_buckets()]
+    ours = BucketedDDP(model, bucket_cap_mb=cap_mb)
+    layout = [b["params"] for b in ours.bucket_layout()]
+    ours.close()
+    return torch_layout, layout
+
+
+@pytest.mark.parametrize("cap_bytes", [1, 200, 700, 2000, 4000, 2**20])
+def test_same_buckets_as_torchs_ddp(cap_bytes):
+    theirs, ours = minidist.run(_torch_rebuilt, 2, cap_bytes / 2**20, timeout=120)[0]
+    assert ours == theirs
 
 
 def test_buckets_launch_before_backward_ends():
@@ -53,7 +96,7 @@ def _timeline(rank, world):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
     tl = Timeline()
-    ddp = BucketedDDP(model, bucket_cap_mb=0.26, timeline=tl)
+    ddp = BucketedDDP(model, bucket_cap_mb=0.25, timeline=tl)  # one layer per bucket
     x = torch.randn(64, 256)
     for _ in range(2):
         with tl.record("backward", lane="compute"):
@@ -86,9 +129,8 @@ def _first_cap(rank, world):
 
 def test_first_bucket_cap_starts_communication_early():
     layout = minidist.run(_first_cap, 1, timeout=30)[0]
-    assert [b["params"] for b in layout] == [["net.4.bias", "net.4.weight"],
-                                             ["net.2.bias", "net.2.weight", "net.0.bias",
-                                              "net.0.weight"]]
+    assert [b["params"] for b in layout] == [["net.4.bias", "net.4.weight", "net.2.bias"],
+                                             ["net.2.weight", "net.0.bias", "net.0.weight"]]
 
 
 def _grad_is_bucket_view(rank, world):

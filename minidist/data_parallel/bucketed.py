@@ -4,10 +4,11 @@ Backward produces gradients from the last layer to the first. Waiting for all of
 and 2) leaves the network idle during backward and the CPU/GPU idle during communication. Here:
 
 1. **Buckets.** At construction the parameters, in *reverse registration order* (≈ the order
-   their gradients become ready), are packed into buckets of at most ``bucket_cap_mb`` MiB
-   (in ``reduce_dtype``). No parameter is split; one bigger than the cap gets a bucket of its own
-   (it is never left out of every bucket): :mod:`.buckets`. :meth:`BucketedDDP.bucket_layout`
-   shows the layout.
+   their gradients become ready), are packed into buckets of ``bucket_cap_mb`` MiB (in
+   ``reduce_dtype``) the way torch's DDP packs them: a parameter is added to the current bucket,
+   which is closed once it holds at least the cap — so a bucket may pass the cap by its last
+   parameter, and with the same cap the buckets are torch's. No parameter is split:
+   :mod:`.buckets`. :meth:`BucketedDDP.bucket_layout` shows the layout.
 2. **Hooks.** ``Tensor.register_post_accumulate_grad_hook`` runs right after a parameter's
    ``.grad`` is final for this backward: the hook copies it into its bucket's slot. When a bucket's
    last slot is filled the bucket is *ready*.
@@ -76,7 +77,7 @@ class BucketedDDP(DataParallelBase):
         self.timeline = timeline
         first = None if first_bucket_cap_mb is None else int(first_bucket_cap_mb * 2**20)
         self.buckets = build_buckets(self.params, self.param_names, int(bucket_cap_mb * 2**20),
-                                     self.reduce_dtype, first)
+                                     self.reduce_dtype, first, fill=True)
         self._where = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):

@@ -85,22 +85,25 @@ def broadcast_module(module: nn.Module, collectives: str = "hand-built", group=N
                      buffers_only: bool = False, algorithm: str = "auto") -> None:
     """Copy rank 0's parameters and buffers to every rank, in place.
 
-    Tensors are packed into one flat tensor per dtype and device, so a model with many small
-    buffers (ResNet-18: 60 BatchNorm buffers) pays one collective's latency, not sixty."""
+    The tensors' bytes are packed into one flat ``uint8`` tensor per device, so a model with many
+    small buffers of several dtypes (ResNet-18: 40 fp32 BatchNorm statistics and 20 int64
+    ``num_batches_tracked``) pays one collective's latency (and one size check), not one per dtype
+    or sixty — as torch's DDP coalesces its buffer broadcast (``_broadcast_coalesced``)."""
     if dist.get_world_size(group) == 1:
         return
     tensors = [] if buffers_only else [p.data for p in module.parameters()]
     tensors += [b for b in module.buffers()]
-    by_kind: dict = {}
+    by_device: dict = {}
     for t in tensors:
         if t.numel():
-            by_kind.setdefault((t.dtype, t.device), []).append(t)
+            by_device.setdefault(t.device, []).append(t)
     comm = Communicator(collectives, group, algorithm=algorithm)
-    for same in by_kind.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
+    for same in by_device.values():
+        as_bytes = [t.detach().reshape(-1).view(torch.uint8) for t in same]
+        flat = torch.cat(as_bytes)
         comm.broadcast(flat, 0)
-        for t, piece in zip(same, flat.split([t.numel() for t in same])):
-            t.copy_(piece.view_as(t))
+        for t, piece in zip(same, flat.split([b.numel() for b in as_bytes])):
+            t.copy_(piece.view(t.dtype).view_as(t))
 
 
 @torch.no_grad()
