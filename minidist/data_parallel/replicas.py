@@ -103,7 +103,10 @@ def broadcast_module(module: nn.Module, collectives: str = "hand-built", group=N
         flat = torch.cat(as_bytes)
         comm.broadcast(flat, 0)
         for t, piece in zip(same, flat.split([b.numel() for b in as_bytes])):
-            t.copy_(piece.view(t.dtype).view_as(t))
+            if t.is_contiguous():   # its bytes, in place (a piece may be misaligned for t's dtype)
+                t.reshape(-1).view(torch.uint8).copy_(piece)
+            else:
+                t.copy_(piece.clone().view(t.dtype).view_as(t))
 
 
 @torch.no_grad()
