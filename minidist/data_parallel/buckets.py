@@ -42,6 +42,7 @@ class Bucket:
     seen: set = field(default_factory=set)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    views: list = field(default_factory=list)  # views[i]: slot i shaped like params[i] (cached)
 
     @property
     def ready(self) -> bool:
@@ -106,5 +107,6 @@ def build_buckets(params: list, names: dict, cap_bytes: int, dtype: torch.dtype,
             offsets.append(n)
             n += p.numel()
         buf = torch.zeros(n, dtype=dtype, device=group[0].device)
-        buckets.append(Bucket(i, group, [names[p] for p in group], offsets, n, buf))
+        views = [buf[o: o + p.numel()].view(p.shape) for o, p in zip(offsets, group)]
+        buckets.append(Bucket(i, group, [names[p] for p in group], offsets, n, buf, views=views))
     return buckets
