@@ -15,7 +15,13 @@ greedy cut itself, with two rules for where a bucket ends:
   it against torch's rebuilt buckets). Which rule leaves the better *last* bucket — the one
   all-reduced after backward, never hidden — depends on the model: on ResNet-18 with a 25 MiB cap
   the first rule gives buckets of 18.5, 24.1 and 0.02 MiB (the 24.1 MiB one completes only in the
-  last stages of backward), the second 27.5 and 15.1 MiB.
+  last stages of backward), the second 27.5 and 15.1 MiB. (That buckets pass the cap is torch's
+  documented behaviour, not a bug: pytorch/pytorch#48880. Given a cap, torch's first bucket uses it
+  too; its 1 MiB first bucket applies only when the cap is left at its default.)
+
+One difference from torch stays: torch cuts a separate list of buckets per dtype, while minidist's
+buckets all hold ``reduce_dtype`` (bf16 gradients are averaged in fp32), so on a model with mixed
+dtypes the layouts differ.
 """
 
 from __future__ import annotations
