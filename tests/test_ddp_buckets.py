@@ -62,17 +62,11 @@ def test_fill_rule_is_torchs_bucket_assignment(numels, cap, first):
 
 
 def _torch_rebuilt(rank, world, cap_mb):
-    import torch.nn.functional as F
+    from minidist.references.ddp import torch_ddp_buckets
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 24), nn.Tanh(),
                           nn.Linear(24, 5), nn.Tanh(), nn.Linear(5, 3))
-    names = {p: n for n, p in model.named_parameters()}
-    theirs = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
-    x, y = torch.randn(4, 12), torch.randint(0, 3, (4,))
-    for _ in range(2):  # torch's DDP rebuilds its buckets in gradient-ready order after step 1
-        F.cross_entropy(theirs(x), y).backward()
-    torch_layout = [[names[p] for p in b.parameters()]
-                    for b in theirs.reducer._get_zeros_like_grad_buckets()]
+    torch_layout = torch_ddp_buckets(model, cap_mb, torch.randn(4, 12))
     ours = BucketedDDP(model, bucket_cap_mb=cap_mb)
     layout = [b["params"] for b in ours.bucket_layout()]
     ours.close()

@@ -1,8 +1,8 @@
 """``minidist bench ddp`` — minidist's bucketed DDP against torch's DDP, measured in the same run.
 
 Every rank builds two identical models: one wrapped in :class:`BucketedDDP`, one in
-``torch.nn.parallel.DistributedDataParallel`` (same bucket cap, so the same buckets), and optionally a :class:`FlatDDP`
-(all communication after backward: the no-overlap baseline). Steps alternate between them (the order
+``torch.nn.parallel.DistributedDataParallel`` (same bucket cap, so the same buckets), and
+optionally a :class:`FlatDDP` (all communication after backward: the no-overlap baseline). Steps alternate between them (the order
 flips every step), so machine noise hits all alike; the median step time (forward, backward,
 synchronisation, optimizer) is reported, and the ratio to torch as the median of per-step ratios. The share of communication hidden behind backward is read
 from minidist's timeline: 1 − (time the step waited for buckets after backward) / (time the
@@ -127,10 +127,12 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
     "n_buckets", "world_size", "model", ...}``; ``ratio`` = minidist / torch (goal ≤ 1.05): the
     median over steps of the ratio of the two step times measured back to back (robust to a
     machine whose load changes during the run), the slowest rank's.
-    Times are seconds per step, the slowest rank's median. Both DDPs use ``bucket_cap_mb`` and cut buckets by the same rule,
-    so they have the same buckets: torch's DDP, given a ``bucket_cap_mb``, uses it for its first
-    bucket too (its 1 MiB first bucket applies only when the cap is left at its default), and so
-    does minidist's unless ``first_bucket_cap_mb`` (MiB, bucket 0 only) is given. ``algorithm``: minidist's all-reduce (default ``"auto"``, the tuner's choice per
+    Times are seconds per step, the slowest rank's median. Both DDPs use ``bucket_cap_mb`` and
+    cut buckets by the same rule, so they have the same buckets: torch's DDP, given a
+    ``bucket_cap_mb``, uses it for its first bucket too (its 1 MiB first bucket applies only when
+    the cap is left at its default), and so does minidist's unless ``first_bucket_cap_mb`` (MiB,
+    bucket 0 only) is given. ``algorithm``: minidist's all-reduce (default ``"auto"``, the
+    tuner's choice per
     bucket, listed in ``out["chosen"]``; or ``"ring"``, ...). ``profile=True`` adds ``out["profile"]``: per rank, per variant ("torch",
     "minidist", "bucketed+torch" = BucketedDDP over torch's collectives, "flat"), the medians
     ``step_s``, ``cpu_s`` (CPU seconds of the rank's threads per step), ``ratio`` (to torch, per

@@ -23,7 +23,7 @@ from torch import nn
 from ..models import MLP
 
 __all__ = ["make_model", "global_batch", "shard", "train_single", "train_ddp", "torch_ddp",
-           "max_abs_diff"]
+           "torch_ddp_buckets", "max_abs_diff"]
 
 
 def make_model(seed: int = 0, batchnorm: bool = False) -> nn.Module:
@@ -97,6 +97,18 @@ def train_ddp(rank: int, world_size: int, wrap, steps: int = 3, size: int = 12, 
 def torch_ddp(model: nn.Module, **kwargs) -> nn.Module:
     """torch.nn.parallel.DistributedDataParallel on the CPU (gloo) with the given settings."""
     return torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+
+
+def torch_ddp_buckets(model: nn.Module, bucket_cap_mb: float, x: torch.Tensor) -> list[list[str]]:
+    """The parameter names of each bucket of torch's DDP around ``model`` with ``bucket_cap_mb``,
+    first all-reduced first, as torch rebuilds them after its first backward (in the order the
+    gradients arrived). Runs two forward/backward passes of ``model(x).sum()``; call inside a
+    process group."""
+    names = {p: n for n, p in model.named_parameters()}
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    for _ in range(2):
+        ddp(x).sum().backward()
+    return [[names[p] for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()]
 
 
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
