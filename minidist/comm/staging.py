@@ -6,8 +6,8 @@ every message a collective, DDP, TP, PP or sharding sends is a CUDA tensor. This
 place where that is handled, and :mod:`minidist.comm.p2p` calls it for every non-empty message:
 
 * send: copy the tensor into a CPU buffer (device -> host, synchronous: the copy waits for the
-  kernels that produced the tensor on the current stream), then ``dist.isend`` the buffer;
-* receive: ``dist.irecv`` into a CPU buffer; when the Work is waited on, copy the buffer into the
+  kernels that produced the tensor on the current stream), then send the buffer;
+* receive: into a CPU buffer; when the Work is waited on, copy the buffer into the
   CUDA tensor (host -> device, synchronous) and give the buffer back.
 
 Buffers come from a pool and are reused: a buffer is lent for one message and returned when its
@@ -19,7 +19,8 @@ pinned memory is one DMA (CUDA C++ Best Practices Guide, "Pinned Memory").
 Tensors already on the CPU go straight to gloo, and with NCCL CUDA tensors go straight to NCCL;
 staging is used only for non-CPU tensors on a non-NCCL group. To test this path on a machine
 without a GPU, force staging for CPU tensors too: ``with staging.forced(): ...`` or the
-environment variable ``MINIDIST_FORCE_STAGING=1`` (read at each call).
+environment variable ``MINIDIST_FORCE_STAGING=1`` (read at a process's first message,
+and again after :func:`reset`).
 
 :func:`stats` counts buffers allocated, bytes allocated and messages staged, per process.
 """
@@ -89,30 +90,41 @@ _pool = StagingPool()
 _force = threading.local()
 
 
+_blocks = [0]           # forced() blocks open in any thread: 0 on the hot path, no lookup
+_env_forced: dict = {}  # pid -> MINIDIST_FORCE_STAGING as first read there (reset() rereads)
+
+
 @contextlib.contextmanager
 def forced(enabled: bool = True):
     """Stage every message in the block, CPU tensors included (tests the path without a GPU)."""
     before = getattr(_force, "on", None)
     _force.on = enabled
+    _blocks[0] += 1
     try:
         yield
     finally:
+        _blocks[0] -= 1
         _force.on = before
 
 
 def _forced() -> bool:
-    on = getattr(_force, "on", None)
-    if on is not None:
-        return on
-    return os.environ.get("MINIDIST_FORCE_STAGING", "") not in ("", "0")
+    if _blocks[0]:
+        on = getattr(_force, "on", None)
+        if on is not None:
+            return on
+    pid = os.getpid()    # per process: a forked rank reads the variable it was started with
+    on = _env_forced.get(pid)
+    if on is None:       # every message asks: read the variable once per process, not per message
+        on = _env_forced[pid] = os.environ.get("MINIDIST_FORCE_STAGING", "") not in ("", "0")
+    return on
 
 
 def needs_staging(tensor: torch.Tensor, group=None) -> bool:
     """True when ``tensor`` must go through a CPU buffer: not on the CPU and the group is not NCCL
     (or staging is forced, see :func:`forced`)."""
-    if _forced():
-        return True
-    return tensor.device.type != "cpu" and dist.get_backend(group) != "nccl"
+    if tensor.device.type == "cpu":
+        return _forced()
+    return _forced() or dist.get_backend(group) != "nccl"
 
 
 def _byte_view(buf: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -149,25 +161,38 @@ class _StagedWork:
         return self._work is None
 
 
+def _post(kind: str, tensor: torch.Tensor, peer: int, group, tag: int):
+    """``group.send``/``group.recv`` of one tensor to/from group rank ``peer``: what
+    ``dist.isend``/``dist.irecv`` call after their own checks (p2p has made them already: a
+    tensor, a valid peer, a member of the group), without the global-rank translation."""
+    pg = group if group is not None else dist.GroupMember.WORLD
+    if pg is None:
+        raise RuntimeError(f"{kind}: the default process group is not initialised; run inside "
+                           "minidist.run(...) or call minidist.init() first")
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    return pg.send([tensor], peer, tag) if kind == "send" else pg.recv([tensor], peer, tag)
+
+
 def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
-    """``dist.isend`` (``dst`` a *global* rank), through a CPU buffer when needed."""
+    """Non-blocking send to group rank ``dst``, through a CPU buffer when needed."""
     if not needs_staging(tensor, group):
-        return dist.isend(tensor, dst, group=group, tag=tag)
+        return _post("send", tensor, dst, group, tag)
     buf = _pool.acquire(tensor.numel() * tensor.element_size(), pin=tensor.is_cuda)
     view = _byte_view(buf, tensor)
     view.copy_(tensor.reshape(-1))
     _pool.staged_sends += 1
-    return _StagedWork(dist.isend(view, dst, group=group, tag=tag), buf)
+    return _StagedWork(_post("send", view, dst, group, tag), buf)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
-    """``dist.irecv`` (``src`` a *global* rank) into ``tensor``, through a CPU buffer when needed;
-    the data lands in ``tensor`` when the returned Work is waited on."""
+    """Non-blocking receive from group rank ``src`` into ``tensor``, through a CPU buffer when
+    needed; the data lands in ``tensor`` when the returned Work is waited on."""
     if not needs_staging(tensor, group):
-        return dist.irecv(tensor, src, group=group, tag=tag)
+        return _post("recv", tensor, src, group, tag)
     buf = _pool.acquire(tensor.numel() * tensor.element_size(), pin=tensor.is_cuda)
     _pool.staged_recvs += 1
-    return _StagedWork(dist.irecv(_byte_view(buf, tensor), src, group=group, tag=tag), buf, tensor)
+    return _StagedWork(_post("recv", _byte_view(buf, tensor), src, group, tag), buf, tensor)
 
 
 def stats() -> dict:
@@ -182,3 +207,4 @@ def reset() -> None:
     """Drop every pooled buffer and zero the counters (tests)."""
     global _pool
     _pool = StagingPool()
+    _env_forced.clear()
