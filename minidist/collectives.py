@@ -76,7 +76,7 @@ def _setup(opname: str, algorithm: str, tensor, group):
         names = sorted(table) + ([AUTO] if opname in tuner.CANDIDATES else [])
         raise ValueError(f"{opname} (rank {dist.get_rank(group)}): algorithm must be one of "
                          f"{names}, got {algorithm!r}")
-    return dist.get_rank(group), dist.get_world_size(group)
+    return p2p.rank_and_size(group)
 
 
 def resolve_algorithm(opname: str, algorithm: str, nbytes: int, itemsize: int, world: int,
@@ -96,7 +96,7 @@ def _data(tensor):
         return [_data(t) for t in tensor]
     if not isinstance(tensor, torch.Tensor):
         return tensor
-    t = tensor.detach()
+    t = tensor.detach() if tensor.requires_grad else tensor
     return torch.view_as_real(t) if t.is_complex() else t
 
 
@@ -115,14 +115,16 @@ def all_reduce(tensor: torch.Tensor, op="sum", algorithm: str = "ring", group=No
     """
     rank, world = _setup("all_reduce", algorithm, tensor, group)
     op = normalize_op(op, tensor.dtype, f"all_reduce (rank {rank})")
+    debug = debug_enabled(debug)
     algorithm = resolve_algorithm("all_reduce", algorithm, tensor.numel() * tensor.element_size(),
                                   tensor.element_size(), world, group, debug)
-    if debug_enabled(debug):
+    if debug:
         check_same_across_ranks("all_reduce", group, shape=tuple(tensor.shape), dtype=tensor.dtype,
                                 op=op, algorithm=algorithm)
     with contiguous(_data(tensor)) as t, p2p.collective(f"all_reduce/{algorithm}"):
         if world > 1 and t.numel() > 0:
-            ALGORITHMS["all_reduce"][algorithm](t.view(-1), op, rank, world, group)
+            ALGORITHMS["all_reduce"][algorithm](t if t.dim() == 1 else t.view(-1), op, rank,
+                                                world, group)
         finish_avg_(t, op, world)
     return tensor
 

@@ -356,3 +356,21 @@ def test_a_bad_algorithm_name_is_a_clear_error():
     assert check_algorithm("auto") == "auto" and check_algorithm("tree") == "tree"
     with pytest.raises(ValueError, match="algorithm must be 'auto' or one of .*'recursive_doubling'"):
         check_algorithm("rign")
+
+
+def _choices_rank(rank, world, tables):
+    out = []
+    for key in (("all_reduce", "naive"), ("all_reduce", "recursive_doubling")):
+        os.environ[tuner.ENV] = tables[key]
+        tuner.reset_cache()
+        for _ in range(2):      # the second call is answered from the remembered choice
+            p2p.reset_traffic()
+            C.all_reduce(torch.ones(1000), algorithm="auto")
+            out.append(sorted(p2p.traffic()))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_remembered_choices_follow_a_new_table_after_reset_cache(forcing_tables):
+    got = minidist.run(_choices_rank, 2, forcing_tables, timeout=45)
+    assert got[0] == got[1] == [["all_reduce/naive"]] * 2 + [["all_reduce/recursive_doubling"]] * 2

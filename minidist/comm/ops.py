@@ -10,7 +10,6 @@ Rules (the same on every backend, unlike history: one backend once summed where 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -92,16 +91,26 @@ def finish_avg_(tensor: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
     return tensor
 
 
-@contextlib.contextmanager
-def contiguous(tensor: torch.Tensor, copy_back: bool = True):
-    """Yield a contiguous tensor to work on; if a copy was needed, copy the result back (in place)."""
-    if tensor.is_contiguous():
-        yield tensor
-        return
-    work = tensor.contiguous()
-    yield work
-    if copy_back:
-        tensor.copy_(work)
+class contiguous:
+    """``with contiguous(t) as work:`` a contiguous tensor to work on; if a copy was needed, the
+    result is copied back into ``t`` (in place) when the block ends without an error. (A class,
+    not a generator: every collective enters one.)"""
+
+    __slots__ = ("tensor", "work", "copy_back")
+
+    def __init__(self, tensor: torch.Tensor, copy_back: bool = True):
+        self.tensor, self.copy_back = tensor, copy_back
+        self.work: torch.Tensor | None = None
+
+    def __enter__(self) -> torch.Tensor:
+        if self.tensor.is_contiguous():
+            return self.tensor
+        self.work = work = self.tensor.contiguous()
+        return work
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.work is not None and self.copy_back and exc_type is None:
+            self.tensor.copy_(self.work)
 
 
 def debug_enabled(debug: bool | None) -> bool:

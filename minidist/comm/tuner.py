@@ -227,6 +227,7 @@ def reset_cache() -> None:
     """Forget the tables read and agreed (after writing a new machine table in this process)."""
     _cache.clear()
     _agreed.clear()
+    _chosen.clear()
 
 
 def agreed_table(group=None) -> Table:
@@ -281,15 +282,31 @@ def bucket_cap_bytes(t: Table, world: int, share: float = 0.05, floor: int = BUC
     return min(ceiling, mib << 20)
 
 
+_chosen: dict = {}   # (id(group), op, W, nbytes, itemsize) -> (group, algorithm): the hot path
+
+
 def choose(op: str, world: int, nbytes: int, itemsize: int = 4, group=None,
            debug: bool = False) -> str:
     """The algorithm ``auto`` runs for ``op`` on an ``nbytes`` buffer over ``group`` (W = ``world``);
-    with ``debug``, prints the choice and every candidate's predicted time (once per size)."""
+    with ``debug``, prints the choice and every candidate's predicted time (once per size).
+    Choices are remembered per process group and size (:func:`reset_cache` forgets them): every
+    DDP bucket asks again each step, and the lookups behind a first answer (the table's file
+    name from the environment, the group's agreement) cost more than a message of a few KiB."""
+    import torch.distributed as dist
+
+    pg = group if group is not None else dist.GroupMember.WORLD
+    key = (id(pg), op, world, nbytes, itemsize)
+    hit = _chosen.get(key)
+    if hit is not None and hit[0] is pg and not debug:
+        return hit[1]
     t = agreed_table(group) if world > 1 else table()
     algorithm = t.choose(op, world, nbytes, itemsize)
-    key = (os.getpid(), id(t), op, world, nbytes, itemsize)   # this process's (a fork inherits)
-    if debug and key not in _printed:
-        _printed.add(key)
+    if len(_chosen) > 4096:   # many groups or sizes: start over rather than grow
+        _chosen.clear()
+    _chosen[key] = (pg, algorithm)
+    printed = (os.getpid(), id(t), op, world, nbytes, itemsize)   # this process's (a fork inherits)
+    if debug and printed not in _printed:
+        _printed.add(printed)
         times = ", ".join(f"{a} {t.predict(op, a, world, nbytes, itemsize) * 1e6:.0f} us"
                           for a in CANDIDATES[op])
         print(f"minidist auto: {op} of {nbytes} B on {world} ranks -> {algorithm} (predicted "
