@@ -9,10 +9,16 @@ Definitions (nccl-tests, doc/PERFORMANCE.md):
   all-gather, 1 for broadcast and reduce. busbw is comparable across W: it is the bandwidth each
   link must sustain, so an optimal algorithm's busbw approaches the link bandwidth.
 
-Each measurement: the input is refilled, ranks meet at a barrier, the op is timed; ``time_s`` is the
-median over iterations of the slowest rank's time. Algorithms alternate iteration by iteration, so
-the ratio to torch is measured under the same conditions. Every result is also checked (the ``wrong``
-column, as nccl-tests' ``#wrong``).
+Each measurement: the input is refilled, ranks meet at a barrier, then k calls run back to back and
+are timed together (time = total / k, as nccl-tests times a loop of iterations); ``time_s`` is the
+median over iterations of the slowest rank's time. k is chosen once per size, the same for every
+algorithm: enough calls for a measurement of at least ``SAMPLE_S`` (2 ms), at most 32 (k = 1 from
+about 1 MiB here). Why: a single call timed right after a barrier also pays for waking every
+thread of the rank, the gloo threads' as well; that start-up is most of a 1 KiB call and varies
+with the scheduler, while a training step issues its collectives back to back (DDP's buckets).
+Algorithms alternate iteration by iteration, so the ratio to torch is measured under the same
+conditions. Every result is also checked after the timing (one call on a fresh input; the
+``wrong`` column, as nccl-tests' ``#wrong``).
 
 The **point-to-point ceiling** is timed in the same alternation: one ``isend`` to the right
 neighbour and one ``irecv`` from the left per rank, of the elements a ring moves per rank
@@ -141,9 +147,20 @@ def _one_op(op: str, algorithm: str, nbytes: int, rank: int, world: int):
     return prep, call, check
 
 
+SAMPLE_S = 2e-3      # a measurement lasts at least this long: k calls back to back ...
+MAX_BACK_TO_BACK = 32   # ... but at most this many (a sum all-reduce grows W-fold per call)
+
+
+def _calls_per_sample(single_s: float) -> int:
+    """k, the calls timed together in one measurement, from the time of one call (seconds)."""
+    return max(1, min(MAX_BACK_TO_BACK, int(SAMPLE_S / max(single_s, 1e-9)) + 1))
+
+
 def _bench_rank(rank, world, plan, iters, warmup):
     """Time every algorithm of one (op, size) in alternation — torch, ring, naive, torch, ring, ...
-    — so that a load spike on a shared machine hits all of them alike and the ratio stays fair."""
+    — so that a load spike on a shared machine hits all of them alike and the ratio stays fair.
+    Each measurement: refill, barrier, then k calls back to back timed together (k from the
+    fastest algorithm's single call in the warm-up, the same for every algorithm and rank)."""
     rows = []
     groups = {}
     for op, algorithm, nbytes in plan:
@@ -153,20 +170,32 @@ def _bench_rank(rank, world, plan, iters, warmup):
         if world > 1:  # the point-to-point ceiling, timed in the same alternation
             closures[CEILING] = _ceiling_op(op, nbytes, rank, world)
         times = {a: [] for a in closures}
-        for i in range(warmup + iters):
+        single = []
+        k = 1
+        for i in range(max(1, warmup) + iters):
+            if i == max(1, warmup):   # after the warm-up: every rank takes the largest k
+                agreed = torch.tensor([_calls_per_sample(min(single))])
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+                k = int(agreed.item())
             for a, (prep, call, _) in closures.items():
                 prep()
                 dist.barrier()
                 t0 = time.perf_counter()
-                call()
-                elapsed = time.perf_counter() - t0
-                if i >= warmup:
+                for _ in range(k):
+                    call()
+                elapsed = (time.perf_counter() - t0) / k
+                if i >= max(1, warmup):
                     times[a].append(elapsed)
-        for a, (_, _, check) in closures.items():
+                else:
+                    single.append(elapsed)
+        for a, (prep, call, check) in closures.items():
+            prep()          # the check looks at one call's result
+            call()
             t = torch.tensor(times[a] + [check()], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # slowest rank per iteration, worst error
             rows.append(dict(op=op, algorithm=a, world_size=world, bytes=nbytes,
-                             time_s=statistics.median(t[:-1].tolist()), max_error=t[-1].item()))
+                             time_s=statistics.median(t[:-1].tolist()), max_error=t[-1].item(),
+                             calls_per_sample=k))
     return rows
 
 
@@ -250,6 +279,10 @@ def format_table(rows: list[dict]) -> str:
                      f"{r['ratio_to_torch']:>9.2f}x{r.get('of_ceiling', float('nan')):>8.2f}"
                      f"{int(r['wrong']):>8}")
     lines.append("")
+    ks = sorted({r["calls_per_sample"] for r in rows if "calls_per_sample" in r})
+    if ks:
+        lines.append(f"time ms: per call; each measurement times k calls back to back (k = "
+                     f"{ks[0]}..{ks[-1]} by size, the same for every algorithm of a size)")
     lines.append("of p2p: the ceiling's time / this time; the ceiling = one isend to the right and one "
                  "irecv from the left per rank of busbw factor x N elements, timed in the same run")
     if any("chosen" in r for r in rows):
