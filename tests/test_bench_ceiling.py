@@ -75,3 +75,23 @@ def test_ring_breakdown_times_every_part_and_checks_the_ring():
         assert 0 < part["min_s"] <= part["median_s"] <= part["max_s"]
     with pytest.raises(ValueError, match="world_size must be >= 2"):
         ring_breakdown(1, 4096)
+
+
+def test_calls_per_sample_reach_the_sample_time_within_bounds():
+    from minidist.bench.collectives import MAX_BACK_TO_BACK, SAMPLE_S, _calls_per_sample
+    assert _calls_per_sample(1.0) == 1                       # a long call: timed alone
+    assert _calls_per_sample(SAMPLE_S) == 2                  # ... at the threshold, two
+    assert _calls_per_sample(SAMPLE_S / 10) * SAMPLE_S / 10 >= SAMPLE_S
+    assert _calls_per_sample(1e-7) == _calls_per_sample(0.0) == MAX_BACK_TO_BACK
+    rows = [dict(_row("torch", 0.02, 0.016), calls_per_sample=3),
+            dict(_row("ring", 0.025, 0.016), calls_per_sample=3)]
+    assert "k calls back to back (k = 3..3 by size" in bench.format_table(rows)
+
+
+def test_back_to_back_calls_are_timed_and_the_result_still_checked():
+    rows = bench.run_bench(ops=("all_reduce",), algorithms=("torch", "recursive_doubling"),
+                           world_sizes=(2,), sizes=(1024,), iters=2, warmup=1, timeout=120,
+                           progress=False)
+    ks = {r["calls_per_sample"] for r in rows}      # one k for every algorithm of the size
+    assert len(ks) == 1 and 1 <= ks.pop() <= 32
+    assert all(r["max_error"] == 0 and not r["wrong"] for r in rows)
