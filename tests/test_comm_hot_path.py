@@ -101,3 +101,23 @@ def test_a_forked_rank_reads_the_variable_it_was_started_with(monkeypatch):
             assert forced and reduced == [2.0, 2.0, 2.0]
     finally:
         staging.reset()
+
+
+def _both_send_first(rank, world, numel):
+    # every rank posts its send before its receive (p2p.exchange's order) with a message far
+    # larger than a loopback socket's buffer: a send that blocked until the peer received, or
+    # that waited behind this rank's own receive, would hang here
+    right, left = (rank + 1) % world, (rank - 1) % world
+    out = torch.empty(numel)
+    p2p.exchange(torch.full((numel,), float(rank)), right, out, left)
+    return bool(out.eq(left).all()) if numel else True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_send_first_exchange_of_large_messages_completes(world):
+    """Field reports of the kind: torchcomms#2992 (gloo isend then irecv from one rank deadlocked
+    when the send ran on a work thread ahead of the receive), autoscriptlabs/nccl-mesh-plugin#14
+    (two ranks sending large tensors at once hung in a blocking isend)."""
+    for numel in (0, 1, 1 << 20, 4 << 20):   # up to 16 MiB per message
+        assert all(minidist.run(_both_send_first, world, numel, timeout=90)), numel
