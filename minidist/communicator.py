@@ -190,6 +190,13 @@ class CommThread:
         else:
             own = dist.new_group(ranks=dist.get_process_group_ranks(group),
                                  use_local_synchronization=True)
+        # gloo's new_group returns on a rank once *its* side of every connection is up; a rank
+        # that then closes this thread and exits at once (a DDP built and dropped) would leave
+        # a slower rank inside gloo's connect: "Gloo connectFullMesh failed ... Connection
+        # closed by peer" (seen in the test suite under load). Everyone waits until all are in,
+        # as the launcher does after init (launch/rank_process.py).
+        if dist.get_backend(own) == "gloo":
+            dist.barrier(group=own)
         self.comm = Communicator(collectives, own, algorithm=algorithm)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=_serve, args=(self._queue,), daemon=True, name=name)
