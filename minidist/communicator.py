@@ -195,7 +195,7 @@ class CommThread:
         # a slower rank inside gloo's connect: "Gloo connectFullMesh failed ... Connection
         # closed by peer" (seen in the test suite under load). Everyone waits until all are in,
         # as the launcher does after init (launch/rank_process.py).
-        if dist.get_backend(own) == "gloo":
+        if isinstance(own, dist.ProcessGroup) and dist.get_backend(own) == "gloo":
             dist.barrier(group=own)
         self.comm = Communicator(collectives, own, algorithm=algorithm)
         self._queue: queue.Queue = queue.Queue()
