@@ -67,10 +67,17 @@ def reference(inputs):
     return get
 
 
-def _assert_close(result: dict, ref: dict, what: str) -> None:
+def _assert_close(result: dict, ref: dict, what: str, tol: float = TOL) -> None:
     d = compare.compare(result, ref)
-    assert d["loss"] <= TOL, f"{what}: per-step losses differ from minidist's by {d['loss']:.2e} > {TOL}"
-    assert d["weights"] <= TOL, f"{what}: final weights differ from minidist's by {d['weights']:.2e} > {TOL}"
+    assert d["loss"] <= tol, f"{what}: per-step losses differ from minidist's by {d['loss']:.2e} > {tol}"
+    assert d["weights"] <= tol, f"{what}: final weights differ from minidist's by {d['weights']:.2e} > {tol}"
+
+
+# One process on the whole batch against 2 ranks' averaged half-batch gradients: the same math in
+# another fp32 summation order, so the rounding grows with the steps. The long variant (200 steps
+# at lr 0.5) ended 1.72e-5 apart on a machine where it had been under 1e-5 on another, with the
+# same code (last stop's commit reproduced it); 5e-5 for that comparison, 1e-5 for the rest.
+ONE_PROCESS_TOL = {"short": TOL, "long": 5e-5}
 
 
 @pytest.mark.timeout(300)
@@ -80,7 +87,8 @@ def test_minidist_ddp_equals_one_torch_process(inputs, reference):
     for v in VARIANTS:
         losses, w = run_single(inputs, v)
         assert len(losses) == job.VARIANTS[v]["steps"]
-        _assert_close({"losses": np.asarray(losses), **w}, reference(v), f"one torch process ({v})")
+        _assert_close({"losses": np.asarray(losses), **w}, reference(v), f"one torch process ({v})",
+                      ONE_PROCESS_TOL[v])
     # the long variant really trains (so an equal result is not an untouched one)
     assert reference("long")["losses"][-1] < 0.5 * reference("long")["losses"][0]
 
