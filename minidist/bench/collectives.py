@@ -171,9 +171,9 @@ def _bench_rank(rank, world, plan, iters, warmup):
             closures[CEILING] = _ceiling_op(op, nbytes, rank, world)
         times = {a: [] for a in closures}
         single = []
-        k = 1
-        for i in range(max(1, warmup) + iters):
-            if i == max(1, warmup):   # after the warm-up: every rank takes the largest k
+        k, warm = 1, max(1, warmup)   # the warm-up's single calls choose k
+        for i in range(warm + iters):
+            if i == warm:   # after the warm-up: every rank takes the largest k
                 agreed = torch.tensor([_calls_per_sample(min(single))])
                 dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
                 k = int(agreed.item())
@@ -184,7 +184,7 @@ def _bench_rank(rank, world, plan, iters, warmup):
                 for _ in range(k):
                     call()
                 elapsed = (time.perf_counter() - t0) / k
-                if i >= max(1, warmup):
+                if i >= warm:
                     times[a].append(elapsed)
                 else:
                     single.append(elapsed)

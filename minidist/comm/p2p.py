@@ -202,11 +202,8 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, _kind: st
     _check(tensor, _kind, dst, group)
     if tensor.numel() == 0:
         return _Done()
-    try:   # post first, count after: the bookkeeping then overlaps the message in flight
-        work = staging.isend(tensor, dst, group, tag)  # CUDA via CPU
-    finally:
-        _record(_kind, tensor, dst)
-    return work
+    _record(_kind, tensor, dst)
+    return staging.isend(tensor, dst, group, tag)  # CUDA via CPU
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, _kind: str = "irecv"):
@@ -218,11 +215,8 @@ def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, _kind: st
     _check(tensor, _kind, src, group)
     if tensor.numel() == 0:
         return _Done()
-    try:   # post first, count after: the bookkeeping then overlaps the message in flight
-        work = staging.irecv(tensor, src, group, tag)  # CUDA via CPU
-    finally:
-        _record(_kind, tensor, src)
-    return work
+    _record(_kind, tensor, src)
+    return staging.irecv(tensor, src, group, tag)  # CUDA via CPU
 
 
 def wait_all(works) -> None:

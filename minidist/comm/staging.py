@@ -90,7 +90,6 @@ _pool = StagingPool()
 _force = threading.local()
 
 
-_blocks = [0]           # forced() blocks open in any thread: 0 on the hot path, no lookup
 _env_forced: dict = {}  # pid -> MINIDIST_FORCE_STAGING as first read there (reset() rereads)
 
 
@@ -99,19 +98,16 @@ def forced(enabled: bool = True):
     """Stage every message in the block, CPU tensors included (tests the path without a GPU)."""
     before = getattr(_force, "on", None)
     _force.on = enabled
-    _blocks[0] += 1
     try:
         yield
     finally:
-        _blocks[0] -= 1
         _force.on = before
 
 
 def _forced() -> bool:
-    if _blocks[0]:
-        on = getattr(_force, "on", None)
-        if on is not None:
-            return on
+    on = getattr(_force, "on", None)
+    if on is not None:
+        return on
     pid = os.getpid()    # per process: a forked rank reads the variable it was started with
     on = _env_forced.get(pid)
     if on is None:       # every message asks: read the variable once per process, not per message
