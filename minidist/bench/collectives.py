@@ -17,7 +17,13 @@ about 1 MiB here). Why: a single call timed right after a barrier also pays for 
 thread of the rank, the gloo threads' as well; that start-up is most of a 1 KiB call and varies
 with the scheduler, while a training step issues its collectives back to back (DDP's buckets).
 Algorithms alternate iteration by iteration, so the ratio to torch is measured under the same
-conditions. Every result is also checked after the timing (one call on a fresh input; the
+conditions, and a size's iterations are spread over ``ROUNDS`` (4) passes through all sizes:
+on two cores shared by the ranks and their gloo threads there are slow spells of some hundred
+milliseconds in which a hand-built collective's calls take several times longer while torch's,
+alternating with them, do not (measured at 16 KiB: runs of 20 iterations at up to 6x the run's
+median; a rank's threads all pinned to one core made its calls about 10x slower). A spell is
+longer than all of a small size's measurements together; spread out, it takes a share of
+several sizes' iterations instead of one size's whole median. Every result is also checked after the timing (one call on a fresh input; the
 ``wrong`` column, as nccl-tests' ``#wrong``).
 
 The **point-to-point ceiling** is timed in the same alternation: one ``isend`` to the right
@@ -156,38 +162,35 @@ def _calls_per_sample(single_s: float) -> int:
     return max(1, min(MAX_BACK_TO_BACK, int(SAMPLE_S / max(single_s, 1e-9)) + 1))
 
 
-def _bench_rank(rank, world, plan, iters, warmup):
+def _bench_rank(rank, world, plan, iters, warmup, rounds=1):
     """Time every algorithm of one (op, size) in alternation — torch, ring, naive, torch, ring, ...
     — so that a load spike on a shared machine hits all of them alike and the ratio stays fair.
     Each measurement: refill, barrier, then k calls back to back timed together (k from the
-    fastest algorithm's single call in the warm-up, the same for every algorithm and rank)."""
-    rows = []
-    groups = {}
+    fastest algorithm's single call in the warm-up, the same for every algorithm and rank).
+    The ``iters`` measurements of a size are spread over ``rounds`` passes through all sizes, so
+    that a slow spell of the scheduler (which lasts longer than a small size's measurements)
+    lands on several sizes in part instead of on one size whole."""
+    groups: dict = {}
     for op, algorithm, nbytes in plan:
         groups.setdefault((op, nbytes), []).append(algorithm)
-    for (op, nbytes), algorithms in groups.items():
+    state = {}
+    for (op, nbytes), algorithms in groups.items():   # warm-up: its single calls choose k
         closures = {a: _one_op(op, a, nbytes, rank, world) for a in algorithms}
         if world > 1:  # the point-to-point ceiling, timed in the same alternation
             closures[CEILING] = _ceiling_op(op, nbytes, rank, world)
-        times = {a: [] for a in closures}
-        single = []
-        k, warm = 1, max(1, warmup)   # the warm-up's single calls choose k
-        for i in range(warm + iters):
-            if i == warm:   # after the warm-up: every rank takes the largest k
-                agreed = torch.tensor([_calls_per_sample(min(single))])
-                dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-                k = int(agreed.item())
-            for a, (prep, call, _) in closures.items():
-                prep()
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(k):
-                    call()
-                elapsed = (time.perf_counter() - t0) / k
-                if i >= warm:
-                    times[a].append(elapsed)
-                else:
-                    single.append(elapsed)
+        single = [_measure(prep, call, 1) for _ in range(max(1, warmup))
+                  for prep, call, _ in closures.values()]
+        agreed = torch.tensor([_calls_per_sample(min(single))])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)   # every rank takes the largest k
+        state[(op, nbytes)] = (closures, {a: [] for a in closures}, int(agreed.item()))
+    rounds = max(1, min(rounds, iters))
+    for r in range(rounds):
+        for closures, times, k in state.values():
+            for _ in range(iters // rounds + (r < iters % rounds)):
+                for a, (prep, call, _) in closures.items():
+                    times[a].append(_measure(prep, call, k))
+    rows = []
+    for (op, nbytes), (closures, times, k) in state.items():
         for a, (prep, call, check) in closures.items():
             prep()          # the check looks at one call's result
             call()
@@ -195,12 +198,26 @@ def _bench_rank(rank, world, plan, iters, warmup):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # slowest rank per iteration, worst error
             rows.append(dict(op=op, algorithm=a, world_size=world, bytes=nbytes,
                              time_s=statistics.median(t[:-1].tolist()), max_error=t[-1].item(),
-                             calls_per_sample=k))
+                             calls_per_sample=k, rounds=rounds))
     return rows
 
 
+def _measure(prep, call, k: int) -> float:
+    """Refill, barrier, then ``k`` calls back to back: seconds per call."""
+    prep()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(k):
+        call()
+    return (time.perf_counter() - t0) / k
+
+
+ROUNDS = 4   # passes through all sizes that share a size's measurements (fewer if iters < 4)
+
+
 def run_bench(ops=OPS, algorithms=None, world_sizes=(2, 4), sizes=None, iters: int = 5,
-              warmup: int = 1, timeout: float = 600.0, progress: bool = True) -> list[dict]:
+              warmup: int = 1, timeout: float = 600.0, progress: bool = True,
+              rounds: int = ROUNDS) -> list[dict]:
     """Measure ``ops`` x ``algorithms`` x ``world_sizes`` x ``sizes`` (bytes) and return rows.
 
     Each row: op, algorithm (``"auto"``: the tuner's choice, named in ``chosen``), world_size,
@@ -218,7 +235,7 @@ def run_bench(ops=OPS, algorithms=None, world_sizes=(2, 4), sizes=None, iters: i
     for w, op in tqdm(jobs, desc="bench", disable=not progress, leave=False):
         algs = [a for a in (algorithms or ALGORITHMS[op]) if a in ALGORITHMS[op]]
         plan = [(op, a, s) for s in sizes for a in algs]
-        rows += run(_bench_rank, w, plan, iters, warmup, timeout=timeout)[0]
+        rows += run(_bench_rank, w, plan, iters, warmup, rounds, timeout=timeout)[0]
     ceiling = {(r["op"], r["world_size"], r["bytes"]): r for r in rows if r["algorithm"] == CEILING}
     for r in ceiling.values():
         if r["max_error"] > 0:
