@@ -95,3 +95,26 @@ def test_back_to_back_calls_are_timed_and_the_result_still_checked():
     ks = {r["calls_per_sample"] for r in rows}      # one k for every algorithm of the size
     assert len(ks) == 1 and 1 <= ks.pop() <= 32
     assert all(r["max_error"] == 0 and not r["wrong"] for r in rows)
+
+
+def test_a_sizes_iterations_are_spread_over_rounds_and_each_counted_once():
+    from minidist.bench import collectives as bc
+    calls = []
+    prep = lambda: None  # noqa: E731
+    fake = {s: (prep, lambda s=s: calls.append(s), lambda: 0.0) for s in (1, 2)}
+    orig = bc._one_op, bc._measure, bc.dist
+    bc._one_op = lambda op, a, nbytes, rank, world: fake[nbytes]  # noqa: E731
+    bc._measure = lambda p, c, k: (c(), 1e-3)[1]  # noqa: E731
+
+    class _Dist:   # one rank: the agreements are no-ops
+        ReduceOp = bc.dist.ReduceOp
+        all_reduce = staticmethod(lambda t, op=None: None)
+    bc.dist = _Dist
+    try:
+        rows = bc._bench_rank(0, 1, [("all_reduce", "ring", 1), ("all_reduce", "ring", 2)],
+                              iters=5, warmup=1, rounds=4)
+    finally:
+        bc._one_op, bc._measure, bc.dist = orig
+    # warm-up of each size, then 4 passes through both sizes (2, 1, 1, 1 iterations), then the check
+    assert calls == [1, 2] + [1, 1, 2, 2] + [1, 2] * 3 + [1, 2]
+    assert [r["rounds"] for r in rows] == [4, 4]

@@ -23,8 +23,11 @@ milliseconds in which a hand-built collective's calls take several times longer 
 alternating with them, do not (measured at 16 KiB: runs of 20 iterations at up to 6x the run's
 median; a rank's threads all pinned to one core made its calls about 10x slower). A spell is
 longer than all of a small size's measurements together; spread out, it takes a share of
-several sizes' iterations instead of one size's whole median. Every result is also checked after the timing (one call on a fresh input; the
-``wrong`` column, as nccl-tests' ``#wrong``).
+several sizes' iterations instead of one size's whole median (``minidist bench alpha-beta``
+spreads its repetitions the same way). The price: every size's buffers are alive at once (for
+all-reduce up to 64 MiB with every algorithm at W=4, about 0.7 GB per rank). Every result is
+also checked after the timing (one call on a fresh input; the ``wrong`` column, as nccl-tests'
+``#wrong``).
 
 The **point-to-point ceiling** is timed in the same alternation: one ``isend`` to the right
 neighbour and one ``irecv`` from the left per rank, of the elements a ring moves per rank
