@@ -17,14 +17,18 @@ import torch
 
 import minidist
 from minidist import collectives as C
-from minidist.comm import p2p, tuner
+from minidist.comm import bucket_size, p2p, tuner
 
 OPS = tuple(tuner.CANDIDATES)
+MIB = 1 << 20
 
 
-def _table(path, fits, fmt=tuner.FORMAT):
+def _table(path, fits, fmt=tuner.FORMAT, points=None):
+    """A ``minidist-alpha-beta/1`` file of ``fits``; ``points``: {(op, alg, W): [(bytes, median s)]}."""
     path.write_text(json.dumps({"format": fmt, "fits": [
-        dict(op=o, algorithm=a, world_size=w, alpha=al, beta=be) for (o, a, w), (al, be) in fits.items()]}))
+        dict(op=o, algorithm=a, world_size=w, alpha=al, beta=be,
+             points=[dict(bytes=n, median_s=t) for n, t in (points or {}).get((o, a, w), [])])
+        for (o, a, w), (al, be) in fits.items()]}))
     return str(path)
 
 
@@ -135,7 +139,68 @@ def test_default_table_is_complete_and_sane():
         for a in algs:
             for w in (2, 4):
                 alpha, beta = t.alpha_beta(op, a, w)
-                assert 0 <= alpha < 0.1 and 0 < beta < 1e-6, (op, a, w, alpha, beta)
+                assert 0 <= alpha < 0.1 and 0 <= beta < 1e-6, (op, a, w, alpha, beta)
+                # beta may be clamped to 0 where the model's columns are nearly collinear (the
+                # ring broadcast's segments grow with n), but every line must grow with size
+                assert t.model(op, a, w, 64 * MIB) > t.model(op, a, w, 1024), (op, a, w, alpha, beta)
+
+
+# --- predictions from the measured medians --------------------------------------------------
+# W=2 fits of this library's machine, and its medians at 16 and 64 MiB: the lines predict naive
+# 55.5 ms and the ring 55.7 ms at 64 MiB, where the ring measured 47.6 ms and naive 62.3 ms
+_LINES = {"ring": (5e-4, 8.151e-10), "recursive_doubling": (3.21e-4, 8.893e-10), "naive": (1.65e-4, 4.110e-10)}
+_MEDIANS = {"ring": [(16 * MIB, 13.0e-3), (64 * MIB, 47.6e-3)],
+            "recursive_doubling": [(16 * MIB, 15.0e-3), (64 * MIB, 63.0e-3)],
+            "naive": [(16 * MIB, 14.5e-3), (64 * MIB, 62.3e-3)]}
+
+
+def _with_points(tmp_path, points=True):
+    fits = {("all_reduce", a, 2): ab for a, ab in _LINES.items()}
+    pts = {("all_reduce", a, 2): m for a, m in _MEDIANS.items()} if points else None
+    return tuner.load_table(_table(tmp_path / f"p{points}.json", fits, points=pts))
+
+
+def test_the_measured_medians_decide_where_the_lines_cross_wrongly(tmp_path):
+    lines, t = _with_points(tmp_path, False), _with_points(tmp_path)
+    assert lines.predict("all_reduce", "naive", 2, 64 * MIB) == pytest.approx(55.5e-3, rel=1e-3)
+    assert lines.predict("all_reduce", "ring", 2, 64 * MIB) == pytest.approx(55.7e-3, rel=1e-3)
+    assert lines.choose("all_reduce", 2, 64 * MIB) == "naive"        # the lines alone: wrong
+    for n in (16 * MIB, 24 * MIB, 40 * MIB, 64 * MIB, 80 * MIB):
+        assert t.choose("all_reduce", 2, n) == "ring", n               # the medians: right
+
+
+def test_predict_interpolates_the_medians_in_log_log_and_scales_the_model_beyond_them(tmp_path):
+    t = _with_points(tmp_path)
+    ring = lambda w, n: t.predict("all_reduce", "ring", w, n)          # noqa: E731
+    model = lambda w, n: t.model("all_reduce", "ring", w, n)           # noqa: E731
+    assert ring(2, 16 * MIB) == pytest.approx(13.0e-3, rel=1e-12)      # exact at a measured size
+    assert ring(2, 64 * MIB) == pytest.approx(47.6e-3, rel=1e-12)
+    assert ring(2, 32 * MIB) == pytest.approx((13.0e-3 * 47.6e-3) ** 0.5, rel=1e-12)   # log-log midpoint
+    assert ring(2, 128 * MIB) == pytest.approx(model(2, 128 * MIB) * 47.6e-3 / model(2, 64 * MIB), rel=1e-12)
+    assert ring(2, 1024) == pytest.approx(model(2, 1024) * 13.0e-3 / model(2, 16 * MIB), rel=1e-12)
+    assert ring(2, 0) == pytest.approx(model(2, 0) * 13.0e-3 / model(2, 16 * MIB), rel=1e-12)
+    assert ring(4, 32 * MIB) == model(4, 32 * MIB)                     # no medians at W=4: the model
+    assert ring(1, 32 * MIB) == 0.0                                    # one rank: nothing moves
+    again = tuner.Table.from_json(json.loads(json.dumps(t.to_json())))  # what ranks broadcast
+    assert again.points == t.points and again.predict("all_reduce", "ring", 2, 32 * MIB) == ring(2, 32 * MIB)
+    # the bucket rule weighs latency in the model's terms: alpha's share of the line
+    ca, cb = tuner.coefficients("all_reduce", "ring", 2)
+    a, b = _LINES["ring"]
+    assert bucket_size.latency_share(t, 2, 64 * MIB) == pytest.approx(ca * a / (ca * a + cb * 64 * MIB * b))
+    # a machine table replaces an op's medians with its own (none here), other ops keep the default's
+    only = {k: v for k, v in forcing("all_reduce", "naive").items() if k[0] == "all_reduce"}
+    forced = tuner.load_table(_table(tmp_path / "f.json", only))
+    assert not any(k[0] == "all_reduce" for k in forced.points)
+    assert any(k[0] == "broadcast" for k in forced.points)
+
+
+def test_the_default_tables_medians_cover_every_size_auto_is_benchmarked_at():
+    t = tuner.load_table(tuner.DEFAULT_TABLE)
+    for op, algs in tuner.CANDIDATES.items():
+        for a in algs:
+            for w in (2, 4):
+                pts = t.points[(op, a, w)]
+                assert pts[0][0] <= 1024 and pts[-1][0] >= 64 * MIB, (op, a, w, pts[0], pts[-1])
 
 
 # --- fallbacks ------------------------------------------------------------------------------
@@ -148,7 +213,10 @@ def test_missing_corrupt_or_incomplete_machine_table_falls_back_to_the_default(t
     bad = {"not json": "{", "another format": json.dumps({"format": "x/1", "fits": []}),
            "no fits": json.dumps({"format": tuner.FORMAT}),
            "negative": json.dumps({"format": tuner.FORMAT, "fits": [dict(
-               op="all_reduce", algorithm="ring", world_size=2, alpha=-1.0, beta=1e-9)]})}
+               op="all_reduce", algorithm="ring", world_size=2, alpha=-1.0, beta=1e-9)]}),
+           "zero median": json.dumps({"format": tuner.FORMAT, "fits": [dict(
+               op="all_reduce", algorithm="ring", world_size=2, alpha=1e-4, beta=1e-9,
+               points=[dict(bytes=1024, median_s=0.0)])]})}
     for what, text in bad.items():
         path = tmp_path / "bad.json"
         path.write_text(text)
@@ -311,12 +379,12 @@ def test_bucket_cap_grows_only_where_latency_dominates(tmp_path):
         return tuner.load_table(_table(tmp_path / f"{alpha}.json", fits))
 
     fast, slow, very_slow = table(1e-6), table(1e-3), table(1.0)
-    assert tuner.bucket_cap_bytes(fast, 4) == tuner.BUCKET_FLOOR            # bandwidth-bound: 25 MiB
-    cap = tuner.bucket_cap_bytes(slow, 4)
-    assert tuner.BUCKET_FLOOR < cap < 4 * tuner.BUCKET_FLOOR
-    assert tuner.latency_share(slow, 4, cap) <= 0.05 < tuner.latency_share(slow, 4, cap - mib)
-    assert tuner.bucket_cap_bytes(very_slow, 4) == 4 * tuner.BUCKET_FLOOR   # the ceiling
-    assert tuner.bucket_cap_bytes(slow, 1) == tuner.BUCKET_FLOOR
+    assert bucket_size.bucket_cap_bytes(fast, 4) == bucket_size.BUCKET_FLOOR            # bandwidth-bound: 25 MiB
+    cap = bucket_size.bucket_cap_bytes(slow, 4)
+    assert bucket_size.BUCKET_FLOOR < cap < 4 * bucket_size.BUCKET_FLOOR
+    assert bucket_size.latency_share(slow, 4, cap) <= 0.05 < bucket_size.latency_share(slow, 4, cap - mib)
+    assert bucket_size.bucket_cap_bytes(very_slow, 4) == 4 * bucket_size.BUCKET_FLOOR   # the ceiling
+    assert bucket_size.bucket_cap_bytes(slow, 1) == bucket_size.BUCKET_FLOOR
 
 
 def _bucket_default(rank, world):
@@ -326,7 +394,7 @@ def _bucket_default(rank, world):
     ddp = BucketedDDP(nn.Linear(4, 2))
     fixed = BucketedDDP(nn.Linear(4, 2), algorithm="ring")
     out = (ddp.bucket_cap_mb, fixed.bucket_cap_mb,
-           tuner.bucket_cap_bytes(tuner.table(), world) / 2**20)
+           bucket_size.bucket_cap_bytes(tuner.table(), world) / 2**20)
     ddp.close()
     fixed.close()
     return out

@@ -10,6 +10,9 @@ coefficients counted from what the implementation in :mod:`minidist.comm` sends 
 chain of dependent messages (:func:`coefficients`; ``tests/test_tuner.py`` checks them against the
 traffic counters), and ``alpha`` (s), ``beta`` (s/byte) fitted per algorithm, so that each
 algorithm's own per-message overhead is in its alpha, like NCCL's per-algorithm base latency.
+Where the table holds the medians it was fitted to (every ``bench alpha-beta`` table does), a
+prediction between two measured sizes interpolates them (:meth:`Table.predict`), as Open MPI's
+coll/tuned and MPICH's tuning files choose from measured size ranges; the model fills the rest.
 
 The table of fits (the JSON of ``minidist bench alpha-beta``, format ``minidist-alpha-beta/1``):
 
@@ -23,7 +26,8 @@ The table of fits (the JSON of ``minidist bench alpha-beta``, format ``minidist-
   ``minidist bench alpha-beta --reset``, or delete the file. A named table that is missing, or a
   corrupt one, falls back to the default with a warning. Tables are read once per process.
 
-A world size the table lacks uses the fit of the nearest measured one (the formulas carry W).
+A world size the table lacks uses the fit of the nearest measured one (the formulas carry W)
+and no medians.
 Ranks agree on one table per process group (group rank 0's, at the group's first ``auto`` call),
 so machines with different tables still choose alike. ``MINIDIST_DEBUG=1`` prints each choice.
 """
@@ -39,7 +43,7 @@ from pathlib import Path
 
 __all__ = ["CANDIDATES", "ENV", "FORMAT", "DEFAULT_TABLE", "Table", "coefficients", "predict",
            "machine_table_path", "load_table", "table", "choose", "agreed_table", "reset_cache",
-           "RING_BROADCAST_SEGMENT", "latency_share", "bucket_cap_bytes", "BUCKET_FLOOR"]
+           "RING_BROADCAST_SEGMENT"]
 
 FORMAT = "minidist-alpha-beta/1"
 ENV = "MINIDIST_ALPHA_BETA"
@@ -108,12 +112,16 @@ def predict(op: str, algorithm: str, world: int, nbytes: float, alpha: float, be
 
 
 class Table:
-    """Fits ``{(op, algorithm, world_size): (alpha s, beta s/byte)}`` and where they came from
-    (``sources``: op -> file). :meth:`predict` and :meth:`choose` answer for any world size."""
+    """Fits ``{(op, algorithm, world_size): (alpha s, beta s/byte)}``, where they came from
+    (``sources``: op -> file) and the measured medians the fits were made from (``points``:
+    ``{(op, algorithm, world_size): ((bytes, median s), ...)}`` ascending; may be empty).
+    :meth:`predict` and :meth:`choose` answer for any world size."""
 
-    def __init__(self, fits: dict, sources: dict | None = None):
+    def __init__(self, fits: dict, sources: dict | None = None, points: dict | None = None):
         self.fits = dict(fits)
         self.sources = dict(sources or {})
+        self.points = {k: tuple(sorted((float(n), float(t)) for n, t in v))
+                       for k, v in (points or {}).items() if v}
         self._choices: dict = {}
 
     def alpha_beta(self, op: str, algorithm: str, world: int) -> tuple[float, float]:
@@ -124,9 +132,33 @@ class Table:
         best = min(sizes, key=lambda w: (abs(w - world), w))
         return self.fits[(op, algorithm, best)]
 
-    def predict(self, op: str, algorithm: str, world: int, nbytes: float, itemsize: int = 4) -> float:
-        """Predicted seconds (see :func:`predict`) with this table's alpha and beta."""
+    def model(self, op: str, algorithm: str, world: int, nbytes: float, itemsize: int = 4) -> float:
+        """The alpha-beta model's seconds (see :func:`predict`) with this table's alpha and beta."""
         return predict(op, algorithm, world, nbytes, *self.alpha_beta(op, algorithm, world), itemsize)
+
+    def predict(self, op: str, algorithm: str, world: int, nbytes: float, itemsize: int = 4) -> float:
+        """Predicted seconds: between two measured sizes at this world size, the measured medians
+        interpolated in log-log; beyond them, :meth:`model` scaled to meet the nearest median; a
+        world size without measurements, :meth:`model` alone.
+
+        Why not the model alone: two straight lines fitted to an algorithm's whole range can miss
+        the sizes where they cross (a table measured on the machine this library was written on,
+        W=2, 64 MiB: the fits predicted naive 55.5 ms, ring 55.7 ms; the medians were 62.3 ms
+        and 47.6 ms). Open MPI's coll/tuned and MPICH's
+        tuning files likewise choose from measured size ranges, not from a formula.
+        """
+        m = self.model(op, algorithm, world, nbytes, itemsize)
+        pts = self.points.get((op, algorithm, world))
+        if not pts or world <= 1:
+            return m
+        if nbytes <= pts[0][0] or nbytes >= pts[-1][0]:
+            n0, t0 = pts[0] if nbytes <= pts[0][0] else pts[-1]
+            at = self.model(op, algorithm, world, n0, itemsize)
+            return m * t0 / at if at > 0 else t0
+        i = next(i for i in range(1, len(pts)) if nbytes <= pts[i][0])
+        (n0, t0), (n1, t1) = pts[i - 1], pts[i]
+        f = math.log(nbytes / n0) / math.log(n1 / n0)
+        return math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0)))
 
     def choose(self, op: str, world: int, nbytes: int, itemsize: int = 4) -> str:
         """The candidate (:data:`CANDIDATES`) with the lowest predicted time; ties (W = 1, or an
@@ -141,12 +173,13 @@ class Table:
 
     def to_json(self) -> dict:
         return {"fits": [[o, a, w, al, be] for (o, a, w), (al, be) in sorted(self.fits.items())],
-                "sources": self.sources}
+                "sources": self.sources,
+                "points": [[o, a, w, [list(p) for p in v]] for (o, a, w), v in sorted(self.points.items())]}
 
     @classmethod
     def from_json(cls, d: dict) -> "Table":
         return cls({(o, a, int(w)): (float(al), float(be)) for o, a, w, al, be in d["fits"]},
-                   d.get("sources"))
+                   d.get("sources"), {(o, a, int(w)): v for o, a, w, v in d.get("points", [])})
 
 
 def machine_table_path() -> Path:
@@ -158,22 +191,29 @@ def machine_table_path() -> Path:
     return Path(cache) / "minidist" / "alpha_beta.json"
 
 
-def _read(path: Path) -> dict:
-    """{(op, algorithm, W): (alpha, beta)} of a ``minidist-alpha-beta/1`` file; ValueError if
-    it is not one (unreadable JSON, another format, a fit without finite non-negative values)."""
+def _read(path: Path) -> tuple[dict, dict]:
+    """({(op, algorithm, W): (alpha, beta)}, {(op, algorithm, W): [(bytes, median s), ...]}) of a
+    ``minidist-alpha-beta/1`` file; ValueError if it is not one (unreadable JSON, another format,
+    a fit without finite non-negative values, a measured point that is not positive)."""
     try:
         with open(path) as f:
             doc = json.load(f)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ValueError(f"format {doc.get('format') if isinstance(doc, dict) else None!r}, "
                              f"expected {FORMAT!r}")
-        out = {}
+        fits, points = {}, {}
         for fit in doc["fits"]:
             alpha, beta = float(fit["alpha"]), float(fit["beta"])
+            name = f"{fit['op']}/{fit['algorithm']}"
             if not (math.isfinite(alpha) and math.isfinite(beta) and alpha >= 0 and beta >= 0):
-                raise ValueError(f"fit {fit['op']}/{fit['algorithm']} has alpha={alpha}, beta={beta}")
-            out[(str(fit["op"]), str(fit["algorithm"]), int(fit["world_size"]))] = (alpha, beta)
-        return out
+                raise ValueError(f"fit {name} has alpha={alpha}, beta={beta}")
+            key = (str(fit["op"]), str(fit["algorithm"]), int(fit["world_size"]))
+            fits[key] = (alpha, beta)
+            pts = [(float(p["bytes"]), float(p["median_s"])) for p in fit.get("points", [])]
+            if any(not (0 < v < math.inf) for p in pts for v in p):
+                raise ValueError(f"fit {name} has a measured point that is not positive: {pts}")
+            points[key] = pts
+        return fits, points
     except (OSError, KeyError, TypeError, ValueError) as e:   # JSONDecodeError is a ValueError
         raise ValueError(f"{path}: not a usable alpha-beta table ({type(e).__name__}: {e})") from e
 
@@ -182,10 +222,10 @@ def load_table(path: str | os.PathLike | None = None) -> Table:
     """The shipped default, with each op whose every candidate this machine's table (``path``,
     default :func:`machine_table_path`) measured taken from it. Warns and keeps the default when
     that table is corrupt, or missing although named by ``$MINIDIST_ALPHA_BETA``."""
-    fits = _read(DEFAULT_TABLE)
+    fits, points = _read(DEFAULT_TABLE)
     sources = {op: "default" for op in CANDIDATES}
     if path is None and os.environ.get(ENV) == "default":
-        return Table(fits, sources)
+        return Table(fits, sources, points)
     named = path is not None or bool(os.environ.get(ENV))
     where = Path(path) if path is not None else machine_table_path()
     if not where.exists():
@@ -193,20 +233,22 @@ def load_table(path: str | os.PathLike | None = None) -> Table:
             warnings.warn(f"minidist tuner: no alpha-beta table at {where}; using the default "
                           f"table shipped with minidist (measure this machine with `minidist "
                           f"bench alpha-beta --json`)", RuntimeWarning, stacklevel=2)
-        return Table(fits, sources)
+        return Table(fits, sources, points)
     try:
-        mine = _read(where)
+        mine, my_points = _read(where)
     except ValueError as e:
         warnings.warn(f"minidist tuner: {e}; using the default table shipped with minidist "
                       f"(`minidist bench alpha-beta --reset` removes it)", RuntimeWarning,
                       stacklevel=2)
-        return Table(fits, sources)
+        return Table(fits, sources, points)
     for op, algs in CANDIDATES.items():
         if all(any((o, a) == (op, alg) for o, a, _ in mine) for alg in algs):
             fits = {k: v for k, v in fits.items() if k[0] != op}
             fits.update({k: v for k, v in mine.items() if k[0] == op})
+            points = {k: v for k, v in points.items() if k[0] != op}
+            points.update({k: v for k, v in my_points.items() if k[0] == op})
             sources[op] = str(where)
-    return Table(fits, sources)
+    return Table(fits, sources, points)
 
 
 _cache: dict = {}
@@ -247,39 +289,6 @@ def agreed_table(group=None) -> Table:
         dist.broadcast_object_list(box, src=src, group=group)
         hit = _agreed[key] = mine if box[0] == mine.to_json() else Table.from_json(box[0])
     return hit
-
-
-BUCKET_FLOOR = 25 << 20   # torch DDP's bucket_cap_mb=25 (Li et al. 2020, §5.2 measured it)
-
-
-def latency_share(t: Table, world: int, nbytes: int, op: str = "all_reduce") -> float:
-    """The share of the predicted time of auto's choice that is latency (``c_alpha·alpha``)."""
-    a = t.choose(op, world, nbytes)
-    total = t.predict(op, a, world, nbytes)   # 0 at W = 1: nothing moves
-    return coefficients(op, a, world, nbytes)[0] * t.alpha_beta(op, a, world)[0] / total if total else 0.0
-
-
-def bucket_cap_bytes(t: Table, world: int, share: float = 0.05, floor: int = BUCKET_FLOOR,
-                     ceiling: int = 4 * BUCKET_FLOOR) -> int:
-    """A DDP bucket size from the same model: the smallest size (MiB steps) at which the
-    latency of auto's all-reduce is at most ``share`` of its predicted time, kept within
-    [``floor``, ``ceiling``].
-
-    Why: B buckets of a model's n gradient bytes cost about ``B·c_alpha·alpha + c_beta·n·beta``
-    of communication, of which only the last bucket's is not hidden behind backward. Smaller
-    buckets start communicating earlier and leave a smaller last bucket; each costs one more
-    alpha. Where latency dominates (a slow alpha, many ranks: c_alpha grows with W), a bucket
-    must be larger before its alpha stops mattering, so fewer, larger buckets; where bandwidth
-    dominates, torch's 25 MiB (the floor) already pays under 5 % latency (this machine's
-    default table: about 1 % at W=2, 4 % at W=4). The ceiling (100 MiB) bounds the
-    un-overlapped last bucket.
-    """
-    if world <= 1:
-        return floor
-    mib = max(1, floor >> 20)
-    while (mib << 20) < ceiling and latency_share(t, world, mib << 20) > share:
-        mib += 1
-    return min(ceiling, mib << 20)
 
 
 _chosen: dict = {}   # (id(group), op, W, nbytes, itemsize) -> (group, algorithm): the hot path

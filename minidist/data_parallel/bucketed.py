@@ -37,7 +37,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..comm import tuner
+from ..comm import bucket_size, tuner
 from ..communicator import CommThread, Communicator
 from ..trace import Timeline
 from .base import DataParallelBase
@@ -55,7 +55,7 @@ class BucketedDDP(DataParallelBase):
     """Bucketed DDP with communication overlapped with backward.
 
     Args (besides :class:`DataParallelBase`'s): ``bucket_cap_mb`` (MiB per bucket; default
-    ``None``: from the alpha-beta model, :func:`minidist.comm.tuner.bucket_cap_bytes` — torch's
+    ``None``: from the alpha-beta model, :func:`minidist.comm.bucket_size.bucket_cap_bytes` — torch's
     25 MiB, larger where the all-reduce's latency is still over 5 % of its time at 25 MiB: fewer,
     larger buckets where latency dominates; the same on every rank, from the agreed table),
     ``first_bucket_cap_mb`` (cap of bucket 0 only, default: the same; torch's DDP
@@ -68,8 +68,9 @@ class BucketedDDP(DataParallelBase):
         super().__init__(module, **kwargs)
         if bucket_cap_mb is None:   # the model's size (hand-built auto; torch's 25 MiB otherwise)
             auto = self.collectives == "hand-built" and self.algorithm == "auto"
-            bucket_cap_mb = (tuner.bucket_cap_bytes(tuner.agreed_table(self.group), self.world_size)
-                             / 2**20 if auto else tuner.BUCKET_FLOOR / 2**20)
+            bucket_cap_mb = (bucket_size.bucket_cap_bytes(tuner.agreed_table(self.group),
+                                                          self.world_size) / 2**20
+                             if auto else bucket_size.BUCKET_FLOOR / 2**20)
         check_bucket_cap(f"BucketedDDP (rank {self.rank})", "bucket_cap_mb", bucket_cap_mb)
         check_bucket_cap(f"BucketedDDP (rank {self.rank})", "first_bucket_cap_mb",
                          first_bucket_cap_mb, allow_none=True)
