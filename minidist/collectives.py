@@ -19,7 +19,7 @@ reduce             tree (default), naive      ``dist.reduce``
 all_to_all         naive (pairwise)           ``dist.all_to_all``
 =================  =========================  ============================================
 
-``algorithm="auto"`` runs the algorithm with the lowest predicted alpha-beta time for this size
+``algorithm="auto"`` runs the algorithm with the lowest predicted time for this size
 and world size (:mod:`minidist.comm.tuner`, as NCCL's tuner does); the traffic counters name the
 algorithm it ran (``"all_reduce/recursive_doubling"``), ``MINIDIST_DEBUG=1`` prints each choice.
 The strategies (DDP, ZeRO, FSDP, the 3-D DP step) use ``auto`` through

@@ -6,7 +6,7 @@ Every strategy (DDP, SyncBatchNorm, ZeRO, FSDP, the 3-D DP modes) takes ``collec
 
 * ``collectives="hand-built"`` — minidist's own (:mod:`minidist.collectives`, built from
   isend/irecv; traffic counted by :mod:`minidist.comm.p2p`), with ``algorithm="auto"`` by
-  default: per call, the algorithm with the lowest predicted alpha-beta time for its size
+  default: per call, the algorithm with the lowest predicted time for its size
   (:mod:`minidist.comm.tuner`, as NCCL's tuner); ``algorithm="ring"`` (or any name of
   ``collectives.ALGORITHMS``: the ops that have it run it, the others their default) fixes one;
 * ``collectives="torch"`` — ``torch.distributed``'s (``all_reduce``, ``all_gather_single`` /

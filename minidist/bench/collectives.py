@@ -306,7 +306,7 @@ def format_table(rows: list[dict]) -> str:
     lines.append("of p2p: the ceiling's time / this time; the ceiling = one isend to the right and one "
                  "irecv from the left per rank of busbw factor x N elements, timed in the same run")
     if any("chosen" in r for r in rows):
-        lines.append("auto:X: algorithm='auto' ran X, the lowest predicted alpha-beta time (rd = "
+        lines.append("auto:X: algorithm='auto' ran X, the lowest predicted time (rd = "
                      "recursive_doubling); table: " + ", ".join(sorted(set(
                          tuner.table().sources.get(r["op"], "default") for r in rows if "chosen" in r))))
     groups = {}

@@ -1,4 +1,4 @@
-"""``algorithm="auto"``: the algorithm with the lowest predicted alpha-beta time, as NCCL's tuner.
+"""``algorithm="auto"``: the algorithm with the lowest predicted time, as NCCL's tuner.
 
 NCCL does not run one algorithm. At start-up its tuner (``ncclTopoTuneModel``, src/graph/tuning.cc)
 fills, per collective, algorithm (Ring, Tree, ...) and protocol, a latency (a base latency plus
