@@ -270,3 +270,22 @@ def test_report_total_scales_the_printed_score():
     rep.check("a", lambda: None)
     rep.check("b", lambda: "wrong")
     assert (rep.score, rep.max_score) == (2, 4) and str(rep).endswith("score: 2/4")
+
+
+def test_a_rule_failed_again_with_a_per_rank_message_prints_one_line_pointing_to_the_first():
+    from minidist.grading.core import Report, Result
+    wait = "[wait] every isend/irecv is waited: rank 0: isend never waited\nrank 1: irecv never waited"
+    rep = Report("g", brief_repeats=True)
+    rep.add(Result("world size 2, 1 element", False, 0, 1, wait, rule="wait"))
+    rep.add(Result("world size 2, 3 elements", False, 0, 1, wait, rule="wait"))
+    rep.add(Result("world size 3, 1 element", False, 0, 1, "[equal] result[0]: expected 1, got 2",
+                   rule="equal"))
+    rep.add(Result("world size 3, 3 elements", False, 0, 1, "[equal] result[1]: expected 3, got 4",
+                   rule="equal"))
+    text = str(rep)
+    assert text.count("rank 1: irecv never waited") == 1
+    assert ("✗ world size 2, 3 elements: [wait] broken again (in full at world size 2, 1 element "
+            "above)") in text
+    assert "expected 1, got 2" in text and "expected 3, got 4" in text   # one-line messages stay
+    rep.brief_repeats = False
+    assert str(rep).count("rank 1: irecv never waited") == 2

@@ -247,8 +247,9 @@ def _diagnose_sum(fn, reference: str, world: int, n: int, timeout: float,
         if div:
             lines.append(div)
     if lines:
-        lines.insert(0, f"decoded (world size {world}, {n} elements; each rank's chunks hold "
-                        "distinct powers of ten, so a sum names its contributors):")
+        lines.insert(0, f"decoded by a second run of your code (world size {world}, {n} elements, "
+                        "chosen so that each rank's chunks hold distinct powers of ten and a sum "
+                        "names its contributors):")
     return lines
 
 
@@ -316,7 +317,7 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
     rules = collective_rules(traffic, pairing)
     report = Report(title or f"{name} graded against torch.distributed ({what})", total=total,
                     rules=rules, default_rule="equal",
-                    timeout_rule="pairing" if pairing else "")
+                    timeout_rule="pairing" if pairing else "", brief_repeats=True)
     decoded = False
     for world in world_sizes:
         for n in sizes:

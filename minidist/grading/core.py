@@ -123,6 +123,8 @@ class Report:
     rules: dict | None = None   # {rule id: text}: a failed check's message starts "[id] text: "
     default_rule: str = ""      # the rule of a failed check that names none
     timeout_rule: str = ""      # the rule of a check that timed out (a deadlock), if any
+    brief_repeats: bool = False  # a rule failed again with a message of several lines (one per
+    #                              rank): one line, pointing to where it was printed in full
 
     def add(self, result: Result) -> Result:
         self.results.append(result)
@@ -203,6 +205,7 @@ class Report:
     def __str__(self) -> str:
         lines = [f"{self.title}:"] + [f"  ! {n}" for n in self.notes]
         i, rs = 0, self.results
+        told: dict = {}   # rule -> the check whose failure of it was printed in full
         while i < len(rs):   # a run of checks not run for the same reason: one line
             j = i
             while rs[i].message.startswith("not run (") and j + 1 < len(rs) \
@@ -210,8 +213,14 @@ class Report:
                 j += 1
             if j > i:
                 lines.append(f"  ✗ {j - i + 1} checks, {rs[i].name} … {rs[j].name}: {rs[i].message}")
+            elif (self.brief_repeats and not rs[i].passed and rs[i].rule in told
+                  and "\n" in rs[i].message and "decoded" not in rs[i].message):
+                lines.append(f"  ✗ {rs[i].name}: [{rs[i].rule}] broken again (in full at "
+                             f"{told[rs[i].rule]} above)")
             else:
                 lines.append("  " + rs[i].line().replace("\n", "\n  "))
+                if not rs[i].passed and rs[i].rule and not rs[i].message.startswith("not run ("):
+                    told[rs[i].rule] = rs[i].name
             i = j + 1
         lines.append(f"score: {self.score:g}/{self.max_score:g}")
         return "\n".join(lines)
