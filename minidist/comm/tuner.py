@@ -141,11 +141,11 @@ class Table:
         interpolated in log-log; beyond them, :meth:`model` scaled to meet the nearest median; a
         world size without measurements, :meth:`model` alone.
 
-        Why not the model alone: two straight lines fitted to an algorithm's whole range can miss
-        the sizes where they cross (a table measured on the machine this library was written on,
-        W=2, 64 MiB: the fits predicted naive 55.5 ms, ring 55.7 ms; the medians were 62.3 ms
-        and 47.6 ms). Open MPI's coll/tuned and MPICH's
-        tuning files likewise choose from measured size ranges, not from a formula.
+        Why not the model alone: a straight line fitted to an algorithm's whole range of sizes is
+        off by a few percent at a given size, which swaps two algorithms whose lines nearly cross
+        there (chapter 03, section 5 lists the measured sizes where the table in use chooses
+        differently by lines and by medians). Open MPI's coll/tuned and MPICH's tuning files
+        likewise choose from measured size ranges, not from a formula.
         """
         m = self.model(op, algorithm, world, nbytes, itemsize)
         pts = self.points.get((op, algorithm, world))
