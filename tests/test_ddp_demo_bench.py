@@ -8,12 +8,13 @@ from minidist.lessons.ddp_demo import demo_rows
 
 def test_demo_rows_world_size_2():
     rows = demo_rows(world_sizes=(2,))
-    assert [r["check"] for r in rows] == ["digits test accuracy (bucketed DDP, MLP)",
+    assert [r["check"] for r in rows] == ["digits accuracy: DDP vs one process (MLP)",
                                           "parameters equal one process on the global batch",
                                           "replicas bit-identical across ranks"]
     for r in rows:
         assert r["section"] == "DDP" and r["world_size"] == 2 and r["ok"], r
         assert set(r) == {"section", "check", "world_size", "max_error", "ok", "detail"}
+    assert "one process" in rows[0]["detail"] and "the error column is the gap" in rows[0]["detail"]
 
 
 def test_bench_ddp_small_mlp(capsys):
