@@ -216,7 +216,10 @@ def test_missing_corrupt_or_incomplete_machine_table_falls_back_to_the_default(t
                op="all_reduce", algorithm="ring", world_size=2, alpha=-1.0, beta=1e-9)]}),
            "zero median": json.dumps({"format": tuner.FORMAT, "fits": [dict(
                op="all_reduce", algorithm="ring", world_size=2, alpha=1e-4, beta=1e-9,
-               points=[dict(bytes=1024, median_s=0.0)])]})}
+               points=[dict(bytes=1024, median_s=0.0)])]}),
+           "one size twice": json.dumps({"format": tuner.FORMAT, "fits": [dict(
+               op="all_reduce", algorithm="ring", world_size=2, alpha=1e-4, beta=1e-9,
+               points=[dict(bytes=1024, median_s=1e-3), dict(bytes=1024, median_s=2e-3)])]})}
     for what, text in bad.items():
         path = tmp_path / "bad.json"
         path.write_text(text)

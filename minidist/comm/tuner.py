@@ -194,7 +194,8 @@ def machine_table_path() -> Path:
 def _read(path: Path) -> tuple[dict, dict]:
     """({(op, algorithm, W): (alpha, beta)}, {(op, algorithm, W): [(bytes, median s), ...]}) of a
     ``minidist-alpha-beta/1`` file; ValueError if it is not one (unreadable JSON, another format,
-    a fit without finite non-negative values, a measured point that is not positive)."""
+    a fit without finite non-negative values, a measured point that is not positive, two of one
+    size)."""
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -212,6 +213,8 @@ def _read(path: Path) -> tuple[dict, dict]:
             pts = [(float(p["bytes"]), float(p["median_s"])) for p in fit.get("points", [])]
             if any(not (0 < v < math.inf) for p in pts for v in p):
                 raise ValueError(f"fit {name} has a measured point that is not positive: {pts}")
+            if len({n for n, _ in pts}) < len(pts):
+                raise ValueError(f"fit {name} has two measured points of one size: {pts}")
             points[key] = pts
         return fits, points
     except (OSError, KeyError, TypeError, ValueError) as e:   # JSONDecodeError is a ValueError
