@@ -287,5 +287,8 @@ def test_a_rule_failed_again_with_a_per_rank_message_prints_one_line_pointing_to
     assert ("✗ world size 2, 3 elements: [wait] broken again (in full at world size 2, 1 element "
             "above)") in text
     assert "expected 1, got 2" in text and "expected 3, got 4" in text   # one-line messages stay
+    # a one-line failure of a rule is not "in full" for a later per-rank message of it
+    rep.add(Result("world size 4, 1 element", False, 0, 1, "[equal] rank 0: a\nrank 1: b", rule="equal"))
+    assert "rank 1: b" in str(rep)
     rep.brief_repeats = False
     assert str(rep).count("rank 1: irecv never waited") == 2

@@ -21,7 +21,7 @@ def latency_share(t: Table, world: int, nbytes: int, op: str = "all_reduce") -> 
 def bucket_cap_bytes(t: Table, world: int, share: float = 0.05, floor: int = BUCKET_FLOOR,
                      ceiling: int = 4 * BUCKET_FLOOR) -> int:
     """A DDP bucket size from the same model: the smallest size (MiB steps) at which the
-    latency of auto's all-reduce is at most ``share`` of its predicted time, kept within
+    latency of auto's all-reduce is at most ``share`` of its alpha-beta model time, kept within
     [``floor``, ``ceiling``].
 
     Why: B buckets of a model's n gradient bytes cost about ``B·c_alpha·alpha + c_beta·n·beta``

@@ -219,7 +219,8 @@ class Report:
                              f"{told[rs[i].rule]} above)")
             else:
                 lines.append("  " + rs[i].line().replace("\n", "\n  "))
-                if not rs[i].passed and rs[i].rule and not rs[i].message.startswith("not run ("):
+                if not rs[i].passed and rs[i].rule and "\n" in rs[i].message \
+                        and not rs[i].message.startswith("not run ("):
                     told[rs[i].rule] = rs[i].name
             i = j + 1
         lines.append(f"score: {self.score:g}/{self.max_score:g}")
