@@ -88,11 +88,14 @@ def bench(argv=None) -> int:
     p.add_argument("--max-bytes", default="64M")
     p.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="'ddp': timed steps per variant")
     p.add_argument("--plot", metavar="FILE.png", help="draw busbw against size")
     args = p.parse_args(argv)
     if args.what == "ddp":
         from .bench.ddp import bench_ddp
-        bench_ddp(algorithm=(args.algorithms or ["auto"])[0])
+        if args.steps < 1:
+            p.error(f"--steps must be >= 1 (got {args.steps})")
+        bench_ddp(algorithm=(args.algorithms or ["auto"])[0], steps=args.steps)
         return 0
     if args.what == "zero":
         from .bench.zero import bench_zero

@@ -56,12 +56,14 @@ def test_table_prints_the_fraction_of_the_ceiling_beside_the_ratio_to_torch():
 
 
 def test_run_bench_times_the_ceiling_in_the_same_run():
-    rows = bench.run_bench(ops=("all_reduce", "all_gather"), algorithms=("torch", "ring"),
+    rows = bench.run_bench(ops=("all_reduce", "all_gather"),
+                           algorithms=("torch", "torch-again", "ring"),
                            world_sizes=(2,), sizes=(4096,), iters=1, warmup=0, timeout=240,
                            progress=False)
     assert sorted((r["op"], r["algorithm"]) for r in rows) == [
-        ("all_gather", "ring"), ("all_gather", "torch"), ("all_reduce", "ring"),
-        ("all_reduce", "torch")]  # the ceiling is a column, not a row
+        ("all_gather", "ring"), ("all_gather", "torch"), ("all_gather", "torch-again"),
+        ("all_reduce", "ring"), ("all_reduce", "torch"),
+        ("all_reduce", "torch-again")]  # the ceiling is a column, not a row
     for r in rows:
         assert r["ceiling_s"] > 0 and not r["wrong"]
         assert math.isclose(r["of_ceiling"], r["ceiling_s"] / r["time_s"])
@@ -118,3 +120,62 @@ def test_a_sizes_iterations_are_spread_over_rounds_and_each_counted_once():
     # warm-up of each size, then 4 passes through both sizes (2, 1, 1, 1 iterations), then the check
     assert calls == [1, 2] + [1, 1, 2, 2] + [1, 2] * 3 + [1, 2]
     assert [r["rounds"] for r in rows] == [4, 4]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
+def test_the_order_is_balanced_for_position_and_predecessor(n):
+    from minidist.bench.collectives import balanced_order
+    names = [f"a{k}" for k in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n
+    rows = [balanced_order(names, i) for i in range(cycle)]
+    assert all(sorted(r) == names for r in rows)           # every row runs every algorithm once
+    for pos in range(n):                                   # each in every position equally often
+        assert sorted(r[pos] for r in rows) == sorted(names * (cycle // n))
+    pairs = [(r[k], r[k + 1]) for r in rows for k in range(n - 1)]
+    want = {(a, b) for a in names for b in names if a != b}
+    assert set(pairs) == want and len(pairs) == len(want) * (cycle // n)   # after each equally
+    assert balanced_order(names, cycle) == rows[0] and balanced_order([], 3) == []
+
+
+def test_a_plain_rotation_would_keep_who_follows_whom():   # why the design, not a rotation
+    names = ["torch", "torch-again", "p2p", "ring"]
+    rows = [names[i:] + names[:i] for i in range(4)]
+    pairs = [(r[k], r[k + 1]) for r in rows for k in range(3)]
+    assert pairs.count(("torch", "torch-again")) == 3 and ("torch-again", "torch") not in pairs
+
+
+def test_bench_rank_follows_the_design_across_rounds_per_size():
+    from minidist.bench import collectives as bc
+    calls = []
+    fake = {a: ((lambda: None), (lambda a=a: calls.append(a)), lambda: 0.0) for a in "abc"}
+    orig = bc._one_op, bc._measure, bc.dist
+    bc._one_op = lambda op, a, nbytes, rank, world: fake[a]  # noqa: E731
+    bc._measure = lambda p, c, k: (c(), 1e-3)[1]  # noqa: E731
+
+    class _Dist:
+        ReduceOp = bc.dist.ReduceOp
+        all_reduce = staticmethod(lambda t, op=None: None)
+    bc.dist = _Dist
+    try:
+        bc._bench_rank(0, 1, [("all_reduce", a, 1) for a in "abc"], iters=3, warmup=0, rounds=2)
+    finally:
+        bc._one_op, bc._measure, bc.dist = orig
+    # warm-up a b c; 3 iterations over 2 rounds (2 + 1), rows 0, 1, 2 of the design; the checks
+    assert calls == list("abc") + list("abc") + list("bca") + list("cab") + list("abc")
+
+
+def test_the_control_is_torch_and_the_footer_states_its_spread_as_the_noise():
+    from minidist.bench.collectives import CONTROL, _one_op
+    assert CONTROL in bench.ALGORITHMS["all_reduce"] and CONTROL in bench.ALGORITHMS["broadcast"]
+    rows = [_row("torch", 0.020, 0.016), dict(_row(CONTROL, 0.025, 0.016)),
+            dict(_row(CONTROL, 0.016, 0.016), bytes=1 << 20), _row("ring", 0.025, 0.016),
+            dict(_row(CONTROL, 0.02, 0.016), world_size=4)]
+    assert bench.noise_floor(rows) == {("all_reduce", 2): (pytest.approx(0.8), 1.25),
+                                       ("all_reduce", 4): (1.0, 1.0)}
+    table = bench.format_table(rows)
+    assert "its 'vs torch' over the sizes is this run's noise (all_reduce W=2: 0.80-1.25x, " \
+           "all_reduce W=4: 1.00-1.00x)" in table
+    assert "torch-again" not in bench.format_table(rows[:1] + rows[3:4])   # no control, no line
+    assert bench.noise_floor([dict(_row(CONTROL, 0.02, 0.016), ratio_to_torch=float("nan"))]) == {}
+    with pytest.raises(ValueError, match="has not been initialized"):   # it calls torch's own
+        _one_op("all_reduce", CONTROL, 64, 0, 1)[1]()

@@ -8,7 +8,7 @@ def test_profile_reports_cpu_wait_and_comm_per_variant(capsys):
                     timeout=300, profile=True)
     assert len(out["profile"]) == 2  # one per rank
     for prof in out["profile"]:
-        assert set(prof) == {"torch", "minidist", "bucketed+torch", "flat"}
+        assert set(prof) == {"torch", "torch-again", "minidist", "bucketed+torch", "flat"}
         for name, p in prof.items():
             assert p["step_s"] > 0 and p["cpu_s"] >= 0
             assert p["step_spread_s"][0] <= p["step_s"] <= p["step_spread_s"][1]

@@ -90,3 +90,10 @@ def test_alpha_beta_fit_recovers_a_known_line():
 def test_parse_size():
     assert [bench.parse_size(s) for s in ("1K", "64M", "1G", "512", "4MiB")] == \
         [1024, 64 << 20, 1 << 30, 512, 4 << 20]
+
+
+def test_bench_ddp_refuses_a_step_count_below_one(capsys):
+    from minidist.cli import bench as bench_cli
+    with pytest.raises(SystemExit) as exc:
+        bench_cli(["ddp", "--steps", "0"])
+    assert exc.value.code == 2 and "--steps must be >= 1 (got 0)" in capsys.readouterr().err

@@ -25,3 +25,11 @@ def test_bench_ddp_small_mlp(capsys):
     assert 0.0 <= out["hidden_share"] <= 1.0
     text = capsys.readouterr().out
     assert "torch DDP" in text and "minidist BucketedDDP" in text and "hidden behind backward" in text
+    assert 0 < out["control_ratio"] < 100 and "torch DDP again (control)" in text
+    assert "noise: torch DDP against itself" in text
+
+
+def test_bench_ddp_control_can_be_left_out(capsys):
+    out = bench_ddp(world_size=2, steps=3, warmup=0, model="mlp", batch_size=4, bucket_cap_mb=1.0,
+                    with_flat=False, control=False)
+    assert "control_ratio" not in out and "control" not in capsys.readouterr().out

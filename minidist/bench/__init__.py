@@ -3,8 +3,9 @@
 ======================  ====================================================================
 module                  what it measures
 ======================  ====================================================================
-``collectives``         nccl-tests-style table of the hand-built collectives against torch's:
-                        time, algbw, busbw (nccl-tests definitions), alpha-beta fit, plots
+``collectives``         nccl-tests-style measurement of the hand-built collectives against
+                        torch's and a control (torch timed again: the run's noise floor);
+                        ``collectives_report``: the table, alpha-beta fit, plots
 ``ddp``                 step time of the bucketed DDP against torch's DDP (``minidist bench ddp``)
 ``pp``                  measured pipeline bubble against the simulator's prediction, and
                         activation memory per stage (``minidist bench pp``)
@@ -24,8 +25,8 @@ module                  what it measures
 (``bench.run_bench``, ``bench.busbw_factor``, ...), as before it became a package.
 """
 
-from .collectives import (ALGORITHMS, OPS, busbw_factor, fit_alpha_beta, format_table,  # noqa: F401
-                          parse_size, plot_busbw, run_bench)
+from .collectives import ALGORITHMS, CONTROL, OPS, busbw_factor, parse_size, run_bench  # noqa: F401
+from .collectives_report import fit_alpha_beta, format_table, noise_floor, plot_busbw  # noqa: F401
 
 __all__ = ["run_bench", "busbw_factor", "fit_alpha_beta", "plot_busbw", "format_table",
-           "ALGORITHMS", "OPS", "parse_size"]
+           "noise_floor", "ALGORITHMS", "CONTROL", "OPS", "parse_size"]

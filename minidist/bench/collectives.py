@@ -16,8 +16,8 @@ algorithm: enough calls for a measurement of at least ``SAMPLE_S`` (2 ms), at mo
 about 1 MiB here). Why: a single call timed right after a barrier also pays for waking every
 thread of the rank, the gloo threads' as well; that start-up is most of a 1 KiB call and varies
 with the scheduler, while a training step issues its collectives back to back (DDP's buckets).
-Algorithms alternate iteration by iteration, so the ratio to torch is measured under the same
-conditions, and a size's iterations are spread over ``ROUNDS`` (4) passes through all sizes:
+Algorithms alternate iteration by iteration, in a balanced order (:func:`balanced_order`: each
+in every position and after every other equally often), so the ratio to torch is measured under the same conditions, and a size's iterations are spread over ``ROUNDS`` (4) passes through all sizes:
 on two cores shared by the ranks and their gloo threads there are slow spells of some hundred
 milliseconds in which a hand-built collective's calls take several times longer while torch's,
 alternating with them, do not (measured at 16 KiB: runs of 20 iterations at up to 6x the run's
@@ -28,6 +28,11 @@ spreads its repetitions the same way). The price: every size's buffers are alive
 all-reduce up to 64 MiB with every algorithm at W=4, about 0.7 GB per rank). Every result is
 also checked after the timing (one call on a fresh input; the ``wrong`` column, as nccl-tests'
 ``#wrong``).
+
+The **control** row, ``torch-again``, is torch's own collective timed a second time as if it
+were another algorithm (an A/A test). Its "vs torch" would be 1.00 on a quiet machine; what it
+is instead is this run's noise: a ratio inside the control's spread does not tell the two
+apart. The table's footer prints that spread per world size.
 
 The **point-to-point ceiling** is timed in the same alternation: one ``isend`` to the right
 neighbour and one ``irecv`` from the left per rank, of the elements a ring moves per rank
@@ -50,17 +55,19 @@ from .. import collectives as C
 from ..comm import tuner
 from ..launch import run
 
-__all__ = ["run_bench", "busbw_factor", "fit_alpha_beta", "plot_busbw", "format_table",
-           "ALGORITHMS", "OPS", "parse_size", "ceiling_elements", "CEILING"]
+__all__ = ["run_bench", "busbw_factor", "ALGORITHMS", "OPS", "parse_size", "ceiling_elements",
+           "CEILING", "CONTROL", "balanced_order"]
 
 CEILING = "p2p"  # the name of the point-to-point ceiling's timings (not an algorithm of any op)
+# torch's own collective timed a second time as if it were another algorithm (an A/A control):
+# its ratio to torch would be 1.00 on a quiet machine, so its spread is the run's noise floor
+CONTROL = "torch-again"
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-# per op: torch's built-in (the reference), every hand-built algorithm the library offers, and
-# "auto" (the tuner's choice per size: minidist.comm.tuner; its row names the algorithm it ran)
-ALGORITHMS = {op: ("torch", *C.ALGORITHMS[op], *((C.AUTO,) if op in tuner.CANDIDATES else ()))
-              for op in OPS}
-_SHORT = {"recursive_doubling": "rd"}   # the auto row's "auto:rd" in the table
+# per op: torch's built-in (the reference), the control, every hand-built algorithm the library
+# offers, and "auto" (the tuner's choice per size: minidist.comm.tuner; its row names what it ran)
+ALGORITHMS = {op: ("torch", CONTROL, *C.ALGORITHMS[op],
+                   *((C.AUTO,) if op in tuner.CANDIDATES else ())) for op in OPS}
 
 
 def busbw_factor(op: str, world_size: int) -> float:
@@ -117,6 +124,7 @@ def parse_size(text: str) -> int:
 
 def _one_op(op: str, algorithm: str, nbytes: int, rank: int, world: int):
     """Return (prepare, call, check) closures for one measurement (float32 buffers)."""
+    algorithm = "torch" if algorithm == CONTROL else algorithm
     n = max(nbytes // 4 // world * world, world)  # elements, divisible by W
     piece = n // world
     if op == "all_reduce":
@@ -166,8 +174,8 @@ def _calls_per_sample(single_s: float) -> int:
 
 
 def _bench_rank(rank, world, plan, iters, warmup, rounds=1):
-    """Time every algorithm of one (op, size) in alternation — torch, ring, naive, torch, ring, ...
-    — so that a load spike on a shared machine hits all of them alike and the ratio stays fair.
+    """Time every algorithm of one (op, size) in alternation — torch, ring, naive, then ring,
+    torch, naive, ... (:func:`balanced_order`) — so that a load spike on a shared machine hits all of them alike and the ratio stays fair.
     Each measurement: refill, barrier, then k calls back to back timed together (k from the
     fastest algorithm's single call in the warm-up, the same for every algorithm and rank).
     The ``iters`` measurements of a size are spread over ``rounds`` passes through all sizes, so
@@ -187,11 +195,14 @@ def _bench_rank(rank, world, plan, iters, warmup, rounds=1):
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)   # every rank takes the largest k
         state[(op, nbytes)] = (closures, {a: [] for a in closures}, int(agreed.item()))
     rounds = max(1, min(rounds, iters))
+    done = {key: 0 for key in state}   # a size's iterations so far: its row of the design
     for r in range(rounds):
-        for closures, times, k in state.values():
+        for key, (closures, times, k) in state.items():
             for _ in range(iters // rounds + (r < iters % rounds)):
-                for a, (prep, call, _) in closures.items():
+                for a in balanced_order(list(closures), done[key]):
+                    prep, call, _ = closures[a]
                     times[a].append(_measure(prep, call, k))
+                done[key] += 1
     rows = []
     for (op, nbytes), (closures, times, k) in state.items():
         for a, (prep, call, check) in closures.items():
@@ -203,6 +214,33 @@ def _bench_rank(rank, world, plan, iters, warmup, rounds=1):
                              time_s=statistics.median(t[:-1].tolist()), max_error=t[-1].item(),
                              calls_per_sample=k, rounds=rounds))
     return rows
+
+
+def balanced_order(names: list, i: int) -> list:
+    """The order of iteration ``i``: row ``i`` of a Williams design (a Latin square balanced for
+    carry-over; E. J. Williams, Aust. J. Sci. Res. A 2 (1949) 149-168), the same on every rank.
+    Over one cycle — len(names) iterations, twice that for an odd count — every algorithm runs
+    equally often in every position, and right after every other algorithm equally often.
+
+    Why both: neither the position nor the predecessor is neutral. Measured here with torch timed
+    twice as two algorithms (W=2, 40 iterations, fixed order): the one right after the
+    point-to-point ceiling took up to 1.3-1.8x the other's median at 16-64 KiB, whichever of the
+    two it was; and a plain rotation keeps who-follows-whom, so it keeps that bias. Rows: the
+    sequence 0, 1, n-1, 2, n-2, ... shifted by the row, and for odd n also reversed."""
+    n = len(names)
+    if n == 0:
+        return []
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    cycle = n if n % 2 == 0 else 2 * n
+    r = i % cycle
+    row = [names[(b + r) % n] for b in base]
+    return row[::-1] if r >= n else row
 
 
 def _measure(prep, call, k: int) -> float:
@@ -261,94 +299,3 @@ def run_bench(ops=OPS, algorithms=None, world_sizes=(2, 4), sizes=None, iters: i
         r["ratio_to_torch"] = ref / r["time_s"] if ref else float("nan")
         r["wrong"] = r["max_error"] > 1e-3 * max(1.0, r["world_size"] ** 2)
     return rows
-
-
-def fit_alpha_beta(rows: list[dict]) -> tuple[float, float]:
-    """Least-squares fit of ``time_s = alpha + beta · bytes``; returns (alpha in s, beta in s/byte).
-
-    Pass the rows of one (op, algorithm, world size). 1/beta is the asymptotic algbw (bytes/s).
-    This is a plain line through one median per size (the table's quick look); the collective's
-    own model, repetitions scaled to the size and bootstrap spreads are in
-    :mod:`minidist.bench.alpha_beta` (``minidist bench alpha-beta``).
-    """
-    if len(rows) < 2:
-        raise ValueError("fit_alpha_beta needs at least two sizes")
-    x = torch.tensor([float(r["bytes"]) for r in rows], dtype=torch.float64)
-    y = torch.tensor([r["time_s"] for r in rows], dtype=torch.float64)
-    a = torch.stack([torch.ones_like(x), x], dim=1)
-    alpha, beta = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1).tolist()
-    return alpha, beta
-
-
-def _human(nbytes: int) -> str:
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:g} {unit}"
-    return f"{nbytes} B"
-
-
-def format_table(rows: list[dict]) -> str:
-    """The nccl-tests-like table, one line per row, plus an alpha-beta line per group."""
-    head = f"{'op':<15}{'algorithm':<19}{'W':>3}{'size':>11}{'time ms':>10}{'algbw GB/s':>12}" \
-           f"{'busbw GB/s':>12}{'vs torch':>10}{'of p2p':>8}{'#wrong':>8}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        alg = r["algorithm"] + (":" + _SHORT.get(r["chosen"], r["chosen"]) if "chosen" in r else "")
-        lines.append(f"{r['op']:<15}{alg:<19}{r['world_size']:>3}{_human(r['bytes']):>11}"
-                     f"{r['time_s'] * 1e3:>10.3f}{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}"
-                     f"{r['ratio_to_torch']:>9.2f}x{r.get('of_ceiling', float('nan')):>8.2f}"
-                     f"{int(r['wrong']):>8}")
-    lines.append("")
-    ks = sorted({r["calls_per_sample"] for r in rows if "calls_per_sample" in r})
-    if ks:
-        lines.append(f"time ms: per call; each measurement times k calls back to back (k = "
-                     f"{ks[0]}..{ks[-1]} by size, the same for every algorithm of a size)")
-    lines.append("of p2p: the ceiling's time / this time; the ceiling = one isend to the right and one "
-                 "irecv from the left per rank of busbw factor x N elements, timed in the same run")
-    if any("chosen" in r for r in rows):
-        lines.append("auto:X: algorithm='auto' ran X, the lowest predicted time (rd = "
-                     "recursive_doubling); table: " + ", ".join(sorted(set(
-                         tuner.table().sources.get(r["op"], "default") for r in rows if "chosen" in r))))
-    groups = {}
-    for r in rows:
-        groups.setdefault((r["op"], r["algorithm"], r["world_size"]), []).append(r)
-    for (op, alg, w), g in groups.items():
-        if len(g) >= 2:
-            alpha, beta = fit_alpha_beta(g)
-            bw = f"{1 / beta / 1e9:.2f} GB/s" if beta > 0 else "n/a"
-            lines.append(f"alpha-beta fit {op}/{alg} W={w}: alpha = {alpha * 1e6:.1f} us, "
-                         f"1/beta = {bw}")
-    return "\n".join(lines)
-
-
-def plot_busbw(rows: list[dict], op: str | None = None):
-    """busbw against size (log scale), one line per (algorithm, world size); ``auto`` drawn as a
-    wide grey band over the others (it should lie on the best one). Returns the Figure."""
-    import matplotlib.pyplot as plt
-
-    op = op or rows[0]["op"]
-    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=80)
-    groups = {}
-    for r in rows:
-        if r["op"] == op:
-            groups.setdefault((r["algorithm"], r["world_size"]), []).append(r)
-    for (alg, w), g in sorted(groups.items()):
-        g = sorted(g, key=lambda r: r["bytes"])
-        style = dict(linewidth=6, alpha=0.3, color="black") if alg == C.AUTO else dict(marker="o")
-        ax.plot([r["bytes"] for r in g], [r["busbw_GBps"] for r in g],
-                linestyle="--" if alg == "torch" else "-", label=f"{alg}, W={w}", **style)
-    for w in sorted({w for _, w in groups}):  # the point-to-point ceiling of each W, dotted
-        g = sorted({r["bytes"]: r for r in rows if r["op"] == op and r["world_size"] == w
-                    and r.get("ceiling_s", float("nan")) > 0}.values(), key=lambda r: r["bytes"])
-        if g:
-            ax.plot([r["bytes"] for r in g], [r["bytes"] / r["ceiling_s"] / 1e9
-                                              * busbw_factor(op, w) for r in g],
-                    ":", color="gray", label=f"p2p ceiling, W={w}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel("busbw (GB/s)")
-    ax.set_title(f"{op}: bus bandwidth (nccl-tests definition)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig

@@ -1,10 +1,13 @@
 """``minidist bench ddp`` — minidist's bucketed DDP against torch's DDP, measured in the same run.
 
-Every rank builds two identical models: one wrapped in :class:`BucketedDDP`, one in
-``torch.nn.parallel.DistributedDataParallel`` (same bucket cap, so the same buckets), and
-optionally a :class:`FlatDDP` (all communication after backward: the no-overlap baseline). Steps alternate between them (the order
-flips every step), so machine noise hits all alike; the median step time (forward, backward,
-synchronisation, optimizer) is reported, and the ratio to torch as the median of per-step ratios. The share of communication hidden behind backward is read
+Every rank builds identical models: one wrapped in :class:`BucketedDDP`, one in
+``torch.nn.parallel.DistributedDataParallel`` (same bucket cap, so the same buckets), by default
+a second torch DDP (the control, ``torch-again``: torch against itself, the run's noise) and
+optionally a :class:`FlatDDP` (all communication after backward: the no-overlap baseline). Steps
+alternate between them (in a balanced order: each in every position and after every other alike),
+so machine noise hits all alike; the median step time (forward, backward, synchronisation,
+optimizer) is reported, and the ratio to torch as the median of per-step ratios. The share of
+communication hidden behind backward is read
 from minidist's timeline: 1 − (time the step waited for buckets after backward) / (time the
 buckets' all-reduces took).
 
@@ -26,6 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .collectives import CONTROL
+
 __all__ = ["bench_ddp"]
 
 
@@ -41,7 +46,8 @@ def _model(name: str):
 
 
 def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_mb, collectives,
-                with_flat, first_bucket_cap_mb, profile=False, algorithm="auto"):
+                with_flat, first_bucket_cap_mb, profile=False, algorithm="auto", control=True):
+    from .collectives import balanced_order
     from ..trace import Timeline
     from ..data_parallel.bucketed import BucketedDDP
     from ..data_parallel.flat import FlatDDP
@@ -60,6 +66,9 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
                                                  first_bucket_cap_mb=first_bucket_cap_mb)
     m, _ = _model(model_name)
     variants["torch"] = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb)
+    if control:   # torch's DDP a second time: its ratio to the first is the run's noise
+        m, _ = _model(model_name)
+        variants[CONTROL] = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb)
     if with_flat:
         m, _ = _model(model_name)
         variants["flat"] = FlatDDP(m, collectives=collectives, algorithm=algorithm)
@@ -74,8 +83,8 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
     hidden = []
     names = list(variants)
     for step in range(warmup + steps):
-        # alternate the order every step, so neither variant always runs right after the other
-        for name in (names if step % 2 == 0 else names[::-1]):
+        # a balanced order: each variant in every position and after every other alike
+        for name in balanced_order(names, step):
             model = variants[name]
             tl = tls.get(name)
             if tl is not None:
@@ -106,10 +115,10 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
               for b in variants["minidist"].buckets]
     for name in tls:
         variants[name].close()
-    pair_ratio = statistics.median(a / b for a, b in zip(times["minidist"], times["torch"]))
     med = statistics.median
+    pair_ratio = {k: med(a / b for a, b in zip(times[k], times["torch"])) for k in times}
     prof = {k: {"step_s": med(times[k]), "cpu_s": med(cpu[k]),
-                "ratio": med(a / b for a, b in zip(times[k], times["torch"])),
+                "ratio": pair_ratio[k],
                 "step_spread_s": (min(times[k]), max(times[k])),
                 **({"wait_s": med(waits[k]), "comm_s": med(comms[k])} if k in tls else {})}
             for k in variants}
@@ -120,13 +129,16 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
               model: str = "resnet18", batch_size: int = 16, warmup: int = 2,
               collectives: str = "hand-built", with_flat: bool = True, timeout: float = 600,
               verbose: bool = True, first_bucket_cap_mb: float | None = None,
-              profile: bool = False, algorithm: str = "auto") -> dict:
+              profile: bool = False, algorithm: str = "auto", control: bool = True) -> dict:
     """Median step time of minidist's BucketedDDP vs torch's DDP (same run, same model).
 
     Returns ``{"minidist_s", "torch_s", "ratio", "hidden_share", "flat_s" (if with_flat),
     "n_buckets", "world_size", "model", ...}``; ``ratio`` = minidist / torch (goal ≤ 1.05): the
     median over steps of the ratio of the two step times measured back to back (robust to a
-    machine whose load changes during the run), the slowest rank's.
+    machine whose load changes during the run), the slowest rank's. ``control=True`` (default)
+    times torch's DDP a second time as one more variant (an A/A test) and returns
+    ``out["control_ratio"]``, its ratio to the first by the same rule: the run's noise, against
+    which ``ratio`` is read (a ratio as far from 1 as the control's does not tell the two apart).
     Times are seconds per step, the slowest rank's median. Both DDPs use ``bucket_cap_mb`` and
     cut buckets by the same rule, so they have the same buckets: torch's DDP, given a
     ``bucket_cap_mb``, uses it for its first bucket too (its 1 MiB first bucket applies only when
@@ -143,16 +155,19 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
     import torch._dynamo  # noqa: F401  (optimizers import it; do it once before forking)
 
     results = run(_rank_bench, world_size, model, steps, warmup, batch_size, bucket_cap_mb,
-                  collectives, with_flat, first_bucket_cap_mb, profile, algorithm, timeout=timeout)
+                  collectives, with_flat, first_bucket_cap_mb, profile, algorithm, control,
+                  timeout=timeout)
     med = {k: max(r[0][k] for r in results) for k in results[0][0]}
     hidden = min(r[1] for r in results)
     out = {"world_size": world_size, "model": model, "batch_size": batch_size, "steps": steps,
            "bucket_cap_mb": bucket_cap_mb, "collectives": collectives, "minidist_s": med["minidist"],
-           "torch_s": med["torch"], "ratio": max(r[3] for r in results),
+           "torch_s": med["torch"], "ratio": max(r[3]["minidist"] for r in results),
            "hidden_share": hidden, "n_buckets": results[0][2], "algorithm": algorithm,
            "chosen": results[0][5]}
     if with_flat:
         out["flat_s"] = med["flat"]
+    if control:   # the same rule as ratio's: the slowest rank's median of per-step ratios
+        out["control_ratio"] = max(r[3][CONTROL] for r in results)
     if profile:
         out["profile"] = [r[4] for r in results]
     if verbose:
@@ -164,11 +179,17 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
         print(f"  {'variant':<28}{'step (ms)':>10}{'vs torch':>10}")
         print(f"  {'torch DDP':<28}{1e3 * out['torch_s']:>10.1f}{1.0:>10.2f}")
         print(f"  {'minidist BucketedDDP':<28}{1e3 * out['minidist_s']:>10.1f}{out['ratio']:>10.2f}")
+        if control:
+            print(f"  {'torch DDP again (control)':<28}{1e3 * med[CONTROL]:>10.1f}"
+                  f"{out['control_ratio']:>10.2f}")
         if with_flat:
             print(f"  {'minidist FlatDDP (no overlap)':<28}{1e3 * out['flat_s']:>10.1f}"
                   f"{out['flat_s'] / out['torch_s']:>10.2f}")
         print(f"  communication hidden behind backward (minidist): {100 * hidden:.0f}%")
         print(f"  ratio minidist/torch = {out['ratio']:.3f} (goal <= 1.05)")
+        if control:
+            print(f"  noise: torch DDP against itself = {out['control_ratio']:.3f} (the same rule;"
+                  " a ratio no further from 1 does not tell minidist from torch)")
         if profile:
             _print_profile(out["profile"], algorithm)
     return out
@@ -176,7 +197,8 @@ def bench_ddp(world_size: int = 2, steps: int = 10, bucket_cap_mb: float = 25.0,
 
 def _print_profile(per_rank: list[dict], algorithm: str = "auto") -> None:
     names = {"torch": "torch DDP", "minidist": f"BucketedDDP, hand-built {algorithm}",
-             "bucketed+torch": "BucketedDDP, torch's ring", "flat": f"FlatDDP, hand-built {algorithm}"}
+             "bucketed+torch": "BucketedDDP, torch's ring", "flat": f"FlatDDP, hand-built {algorithm}",
+             "torch-again": "torch DDP again (control)"}
     print("  per step, medians (wait: after backward, not hidden; comm: communication thread busy)")
     print(f"  {'rank':<5}{'variant':<31}{'step ms':>9}{'spread':>13}{'vs torch':>9}{'CPU ms':>8}"
           f"{'comm ms':>9}{'wait ms':>9}")
