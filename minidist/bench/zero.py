@@ -1,9 +1,10 @@
 """``minidist bench zero`` — DDP, ZeRO-1/2/3 (hand-built and torch collectives) and torch's FSDP2
 on one model in one run: median step time and accounted memory per rank beside ZeRO's formula.
 
-Every variant is built on every rank from the same seed; steps alternate between variants (the
-order rotates every step) so machine noise hits all alike. Memory is *accounted* (live tensors
-after ``optimizer.step()``: parameters, gradients, per-element optimizer states; see
+Every variant is built on every rank from the same seed; steps alternate between variants (in a
+balanced order, each in every position and after every other alike:
+:func:`minidist.bench.collectives.balanced_order`) so machine noise hits all alike. Memory is
+*accounted* (live tensors after ``optimizer.step()``: parameters, gradients, per-element optimizer states; see
 :mod:`minidist.sharding.memory`), and on CUDA ``torch.cuda.max_memory_allocated`` is added;
 formula = ZeRO §5 with 4-byte parameters/gradients and K = 8 (AdamW, fp32). Step times on a loaded
 CPU machine are indicative only; the ratio column is each variant's median per-step ratio to FSDP2.
@@ -76,12 +77,13 @@ def _rank(rank, world, variants, steps, warmup, batch, dims):
     warnings.filterwarnings("ignore", message=".*(FSDP2-wrapped|TypedStorage).*")
     from ..references.sharding import loss_fn
     from ..sharding import zero_formula
+    from .collectives import balanced_order
     built = {v: _build(v, dims) for v in variants}
     g = torch.Generator().manual_seed(rank)
     times = {v: [] for v in variants}
     for step in range(warmup + steps):
         x = torch.randint(0, dims[3], (batch, 33), generator=g)
-        order = variants[step % len(variants):] + variants[:step % len(variants)]
+        order = balanced_order(list(variants), step)
         for v in order:
             model, opt = built[v]
             t0 = time.perf_counter()
