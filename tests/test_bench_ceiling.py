@@ -164,7 +164,8 @@ def test_bench_rank_follows_the_design_across_rounds_per_size():
     assert calls == list("abc") + list("abc") + list("bca") + list("cab") + list("abc")
 
 
-def test_the_control_is_torch_and_the_footer_states_its_spread_as_the_noise():
+def test_the_control_is_torch_and_the_footer_states_its_spread_as_the_noise(monkeypatch):
+    from minidist.bench import collectives as bc
     from minidist.bench.collectives import CONTROL, _one_op
     assert CONTROL in bench.ALGORITHMS["all_reduce"] and CONTROL in bench.ALGORITHMS["broadcast"]
     rows = [_row("torch", 0.020, 0.016), dict(_row(CONTROL, 0.025, 0.016)),
@@ -177,5 +178,8 @@ def test_the_control_is_torch_and_the_footer_states_its_spread_as_the_noise():
            "all_reduce W=4: 1.00-1.00x)" in table
     assert "torch-again" not in bench.format_table(rows[:1] + rows[3:4])   # no control, no line
     assert bench.noise_floor([dict(_row(CONTROL, 0.02, 0.016), ratio_to_torch=float("nan"))]) == {}
-    with pytest.raises(ValueError, match="has not been initialized"):   # it calls torch's own
-        _one_op("all_reduce", CONTROL, 64, 0, 1)[1]()
+    called = []                                  # it calls torch's own collective, not minidist's
+    monkeypatch.setattr(bc, "dist", type("D", (), {"all_reduce": staticmethod(called.append)}))
+    monkeypatch.setattr(bc.C, "all_reduce", lambda *a, **k: pytest.fail("minidist's all_reduce ran"))
+    _one_op("all_reduce", CONTROL, 64, 0, 1)[1]()
+    assert len(called) == 1 and called[0].numel() == 16

@@ -17,7 +17,8 @@ about 1 MiB here). Why: a single call timed right after a barrier also pays for 
 thread of the rank, the gloo threads' as well; that start-up is most of a 1 KiB call and varies
 with the scheduler, while a training step issues its collectives back to back (DDP's buckets).
 Algorithms alternate iteration by iteration, in a balanced order (:func:`balanced_order`: each
-in every position and after every other equally often), so the ratio to torch is measured under the same conditions, and a size's iterations are spread over ``ROUNDS`` (4) passes through all sizes:
+in every position and after every other equally often), so the ratio to torch is measured under
+the same conditions, and a size's iterations are spread over ``ROUNDS`` (4) passes through all sizes:
 on two cores shared by the ranks and their gloo threads there are slow spells of some hundred
 milliseconds in which a hand-built collective's calls take several times longer while torch's,
 alternating with them, do not (measured at 16 KiB: runs of 20 iterations at up to 6x the run's
@@ -174,8 +175,9 @@ def _calls_per_sample(single_s: float) -> int:
 
 
 def _bench_rank(rank, world, plan, iters, warmup, rounds=1):
-    """Time every algorithm of one (op, size) in alternation — torch, ring, naive, then ring,
-    torch, naive, ... (:func:`balanced_order`) — so that a load spike on a shared machine hits all of them alike and the ratio stays fair.
+    """Time every algorithm of one (op, size) in alternation, iteration by iteration in the rows
+    of :func:`balanced_order`, so that a load spike on a shared machine hits all of them alike
+    and the ratio stays fair.
     Each measurement: refill, barrier, then k calls back to back timed together (k from the
     fastest algorithm's single call in the warm-up, the same for every algorithm and rank).
     The ``iters`` measurements of a size are spread over ``rounds`` passes through all sizes, so
