@@ -4,7 +4,8 @@ on one model in one run: median step time and accounted memory per rank beside Z
 Every variant is built on every rank from the same seed; steps alternate between variants (in a
 balanced order, each in every position and after every other alike:
 :func:`minidist.bench.collectives.balanced_order`) so machine noise hits all alike. Memory is
-*accounted* (live tensors after ``optimizer.step()``: parameters, gradients, per-element optimizer states; see
+*accounted* (live tensors after ``optimizer.step()``: parameters, gradients, per-element
+optimizer states; see
 :mod:`minidist.sharding.memory`), and on CUDA ``torch.cuda.max_memory_allocated`` is added;
 formula = ZeRO §5 with 4-byte parameters/gradients and K = 8 (AdamW, fp32). Step times on a loaded
 CPU machine are indicative only; the ratio column is each variant's median per-step ratio to FSDP2.
