@@ -17,8 +17,9 @@ The strategies are one attribute away, imported on first use (``import minidist`
     minidist.expert_parallel.MoEGPT                  # mixture of experts, EP x DP on an EPGrid
     minidist.context_parallel.ring_attention         # long context: ring attention, Ulysses
 
-and what drives them: ``minidist.planner`` (``minidist plan``, calculators), ``minidist.references``
-(the one-process oracles), ``minidist.bench``, ``minidist.lessons``, ``minidist.grading``.
+What drives and checks them is the course kit beside this package, :mod:`minidist_course`: the
+planner (``minidist plan``), the one-process references, the benchmarks, the lessons, the graders
+and the ``minidist`` command. Nothing in ``minidist`` imports it.
 """
 
 import importlib
@@ -32,9 +33,8 @@ __version__ = "0.1.0"
 
 # subpackages and modules reachable as minidist.<name>, imported when first touched (PEP 562)
 _LAZY = ("collectives", "communicator", "comm", "data_parallel", "tensor_parallel",
-         "pipeline_parallel", "sharding", "grid", "models", "data", "trace", "references", "lessons",
-         "bench", "planner", "diagrams", "grading", "hybrid", "expert_parallel",
-         "context_parallel")
+         "pipeline_parallel", "sharding", "grid", "models", "trace", "hybrid", "expert_parallel",
+         "context_parallel", "checkpoint_io")
 
 __all__ = ["run", "init", "RankError", "RankTimeoutError", "env", *_LAZY]
 

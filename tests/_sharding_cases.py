@@ -1,5 +1,5 @@
 """A small training setup described by a dict (a *case*), run one way or another, for the
-sharding differential tests (tests/test_sharding_real_use.py, tests/test_sharding_differential.py).
+sharding differential tests (tests/library/sharding/test_sharding_real_use.py, tests/library/sharding/test_sharding_differential.py).
 
 A case: ``hidden`` (block widths), ``d`` (model width), ``tie`` (the head reuses the input
 projection's weight), ``tiny`` (a [1]-shaped gain per block: fewer rows than ranks), ``buffer``

@@ -13,8 +13,8 @@ _LONG_LIVED = ("ipykernel", "resource_tracker", "forkserver")
 # outputs are then the same everywhere (tests that need another table set it themselves)
 os.environ.setdefault("MINIDIST_ALPHA_BETA", "default")
 
-# Tests that need root, apt, containers or extra environments, and the exhaustive sweeps (whose
-# representative subsets run in the default tier), form the integration tier: bare `pytest`
+# Tests that need root, apt, containers or extra environments (tests/integration/), and the
+# exhaustive sweeps (whose representative subsets run in the default tier), form the integration tier: bare `pytest`
 # deselects them (pyproject's addopts), `pytest -m integration` runs only them.
 INTEGRATION = ("docker", "frameworks", "browser", "slurm", "exhaustive")
 
@@ -37,9 +37,13 @@ def pytest_xdist_auto_num_workers(config):
     return 2 if (os.cpu_count() or 1) >= 2 else 0
 
 
+INTEGRATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration") + os.sep
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if any(item.get_closest_marker(m) for m in INTEGRATION):
+        if (any(item.get_closest_marker(m) for m in INTEGRATION)
+                or str(item.path).startswith(INTEGRATION_DIR)):
             item.add_marker(pytest.mark.integration)
 
 

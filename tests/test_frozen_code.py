@@ -40,11 +40,11 @@ DISPLAYED: dict[str, list[str]] = {
         "minidist.data_parallel.flat:FlatDDP.sync_gradients",
         "minidist.data_parallel.bucketed:BucketedDDP._on_grad_ready",
         "minidist.data_parallel.bucketed:BucketedDDP._launch_in_order",
-        "minidist.lessons.large_batch:warmup_lr",
+        "minidist_course.lessons.large_batch:warmup_lr",
         "minidist.data_parallel.noise_scale:from_two_batches"],
     "course/05_data_parallel_in_practice.ipynb": [
-        "minidist.lessons.ddp_training:train_digits", "minidist.references.ddp:train_ddp",
-        "minidist.lessons.data_wall:PNGDigits.__getitem__"],
+        "minidist_course.lessons.data_parallel_training:train_digits", "minidist_course.references.data_parallel:train_ddp",
+        "minidist_course.lessons.data_wall:PNGDigits.__getitem__"],
     "course/06_tensor_parallel.ipynb": [
         "minidist.tensor_parallel.regions:copy_to_tensor_model_parallel_region",
         "minidist.tensor_parallel.regions:reduce_from_tensor_model_parallel_region",
@@ -70,7 +70,7 @@ DISPLAYED: dict[str, list[str]] = {
     "course/11_gpu.ipynb": ["minidist.comm.staging:isend", "minidist.comm.staging:irecv"],
     "course/12_capstone.ipynb": [
         "minidist.grid:grid_layout", "minidist.hybrid.step:train_step",
-        "minidist.references.hybrid:batch", "minidist.hybrid.dp_pipeline:_over_replicas",
+        "minidist_course.references.hybrid:batch", "minidist.hybrid.dp_pipeline:_over_replicas",
         "minidist.hybrid.stages:HybridGPT.allreduce_tied_grads"],
     "course/15_mixture_of_experts.ipynb": [
         "minidist.expert_parallel.router:route", "minidist.expert_parallel.router:expert_capacity",
@@ -78,9 +78,9 @@ DISPLAYED: dict[str, list[str]] = {
         "minidist.expert_parallel.dispatch:dispatch_combine", "minidist.expert_parallel.dispatch:AllToAll",
         "minidist.expert_parallel.gpt:sync_grads"],
     "course/14_context_parallel.ipynb": ["minidist.context_parallel.blocks:log_add_exp"],
-    "course/16_fault_tolerance.ipynb": ["minidist.lessons.ft_demo:killed_mid_step",
-                                        "minidist.references.fault_tolerant:_replica",
-                                        "minidist.lessons.ft_demo:async_save_overlap"],
+    "course/16_fault_tolerance.ipynb": ["minidist_course.lessons.fault_tolerant_demo:killed_mid_step",
+                                        "minidist_course.references.fault_tolerant:_replica",
+                                        "minidist_course.lessons.fault_tolerant_demo:async_save_overlap"],
     "solutions/03_ring_allreduce.ipynb": ["minidist.comm.ring:reduce_scatter_simple"],
     "exercises/03_ring_allreduce.ipynb": ["minidist.comm.ring:reduce_scatter_simple"],
     "solutions/07_one_f_one_b.ipynb": ["minidist.pipeline_parallel.schedules:gpipe"],

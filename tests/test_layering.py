@@ -1,25 +1,25 @@
-"""Arrows point down only (docs/ARCHITECTURE.md): no module imports from a floor above its own,
-and no two modules import each other.
+"""Two houses, arrows down only (docs/ARCHITECTURE.md): the library ``minidist`` never imports the
+course kit ``minidist_course``; inside each, no module imports from a floor above its own; and no
+two modules (or top-level packages) import each other.
 
-Every module of the package is parsed (``ast``), every import counted — at the top, inside a
-function, or relative — and compared with the floor of the module it imports from:
+Every module of both packages is parsed (``ast``), every import counted — at the top, inside a
+function, or relative — and compared with the floor of the room it imports from:
 
-* floor 0, the ground: ``env``, ``netif``, ``comm``, ``trace``, ``chrome_trace``, ``grid``, ``models``, ``data``,
-  ``text``
-* floor 1, the launcher, the public collectives and checkpoint generations: ``collectives``,
-  ``communicator`` (hand-built or torch, bound to a group; the one communication thread),
-  ``launch``, ``checkpoint_io``
-* floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``, ``sharding``,
-  ``hybrid``, ``expert_parallel``, ``context_parallel``
-* floor 3, what reads or drives them, in sub-floors (3.0 < 3.1 < 3.2 < 3.3):
-  3.0 ``references`` (the oracles), ``planner``, ``diagrams``; 3.1 ``bench`` (measures);
-  3.2 ``lessons``, ``grading``, ``exercises``, ``doctor`` (teach, grade, inspect); 3.3 ``cli``,
-  ``__main__``
+* the library, ``minidist``:
+  floor 0, the ground: ``env``, ``netif``, ``comm``, ``trace``, ``chrome_trace``, ``grid``, ``models``;
+  floor 1, the launcher, the public collectives and checkpoint generations: ``collectives``,
+  ``communicator``, ``launch``, ``checkpoint_io``;
+  floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``,
+  ``sharding``, ``hybrid``, ``expert_parallel``, ``context_parallel``
+* the course kit, ``minidist_course``, above the whole library, in sub-floors (3.0 < ... < 3.3):
+  3.0 ``references`` (the oracles), ``planner``, ``diagrams``, ``data``, ``text``; 3.1 ``bench``
+  (measures); 3.2 ``lessons``, ``grading``, ``exercises``, ``doctor`` (teach, grade, inspect);
+  3.3 ``cli``
 
-Importing down is allowed, and sideways within one (sub-)floor, but never both ways: no two
-modules (files) import each other, in any form (at the top, inside a function, or a re-export),
-and no two top-level packages either. A module the table does not know fails the test, so a new
-module has to be given a floor.
+Importing down is allowed, and sideways within one (sub-)floor, but never both ways. The one
+module of the library that names the kit is ``minidist/__main__.py``: the door ``python -m
+minidist`` opens onto the kit's command, run as a script and imported by nothing. A module the
+table does not know fails the test, so a new module has to be given a floor.
 """
 
 from __future__ import annotations
@@ -29,44 +29,48 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "minidist"
+ROOT = Path(__file__).resolve().parents[1]
+HOUSES = ("minidist", "minidist_course")
 
 FLOORS = {
-    0: ("env", "netif", "comm", "trace", "chrome_trace", "grid", "models", "data", "text"),
-    1: ("collectives", "communicator", "launch", "checkpoint_io"),
-    2: ("data_parallel", "tensor_parallel", "pipeline_parallel", "sharding", "hybrid",
-        "expert_parallel", "context_parallel"),
-    3.0: ("references", "planner", "diagrams"),
-    3.1: ("bench",),
-    3.2: ("lessons", "grading", "exercises", "doctor"),
-    3.3: ("cli", "__main__"),
+    0: ("minidist.env", "minidist.netif", "minidist.comm", "minidist.trace", "minidist.chrome_trace",
+        "minidist.grid", "minidist.models"),
+    1: ("minidist.collectives", "minidist.communicator", "minidist.launch", "minidist.checkpoint_io"),
+    2: ("minidist.data_parallel", "minidist.tensor_parallel", "minidist.pipeline_parallel",
+        "minidist.sharding", "minidist.hybrid", "minidist.expert_parallel", "minidist.context_parallel"),
+    3.0: ("minidist_course.references", "minidist_course.planner", "minidist_course.diagrams",
+          "minidist_course.data", "minidist_course.text"),
+    3.1: ("minidist_course.bench",),
+    3.2: ("minidist_course.lessons", "minidist_course.grading", "minidist_course.exercises",
+          "minidist_course.doctor"),
+    3.3: ("minidist_course.cli", "minidist.__main__"),
 }
 FLOOR_OF = {name: floor for floor, names in FLOORS.items() for name in names}
+# the package roots are front doors (lazy attributes), not rooms
+FRONT_DOORS = {"minidist": ("run", "init", "RankError", "RankTimeoutError")}
 
 # Edges known to point up, each with the reason it is still there. Remove an entry when it is
 # fixed: the test then fails if the edge comes back.
-KNOWN: dict[tuple[str, str], str] = {
-    # e.g. ("env", "doctor"): "why it is still there" (env importing doctor was the last one)
-}
-
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def top_name(module: str) -> str | None:
-    """``minidist.comm.ring`` -> ``comm``; ``minidist`` itself -> None (the package root)."""
+    """The room of a module: ``minidist.comm.ring`` -> ``minidist.comm``,
+    ``minidist_course.bench.ddp`` -> ``minidist_course.bench``; a house's root -> None."""
     parts = module.split(".")
-    if parts[0] != "minidist":
-        raise ValueError(f"not a minidist module: {module}")
-    return parts[1] if len(parts) > 1 else None
+    if parts[0] not in HOUSES:
+        raise ValueError(f"not a minidist or minidist_course module: {module}")
+    return ".".join(parts[:2]) if len(parts) > 1 else None
 
 
 def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
-    """Absolute names of the minidist modules ``source`` (the text of ``module``) imports,
+    """Absolute names of the modules of either house ``source`` (the text of ``module``) imports,
     wherever the import statement sits. ``from . import x`` counts as importing ``pkg.x``."""
     package = module if is_package else module.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.split(".")[0] == "minidist")
+            found.update(a.name for a in node.names if a.name.split(".")[0] in HOUSES)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -74,43 +78,64 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target.split(".")[0] != "minidist":
+            if target.split(".")[0] not in HOUSES:
                 continue
-            if target == "minidist":  # from minidist import collectives, run
-                found.update(f"minidist.{a.name}" for a in node.names)
+            if target in HOUSES:  # from minidist import collectives, run
+                found.update(f"{target}.{a.name}" for a in node.names)
             else:
                 found.add(target)
     return found
 
 
 def upward_edges(source: str, module: str, is_package: bool = False) -> list[tuple[str, str]]:
-    """``(importer floor name, imported floor name)`` pairs where the import points up."""
+    """``(importer room, imported room)`` pairs where the import points up (a higher floor, or
+    from the library into the course kit)."""
     me = top_name(module)
     if me is None:
-        return []  # minidist/__init__.py exposes everything (lazily): it is the front door
+        return []  # a house's __init__ exposes its rooms (lazily): it is the front door
     edges = []
     for target in sorted(imported_modules(source, module, is_package)):
         other = top_name(target)
         if other is None or other == me:
             continue
         if other not in FLOOR_OF:
-            if target.count(".") == 1 and other in ("run", "init", "RankError", "RankTimeoutError"):
-                other = "launch" if other != "init" else "env"
+            house, _, name = other.partition(".")
+            if target.count(".") == 1 and name in FRONT_DOORS.get(house, ()):
+                other = "minidist.env" if name == "init" else "minidist.launch"
             else:
-                raise KeyError(f"{module} imports {target}: give minidist.{other} a floor in FLOORS")
+                raise KeyError(f"{module} imports {target}: give {other} a floor in FLOORS")
+        if me not in FLOOR_OF:
+            raise KeyError(f"give {me} a floor in FLOORS")
         if FLOOR_OF[other] > FLOOR_OF[me]:
             edges.append((me, other))
     return sorted(set(edges))
 
 
+def library_imports_the_kit(source: str, module: str, is_package: bool = False) -> list[str]:
+    """The course-kit modules a library module imports (anywhere in its text)."""
+    return sorted(t for t in imported_modules(source, module, is_package)
+                  if t.split(".")[0] == "minidist_course")
+
+
 def _modules():
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE.parent).with_suffix("")
-        parts = list(rel.parts)
-        is_package = parts[-1] == "__init__"
-        if is_package:
-            parts = parts[:-1]
-        yield ".".join(parts), path, is_package
+    for house in HOUSES:
+        for path in sorted((ROOT / house).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts = parts[:-1]
+            yield ".".join(parts), path, is_package
+
+
+def test_the_library_never_imports_the_course_kit():
+    """``minidist`` is readable and usable without ``minidist_course``: no import of the kit in it,
+    at the top, inside a function or relative (``minidist/__main__.py``, the command's door, aside)."""
+    bad = [f"{module} imports {', '.join(targets)}"
+           for module, path, is_package in _modules()
+           if module.split(".")[0] == "minidist" and module != "minidist.__main__"
+           for targets in [library_imports_the_kit(path.read_text(), module, is_package)] if targets]
+    assert not bad, "the library imports the course kit:\n" + "\n".join(bad)
 
 
 def test_every_module_has_a_floor():
@@ -123,7 +148,7 @@ def test_no_module_imports_from_a_floor_above_its_own():
     for module, path, is_package in _modules():
         for edge in upward_edges(path.read_text(), module, is_package):
             if edge not in KNOWN:
-                bad.append(f"{module} (floor {FLOOR_OF[edge[0]]}) imports minidist.{edge[1]} "
+                bad.append(f"{module} (floor {FLOOR_OF[edge[0]]}) imports {edge[1]} "
                            f"(floor {FLOOR_OF[edge[1]]})")
     assert not bad, "imports that point up:\n" + "\n".join(bad)
 
@@ -155,7 +180,7 @@ def module_edges(source: str, module: str, is_package: bool, known: set[str]) ->
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found.update(file_of(a.name) for a in node.names if a.name.split(".")[0] == "minidist")
+            found.update(file_of(a.name) for a in node.names if a.name.split(".")[0] in HOUSES)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -163,7 +188,7 @@ def module_edges(source: str, module: str, is_package: bool, known: set[str]) ->
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target.split(".")[0] != "minidist":
+            if target.split(".")[0] not in HOUSES:
                 continue
             found.update(f"{target}.{a.name}" if f"{target}.{a.name}" in known else file_of(target)
                          for a in node.names)
@@ -210,15 +235,20 @@ def test_no_two_top_level_packages_import_each_other():
 # ---------------------------------------------------------------- the checker itself can fail
 @pytest.mark.parametrize("module,source,expected", [
     # a function-level import, as a lazy import would be written
-    ("minidist.comm.ring", "def f():\n    from .. import collectives\n", [("comm", "collectives")]),
-    ("minidist.comm.ring", "from ..collectives import all_reduce\n", [("comm", "collectives")]),
+    ("minidist.comm.ring", "def f():\n    from .. import collectives\n",
+     [("minidist.comm", "minidist.collectives")]),
+    ("minidist.comm.ring", "from ..collectives import all_reduce\n",
+     [("minidist.comm", "minidist.collectives")]),
     ("minidist.models.gpt", "from minidist.tensor_parallel import regions\n",
-     [("models", "tensor_parallel")]),
-    ("minidist.tensor_parallel.layers", "import minidist.references.tp\n",
-     [("tensor_parallel", "references")]),
+     [("minidist.models", "minidist.tensor_parallel")]),
+    # the library reaching into the kit points up, in every spelling
+    ("minidist.tensor_parallel.layers", "import minidist_course.references.tensor_parallel\n",
+     [("minidist.tensor_parallel", "minidist_course.references")]),
+    ("minidist.sharding.zero", "def f():\n    from minidist_course import planner\n",
+     [("minidist.sharding", "minidist_course.planner")]),
     ("minidist.data_parallel.base", "from minidist import run\n", []),   # launch: floor 1 < 2
     ("minidist.collectives", "from .comm import ring\nimport torch\n", []),
-    ("minidist.lessons.ddp_demo", "from ..data_parallel import NaiveDDP\n", []),
+    ("minidist_course.lessons.data_parallel_demo", "from minidist.data_parallel import NaiveDDP\n", []),
     ("minidist.tensor_parallel", "from . import layers\n", []),          # a package's own module
 ])
 def test_checker_finds_upward_imports_in_synthetic_modules(module, source, expected):
@@ -228,32 +258,43 @@ def test_checker_finds_upward_imports_in_synthetic_modules(module, source, expec
 
 def test_checker_finds_a_sideways_loop_at_the_top_floor():
     """bench importing lessons (and lessons bench) was a loop floor 3 allowed: sub-floors refuse it."""
-    assert upward_edges("from ..lessons.sharding_demo import x\n", "minidist.bench.zero") == [
-        ("bench", "lessons")]
-    assert upward_edges("from ..bench.hybrid import build\n", "minidist.lessons.timeline") == []
-    assert upward_edges("from ..references.ddp import x\n", "minidist.bench.ddp") == []
-    assert upward_edges("def f():\n    from .. import cli\n", "minidist.grading.core") == [
-        ("grading", "cli")]
-    assert upward_edges("from ..lessons import tp_demo\n", "minidist.references.tp") == [
-        ("references", "lessons")]
+    B, L = "minidist_course.bench", "minidist_course.lessons"
+    assert upward_edges("from ..lessons.sharding_demo import x\n", f"{B}.sharding") == [(B, L)]
+    assert upward_edges("from ..bench.hybrid import build\n", f"{L}.timeline") == []
+    assert upward_edges("from ..references.data_parallel import x\n", f"{B}.data_parallel") == []
+    assert upward_edges("def f():\n    from .. import cli\n", "minidist_course.grading.core") == [
+        ("minidist_course.grading", "minidist_course.cli")]
+    assert upward_edges("from ..lessons import tensor_parallel_demo\n",
+                        "minidist_course.references.tensor_parallel") == [
+        ("minidist_course.references", L)]
+
+
+def test_checker_finds_the_library_importing_the_kit():
+    """A synthetic violation: a strategy that imports a reference (or the planner, lazily)."""
+    assert library_imports_the_kit("from minidist_course.references.tensor_parallel import x\n",
+                                   "minidist.tensor_parallel.layers") == [
+        "minidist_course.references.tensor_parallel"]
+    assert library_imports_the_kit("def f():\n    import minidist_course.planner\n",
+                                   "minidist.sharding.zero") == ["minidist_course.planner"]
+    assert library_imports_the_kit("from ..comm import ring\n", "minidist.collectives") == []
 
 
 def test_checker_finds_modules_and_packages_that_import_each_other():
-    known = {"minidist.planner.search", "minidist.planner.machine", "minidist.planner",
-             "minidist.bench.ddp", "minidist.grading.ddp", "minidist.grading"}
+    known = {"minidist_course.planner.search", "minidist_course.planner.machine", "minidist_course.planner",
+             "minidist_course.bench.data_parallel", "minidist_course.grading.data_parallel", "minidist_course.grading"}
     # a re-export at the bottom of one file, a function-level import in the other
     a = module_edges("x = 1\nfrom .machine import this_machine  # noqa: E402\n",
-                     "minidist.planner.search", False, known)
-    b = module_edges("def f():\n    from . import search\n", "minidist.planner.machine", False, known)
-    assert a == {"minidist.planner.machine"} and b == {"minidist.planner.search"}
-    graph = {"minidist.planner.search": a, "minidist.planner.machine": b}
-    assert mutual_pairs(graph) == [("minidist.planner.machine", "minidist.planner.search")]
-    assert mutual_pairs({"minidist.planner.search": a}) == []
+                     "minidist_course.planner.search", False, known)
+    b = module_edges("def f():\n    from . import search\n", "minidist_course.planner.machine", False, known)
+    assert a == {"minidist_course.planner.machine"} and b == {"minidist_course.planner.search"}
+    graph = {"minidist_course.planner.search": a, "minidist_course.planner.machine": b}
+    assert mutual_pairs(graph) == [("minidist_course.planner.machine", "minidist_course.planner.search")]
+    assert mutual_pairs({"minidist_course.planner.search": a}) == []
     # two rooms on one sub-floor importing each other through different files
-    rooms = _package_graph({"minidist.bench.ddp": {"minidist.grading.ddp"},
-                            "minidist.grading.ddp": {"minidist.grading"},
-                            "minidist.grading": {"minidist.bench.ddp"}})
-    assert mutual_pairs(rooms) == [("bench", "grading")]
+    rooms = _package_graph({"minidist_course.bench.data_parallel": {"minidist_course.grading.data_parallel"},
+                            "minidist_course.grading.data_parallel": {"minidist_course.grading"},
+                            "minidist_course.grading": {"minidist_course.bench.data_parallel"}})
+    assert mutual_pairs(rooms) == [("minidist_course.bench", "minidist_course.grading")]
 
 
 def test_checker_rejects_a_module_without_a_floor():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One cached virtual environment per framework of frameworks/ (course chapter 10, tests/test_frameworks.py).
+# One cached virtual environment per framework of frameworks/ (course chapter 10, tests/integration/test_frameworks.py).
 #
 #   tools/framework-envs.sh NAME...         build what is missing, print "NAME DIR" for each
 #   tools/framework-envs.sh --path NAME     print the directory only (built or not; builds nothing)

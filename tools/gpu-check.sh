@@ -14,4 +14,4 @@ PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-exec timeout 900 "$PY" -m minidist.lessons.gpu_check "$@"
+exec timeout 900 "$PY" -m minidist_course.lessons.gpu_check "$@"

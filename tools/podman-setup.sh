@@ -14,7 +14,7 @@
 #   runtime runc             crun refuses a hybrid cgroup v1+v2 layout
 #   cgroupfs, file events    no systemd session to talk to
 #   default_ulimits          podman's defaults exceed the hard limits of many VMs ("setrlimit ... not permitted")
-# tests/test_docker_build.py uses all three commands; run as root.
+# tests/integration/test_docker_build.py uses all three commands; run as root.
 set -euo pipefail
 
 die() { echo "podman-setup: $*" >&2; exit 1; }

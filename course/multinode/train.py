@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 
 import minidist
 from minidist.checkpoint_io import newest
-from minidist.data import load_digits
+from minidist_course.data import load_digits
 from minidist.data_parallel import (BucketedDDP, DistributedSampler, evaluate, load_checkpoint,
                                     save_checkpoint)
 from minidist.models import MLP

@@ -7,7 +7,7 @@ with the lowest ``latency + bytes / bandwidth`` for its size (``NCCL_ALGO`` rest
 minidist does the same with its own algorithms and the alpha-beta model (Hockney 1994): each
 algorithm costs ``c_alpha · alpha + c_beta · n · beta`` for an n-byte buffer on W ranks, the
 coefficients counted from what the implementation in :mod:`minidist.comm` sends along its longest
-chain of dependent messages (:func:`coefficients`; ``tests/test_tuner.py`` checks them against the
+chain of dependent messages (:func:`coefficients`; ``tests/library/comm/test_tuner.py`` checks them against the
 traffic counters), and ``alpha`` (s), ``beta`` (s/byte) fitted per algorithm, so that each
 algorithm's own per-message overhead is in its alpha, like NCCL's per-algorithm base latency.
 Where the table holds the medians it was fitted to (every ``bench alpha-beta`` table does), a

@@ -8,12 +8,13 @@
 * :mod:`.ulysses` — DeepSpeed-Ulysses: all-to-all to a head split and back;
 * :mod:`.positions` — rotary / learned positions at global positions;
 * :mod:`.loss` — the token-mean loss over a sharded sequence; summing replicated gradients;
-* :mod:`.attention` — the GPT's attention layer on a CP group (used by :mod:`minidist.hybrid`);
-* :mod:`.cost` — activations / cp, the ring's K/V time and overlap, the longest context in a
-  device (re-exported by :mod:`minidist.planner`).
+* :mod:`.attention` — the GPT's attention layer on a CP group (used by :mod:`minidist.hybrid`).
+
+What context parallelism costs (activations / cp, the ring's K/V time and overlap, the longest
+context in a device) is modelled in the course kit, :mod:`minidist_course.planner.context_parallel`.
 """
 
-from . import blocks, cost, loss, positions, ring, sharding, ulysses  # noqa: F401
+from . import blocks, loss, positions, ring, sharding, ulysses  # noqa: F401
 from .blocks import attention_reference, log_add_exp, merge, naive_log_add_exp  # noqa: F401
 from .loss import allreduce_grads, sharded_cross_entropy  # noqa: F401
 from .ring import RingAttention, ring_attention, ring_traffic  # noqa: F401
@@ -22,7 +23,7 @@ from .sharding import (SPLITS, block_kind, block_table, causal_work, chunks,  # 
                        computed_work, positions as split_positions, shard, unshard)
 from .ulysses import check_heads, ulysses_attention  # noqa: F401
 
-__all__ = ["blocks", "cost", "loss", "positions", "ring", "sharding", "ulysses",
+__all__ = ["blocks", "loss", "positions", "ring", "sharding", "ulysses",
            "attention_reference", "log_add_exp", "merge", "naive_log_add_exp",
            "allreduce_grads", "sharded_cross_entropy",
            "RingAttention", "ring_attention", "ring_traffic", "ContextParallelSelfAttention",

@@ -9,14 +9,12 @@ module                  what it holds
 ``dispatch``            the six-step dispatch and combine; differentiable uneven AllToAll
 ``layer``               MoE: the layer for the course GPT (router + expert MLPs, EP-sharded)
 ``stats``               MoEStats: tokens per expert / rank, dropped fraction, all-to-all bytes
-``reference``           dense_moe: an independent one-process reference (every expert on every
-                        token, a Python loop for the drop rule)
 ``grid``                EPGrid: dp x ep ranks, the EP group and the expert-DP group
 ``gpt``                 MoEGPT and sync_grads / global_grad_norm for EP x DP
 ======================  =====================================================================
 """
 
-from . import dispatch, gpt, grid, layer, permute, reference, router, stats  # noqa: F401
+from . import dispatch, gpt, grid, layer, permute, router, stats  # noqa: F401
 from .dispatch import all_to_all_rows, dispatch_combine, exchange_counts, local_experts  # noqa: F401
 from .gpt import MoEGPT, clip_grad_norm_, global_grad_norm, sync_grads  # noqa: F401
 from .grid import EPGrid, ep_layout  # noqa: F401

@@ -15,9 +15,10 @@ module                  what it holds
 ``gpt``                 TPGPT: the tiny GPT of :mod:`minidist.models.gpt`, tensor-parallel
 ======================  =====================================================================
 
-Demos and the checks against the single-process model live in :mod:`minidist.lessons`
-(``minidist.references.tp``, ``minidist.lessons.tp_demo``). Every function takes ``group=None`` (the world) or a process group,
-so a 3-D grid can pass its TP group.
+Demos and the checks against the single-process model live in the course kit
+(``minidist_course.references.tensor_parallel``, ``minidist_course.lessons.tensor_parallel_demo``).
+Every function takes ``group=None`` (the world) or a process group, so a 3-D grid can pass its TP
+group.
 """
 
 from . import (accounting, attention, cross_entropy, gpt, layers, mlp, random,

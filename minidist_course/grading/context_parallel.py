@@ -1,0 +1,237 @@
+"""Grade exercise 14: the log-sum-exp merge and the zigzag split, then a ring built from them.
+
+The learner writes (see ``exercises/14_context_parallel.ipynb``):
+
+* ``merge(out_a, lse_a, out_b, lse_b) -> (out, lse)``: two partial attention results over
+  disjoint keys combined exactly, in a form that does not overflow (scores of 1e4, lse -inf for
+  a block that saw no key);
+* ``zigzag_positions(seq_len, world, rank) -> LongTensor``: the global positions of rank
+  ``rank`` — chunks ``rank`` and ``2W-1-rank`` of ``2W`` (``torch.tensor_split``: uneven lengths
+  allowed), in increasing order.
+
+Part C runs a ring-attention forward on 1–4 ranks whose merge and split are the learner's (the
+block attention and the point-to-point transfers are the library's) and compares every rank's
+output with full attention on one process, including scores of order 1e4. Feedback names the
+bug: an overflowing merge, the wrong chunk pairing (``r`` with ``W+r``, ``r`` with ``2W-r``), the
+positions of the wrong rank, uneven lengths not handled, an empty block that turns into nan.
+Each check's failure names its rule of :data:`MERGE_RULES`, :data:`ZIGZAG_RULES` or
+:data:`RING_RULES` (``[id] rule text: ...``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from minidist.context_parallel import blocks, sharding
+from .core import Report
+
+__all__ = ["grade_merge", "grade_zigzag", "grade_ring", "MERGE_CASES", "ZIGZAG_CASES",
+           "MERGE_RULES", "ZIGZAG_RULES", "RING_RULES"]
+
+MERGE_RULES = {
+    "shape": "returns (out, lse) shaped like out_a and lse_a: the [b, h, s] weights broadcast over d",
+    "lse": "lse = log(exp(lse_a) + exp(lse_b)), more than their max",
+    "weights": "out = exp(lse_a - lse)·out_a + exp(lse_b - lse)·out_b: each weighted by its share",
+    "stable": "no overflow: log-add-exp as max + log1p(exp(-|a - b|)) (scores of order 1e4, fp32)",
+    "empty": "a block that saw no key (lse -inf, out 0) changes nothing; two give lse -inf, out 0 "
+             "(no nan)",
+}
+ZIGZAG_RULES = {
+    "pairing": "rank r holds chunks r and 2W-1-r of 2W: the same causal work on every rank",
+    "uneven": "lengths that do not divide by 2W: cut with tensor_split (chunks differ by one)",
+    "order": "each position once, in increasing order",
+}
+RING_RULES = {
+    "finite": "the ring's running result stays finite: it starts from lse -inf and scores can be "
+              "of order 1e4 (Part A's merge)",
+    "equal": "every rank's output equals full causal attention on one process (1-4 ranks, S not "
+             "divisible by 2W)",
+}
+
+MERGE_CASES = [  # (name, seed, scale, dtype, empty)
+    ("random scores, fp64", 0, 1.0, torch.float64, None),
+    ("random scores, fp32", 1, 1.0, torch.float32, None),
+    ("lse 0 and 100 (fp32)", 2, "0/100", torch.float32, None),
+    ("scores of order 1e4 (fp32)", 3, 70.0, torch.float32, None),
+    ("block b saw no key (lse -inf)", 4, 1.0, torch.float64, "b"),
+    ("block a saw no key (lse -inf)", 5, 1.0, torch.float64, "a"),
+    ("neither block saw a key (both lse -inf)", 6, 1.0, torch.float64, "both"),
+]
+ZIGZAG_CASES = [(16, 4), (8, 1), (12, 2), (40, 4), (13, 3), (7, 4), (3, 2)]
+
+
+def _partials(seed, scale, dtype, empty):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    k2, v2 = (torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    if isinstance(scale, float):
+        q, k, k2 = q * scale, k * scale, k2 * scale
+    q, k, v, k2, v2 = (t.to(dtype) for t in (q, k, v, k2, v2))
+    pos = torch.arange(5)
+    oa, la = blocks.block_forward(q, k, v, pos, pos, "full", 0.5)
+    ob, lb = blocks.block_forward(q, k2, v2, pos, pos, "full", 0.5)
+    if scale == "0/100":
+        la, lb = torch.zeros_like(la), torch.full_like(lb, 100.0)
+    if empty in ("a", "both"):
+        oa, la = torch.zeros_like(oa), torch.full_like(la, -math.inf)
+    if empty in ("b", "both"):
+        ob, lb = torch.zeros_like(ob), torch.full_like(lb, -math.inf)
+    return oa, la, ob, lb
+
+
+def _merge_check(fn, case):
+    name, seed, scale, dtype, empty = case
+    oa, la, ob, lb = _partials(seed, scale, dtype, empty)
+    want_o, want_l = blocks.merge(oa.double(), la.double(), ob.double(), lb.double())
+    try:
+        got = fn(oa.clone(), la.clone(), ob.clone(), lb.clone())
+    except RuntimeError as e:
+        if "must match the size" not in str(e):
+            raise
+        return "shape", (f"{e} — the weights exp(lse_x - lse) are [b, h, s] and out_x is [b, h, s, d]: "
+                "broadcast the weights over d with [..., None] (unsqueeze(-1))")
+    if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
+        return "shape", f"expected a tuple (out, lse) of two tensors, got {type(got).__name__}"
+    out, lse = got
+    if out.shape != oa.shape or lse.shape != la.shape:
+        return "shape", (f"expected out {tuple(oa.shape)} and lse {tuple(la.shape)}, got "
+                f"{tuple(out.shape)} and {tuple(lse.shape)}")
+    if empty == "both" and not (bool((lse == -math.inf).all()) and bool((out == 0).all())):
+        return "empty", ("with both lse -inf (no key in either block) the merge must give lse = -inf and "
+                "out = 0, got " + ("nan" if bool(torch.isnan(lse).any() | torch.isnan(out).any())
+                                   else "something else") +
+                ": -inf - (-inf) is nan, so take the max first and handle a max of -inf")
+    if not (torch.isfinite(out).all() and (torch.isfinite(lse) | torch.isinf(want_l)).all()):
+        if empty is not None:
+            other = "b" if empty == "a" else "a"
+            return "empty", (f"nan or inf where one block saw no key: with lse_{empty} = -inf, "
+                    f"exp(lse_{empty} - lse) must be 0 and lse = lse_{other} (log-add-exp with -inf "
+                    "is the identity; -inf - (-inf) is nan, so handle it)")
+        return "stable", ("overflow: the merge is not finite for large log-sum-exps — "
+                "log(1 + exp(lse_b - lse_a)) overflows once the difference passes ~88 in fp32; "
+                "write log-add-exp as max + log1p(exp(-|a - b|))")
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    scale_l = max(1.0, float(want_l.abs().max()))
+    err_l = float((lse.double() - want_l).abs().max()) / scale_l
+    if err_l > tol:
+        if torch.allclose(lse.double(), torch.maximum(la, lb).double()):
+            return "lse", "lse is max(lse_a, lse_b): the log of a sum of exponentials is more than its max"
+        return "lse", f"lse wrong by {err_l:.2e} (relative): it is log(exp(lse_a) + exp(lse_b))"
+    err_o = float((out.double() - want_o).abs().max())
+    if err_o > tol * max(1.0, float(want_o.abs().max())):
+        plain = (oa + ob).double()
+        if torch.allclose(out.double(), plain):
+            return "weights", "out is out_a + out_b: weight each by its share exp(lse_x - lse) of the total"
+        return "weights", f"out wrong by {err_o:.2e}: out = exp(lse_a - lse)·out_a + exp(lse_b - lse)·out_b"
+    return None
+
+
+def grade_merge(fn, total: float = 2) -> Report:
+    """``fn(out_a, lse_a, out_b, lse_b) -> (out, lse)`` against the library's merge."""
+    report = Report("Part A: merging two partial attention results", total=total,
+                    rules=MERGE_RULES)
+    for case in MERGE_CASES:
+        report.check(case[0], lambda c=case: _merge_check(fn, c))
+    return report
+
+
+def _variants(seq_len, world, rank):
+    parts = torch.arange(seq_len).tensor_split(2 * world)
+    out = {}
+    if world + rank < 2 * world:
+        out["chunks r and W + r"] = torch.cat([parts[rank], parts[world + rank]])
+    out["chunks r and 2W - r"] = torch.cat([parts[rank], parts[(2 * world - rank) % (2 * world)]])
+    out["a contiguous split"] = torch.arange(seq_len).tensor_split(world)[rank]
+    return out
+
+
+def _zigzag_check(fn, seq_len, world):
+    for rank in range(world):
+        want = sharding.positions("zigzag", seq_len, world, rank)
+        got = fn(seq_len, world, rank)
+        if not isinstance(got, torch.Tensor):
+            return "order", f"rank {rank}: expected a tensor of positions, got {type(got).__name__}"
+        got = got.reshape(-1).long()
+        if torch.equal(got, want):
+            continue
+        text = f"rank {rank}: expected {want.tolist()}, got {got.tolist()}"
+        for name, v in _variants(seq_len, world, rank).items():
+            if torch.equal(got, v) and not torch.equal(v, want):
+                return "pairing", (f"{text} — {name}: the wrong chunk pairing; rank r holds chunks r and "
+                        f"2W-1-r of 2W (here {rank} and {2 * world - 1 - rank}), so the early and "
+                        "the late chunks pair up and every rank gets the same causal work")
+        if seq_len % (2 * world) and got.numel() != want.numel():
+            return "uneven", (f"{text} — {seq_len} does not divide into {2 * world} equal chunks: cut with "
+                    "torch.arange(seq_len).tensor_split(2 * world)")
+        if len(set(got.tolist())) < got.numel():
+            return "order", f"{text} — a position appears twice: the two chunks must be different"
+        if sorted(got.tolist()) == want.tolist():
+            return "order", f"{text} — the right positions in the wrong order: return them increasing"
+        return "pairing", text
+    return None
+
+
+def grade_zigzag(fn, total: float = 2) -> Report:
+    """``fn(seq_len, world, rank)`` against :func:`minidist.context_parallel.sharding.positions`."""
+    report = Report("Part B: the zigzag split", total=total, rules=ZIGZAG_RULES)
+    for s, w in ZIGZAG_CASES:
+        report.check(f"S = {s}, W = {w}", lambda s=s, w=w: _zigzag_check(fn, s, w))
+    return report
+
+
+def _ring_rank(rank, world, merge_fn, positions_fn, seq_len, scale):
+    """A ring-attention forward: the library's blocks and transfers, the learner's merge/split."""
+    from minidist.comm import p2p
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, seq_len, 4, generator=g) for _ in range(3))
+    q, k = q * scale, k * scale
+    mine = [positions_fn(seq_len, world, r).reshape(-1).long() for r in range(world)]
+    qs, kv = q[:, :, mine[rank]], torch.stack([k[:, :, mine[rank]], v[:, :, mine[rank]]])
+    out = torch.zeros_like(qs)
+    lse = torch.full(qs.shape[:-1], -math.inf)
+    for t in range(world):
+        src = (rank - t) % world
+        kind = sharding.block_kind(mine[rank], mine[src])
+        if kind != "skipped":
+            o, l = blocks.block_forward(qs, kv[0], kv[1], mine[rank], mine[src], kind, 0.5)
+            out, lse = merge_fn(out, lse, o, l)
+        if t < world - 1:
+            incoming = torch.empty(2, 1, 2, len(mine[(src - 1) % world]), 4)
+            p2p.exchange(kv.contiguous(), (rank + 1) % world, incoming, (rank - 1) % world)
+            kv = incoming
+    return mine[rank], out
+
+
+def _ring_check(merge_fn, positions_fn, world, seq_len, scale):
+    from minidist.launch import run
+    got = run(_ring_rank, world, merge_fn, positions_fn, seq_len, scale, timeout=60)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, seq_len, 4, generator=g) for _ in range(3))
+    ref, ref_lse = blocks.attention_reference((q * scale).double(), (k * scale).double(),
+                                              v.double(), scale=0.5)
+    # fp32; at scores ~1e4 the lse is only known to eps·|lse| (tests/library/context_parallel/test_context_parallel.py)
+    tol = 1e-5 if scale == 1.0 else 8 * torch.finfo(torch.float32).eps * float(ref_lse.abs().max())
+    for rank, (pos, out) in enumerate(got):
+        if not torch.isfinite(out).all():
+            return "finite", (f"rank {rank}: non-finite output — your merge gives inf or nan (the ring starts "
+                    "from lse = -inf, and scores can be large: see Part A)")
+        err = float((out.double() - ref[:, :, pos]).abs().max())
+        if err > tol:
+            return "equal", (f"rank {rank} (positions {pos.tolist()}): output differs from full attention "
+                    f"by {err:.2e}")
+    return None
+
+
+def grade_ring(merge_fn, positions_fn, total: float = 2) -> Report:
+    """Ring attention with the learner's ``merge`` and ``zigzag_positions`` on 1–4 ranks."""
+    report = Report("Part C: ring attention from your merge and split", total=total,
+                    rules=RING_RULES, default_rule="equal")
+    for world, seq_len, scale in ((1, 6, 1.0), (2, 12, 1.0), (3, 13, 1.0), (4, 16, 1.0),
+                                  (4, 16, 70.0)):
+        name = (f"W = {world}, S = {seq_len}" +
+                (", scores of order 1e4" if scale != 1.0 else "") + " vs full attention")
+        report.check(name, lambda w=world, s=seq_len, c=scale: _ring_check(merge_fn, positions_fn,
+                                                                          w, s, c))
+    return report

@@ -1,0 +1,73 @@
+"""The 3-D section of ``minidist demo`` and the capstone's checks: the tiny GPT on a
+``dp x tp x pp`` grid against one process on the whole global batch.
+
+One training step (:func:`minidist.hybrid.train_step`, 1F1B, no optimizer step) on every rank of
+the grid; the tied embedding, ignored target positions (-100, spread unevenly over micro-batches
+and replicas) and clipping by the global norm are all on, so every combination duty is exercised:
+the loss per counted token over the global batch, the tied copies' gradient sum, the norm that
+counts each parameter once. The gathered gradients (over TP shards and pipeline stages) are then
+compared with ``torch.nn.utils.clip_grad_norm_`` applied to the one-process GPT's gradients.
+
+``demo_rows()`` returns rows ``{"section": "3-D", "check", "world_size", "max_error", "ok",
+"detail"}`` (one launch of 8 ranks, about 10 s on 2 cores). :func:`step_on_grid` is
+what the chapter reuses; the one-process oracle (:func:`reference`, :func:`batch`, :func:`compare`)
+lives in :mod:`minidist_course.references.hybrid` and is imported here for the chapter.
+"""
+
+from __future__ import annotations
+
+from minidist.models.gpt import GPTConfig
+from ..references.hybrid import BATCH, CFG, MAX_NORM, TOL, batch, compare, reference
+
+__all__ = ["CFG", "BATCH", "MAX_NORM", "TOL", "batch", "step_on_grid", "reference", "compare",
+           "demo_rows"]
+
+
+def step_on_grid(rank: int, world: int, dp: int, tp: int, pp: int,
+                 loss_reduction: str = "per_token", microbatches: int = 2,
+                 max_norm: float | None = MAX_NORM, cfg: GPTConfig = CFG, n: int = BATCH,
+                 ignore: float = 0.3, tied_sum: bool = True) -> dict:
+    """Run inside ``minidist.run(step_on_grid, dp·tp·pp, dp, tp, pp)``: one ``train_step`` without
+    the optimizer step. ``tied_sum=False`` skips the tied embedding's gradient sum (the bug the
+    chapter shows). Returns ``{"coords": (dp_rank, pp_rank, tp_rank), "loss", "grad_norm",
+    "grads": {GPT name: full gradient of this rank's stages}}``."""
+    from minidist.grid import ProcessGrid
+    from minidist.hybrid import HybridGPT, train_step, wrap_stages
+
+    grid = ProcessGrid(dp, pp, tp)
+    model = HybridGPT(cfg, grid, seed=0)
+    if not tied_sum:
+        model.allreduce_tied_grads = lambda: None
+    ids, targets = batch(n, cfg, ignore)
+    out = train_step(model, None, wrap_stages(model, "flat"), ids, targets, microbatches,
+                     loss_reduction=loss_reduction, max_norm=max_norm, step=False)
+    return {"coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank), "loss": out.loss,
+            "grad_norm": out.grad_norm, "grads": model.gather(grads=True)}
+
+
+def demo_rows(dims: tuple[int, int, int] = (2, 2, 2), timeout: float = 180) -> list[dict]:
+    """Rows for ``minidist demo``: one 1F1B step of the tiny GPT on ``dims`` = (dp, tp, pp)."""
+    from minidist.launch import run
+
+    dp, tp, pp = dims
+    world = dp * tp * pp
+    ref = reference()
+    err = compare(run(step_on_grid, world, dp, tp, pp, timeout=timeout), ref)
+    where = f"({dp},{tp},{pp})"
+    rows = [
+        dict(check=f"{where} loss per counted token = 1 process", max_error=err["loss"],
+             ok=err["loss"] <= TOL,
+             detail=f"(dp,tp,pp), batch {BATCH}, 2 micro-batches/replica, ~25% targets ignored; relative"),
+        dict(check=f"{where} global grad norm = clip_grad_norm_", max_error=err["grad_norm"],
+             ok=err["grad_norm"] <= TOL, detail="each parameter once: TP-replicated, tied copy"),
+        dict(check=f"{where} gathered clipped grads = 1 process", max_error=err["grads"],
+             ok=err["grads"] <= TOL and not err["missing"],
+             detail=f"||g - g_ref|| / ||g_ref|| over all {len(ref['grads'])} tensors"),
+        dict(check=f"{where} DP replicas, tied copies equal", max_error=max(err["replicas"],
+                                                                                err["tied"]),
+             ok=err["replicas"] == 0.0 and err["tied"] == 0.0,
+             detail="bitwise: replica 0 vs 1, tok_emb (first stage) vs head (last stage)"),
+    ]
+    for r in rows:
+        r.update(section="3-D", world_size=world)
+    return rows

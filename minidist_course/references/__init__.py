@@ -1,0 +1,27 @@
+"""The oracles: what every check of a strategy compares with — one process on the global batch,
+torch's own implementation, the toy models and batches the checks share.
+
+Grading, ``minidist bench``, ``minidist demo``, the tests and the chapters all import from here,
+and this package imports only the strategies and the ground below them, so none of those users
+imports another to reach a reference.
+
+======================  ====================================================================
+module                  what it holds
+======================  ====================================================================
+``ddp``                 DDP: one process on the global batch, torch's own DDP, the synthetic
+                        batches they share, the shared training harness ``train_ddp``
+``tp``                  "equal to the single-process model": rel_error, and the TP checks
+                        (f/g MLP, vocab-parallel cross-entropy, the TP GPT) the demo, tests and
+                        ch06 share
+``sharding``            the ZeRO tests' toy model (tied weights, a frozen parameter, a buffer,
+                        sizes not divisible by W), its batches, one process on the global batch
+``hybrid``              the 3-D oracle: the tiny tied GPT, its batch with ignored targets, one
+                        process on it (clipped by the global norm), and ``compare``
+``fault_tolerant``      torchft on CPU (the production counterpart of restarts): a lighthouse,
+                        replica groups as processes, one killed and healed; torchft's DiLoCo
+======================  ====================================================================
+
+Nothing is imported here eagerly: ``import minidist_course.references.data_parallel`` loads only what it needs.
+"""
+
+__all__ = ["ddp", "tp", "sharding", "hybrid", "fault_tolerant"]
