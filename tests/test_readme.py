@@ -1,6 +1,7 @@
-"""The README's Python snippets run as printed, and give what their comments promise.
+"""The Python snippets of the README and of docs/library.md run as printed, and give what their
+comments promise.
 
-Each ```python block of README.md is executed, in order, in one namespace; every function it defines whose first two
+Each ```python block of README.md, then of docs/library.md, is executed, in order, in one namespace; every function it defines whose first two
 parameters are ``(rank, world_size)`` is run under ``minidist.run`` at the world size its snippet
 needs. A snippet that drifts from the library (a renamed class, a changed signature) fails here.
 """
@@ -14,13 +15,15 @@ import torch
 
 import minidist
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = (README, ROOT / "docs" / "library.md")   # the library's snippets, read as one session
 # world size per snippet function; the 3-D one needs dp * pp * tp = 8 ranks
 WORLD = {"f": 4, "ddp": 2, "tp": 2, "pp": 2, "three_d": 8, "ep": 4}
 
 
 def _snippets() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    return [code for page in PAGES for code in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)]
 
 
 def _rank_functions() -> dict:

@@ -6,10 +6,10 @@ module                  what it measures
 ``collectives``         nccl-tests-style measurement of the hand-built collectives against
                         torch's and a control (torch timed again: the run's noise floor);
                         ``collectives_report``: the table, alpha-beta fit, plots
-``ddp``                 step time of the bucketed DDP against torch's DDP (``minidist bench ddp``)
-``pp``                  measured pipeline bubble against the simulator's prediction, and
+``data_parallel``       step time of the bucketed DDP against torch's DDP (``minidist bench ddp``)
+``pipeline_parallel``   measured pipeline bubble against the simulator's prediction, and
                         activation memory per stage (``minidist bench pp``)
-``zero``                DDP, ZeRO-1/2/3 (hand-built and torch collectives) and torch's FSDP2:
+``sharding``            DDP, ZeRO-1/2/3 (hand-built and torch collectives) and torch's FSDP2:
                         step time and accounted memory per rank beside ZeRO's formula
                         (``minidist bench zero``)
 ``alpha_beta``          the collective's alpha-beta model fitted to medians of size-scaled
@@ -17,7 +17,7 @@ module                  what it measures
                         ``minidist bench alpha-beta``); what ``minidist plan`` reads
 ``flops``               fp32 matmul GFLOP/s (2 n³ FLOPs), median of repetitions, threads stated
                         (``minidist bench flops``)
-``cp``                  ring attention against one process and Ulysses: step time, the
+``context_parallel``    ring attention against one process and Ulysses: step time, the
                         communication hidden behind the block compute (``minidist bench cp``)
 ======================  ====================================================================
 

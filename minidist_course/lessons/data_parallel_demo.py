@@ -2,7 +2,7 @@
 
 Rows (one dict each, printed by the CLI): test accuracy of bucketed DDP on the real handwritten
 digits (its error: the gap to one process's accuracy), and the largest difference between the DDP parameters and one process trained on the same
-global batches (:func:`~.ddp_training.global_batches`), plus replica equality. About 10 s on 2 cores.
+global batches (:func:`~.data_parallel_training.global_batches`), plus replica equality. About 10 s on 2 cores.
 """
 
 from __future__ import annotations

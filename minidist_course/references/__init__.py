@@ -8,9 +8,9 @@ imports another to reach a reference.
 ======================  ====================================================================
 module                  what it holds
 ======================  ====================================================================
-``ddp``                 DDP: one process on the global batch, torch's own DDP, the synthetic
+``data_parallel``       DDP: one process on the global batch, torch's own DDP, the synthetic
                         batches they share, the shared training harness ``train_ddp``
-``tp``                  "equal to the single-process model": rel_error, and the TP checks
+``tensor_parallel``     "equal to the single-process model": rel_error, and the TP checks
                         (f/g MLP, vocab-parallel cross-entropy, the TP GPT) the demo, tests and
                         ch06 share
 ``sharding``            the ZeRO tests' toy model (tied weights, a frozen parameter, a buffer,
@@ -19,9 +19,13 @@ module                  what it holds
                         process on it (clipped by the global norm), and ``compare``
 ``fault_tolerant``      torchft on CPU (the production counterpart of restarts): a lighthouse,
                         replica groups as processes, one killed and healed; torchft's DiLoCo
+``expert_parallel``     the dense one-process MoE (every expert on every token, the drop rule
+                        as a Python loop), sharing no code with the expert-parallel path
 ======================  ====================================================================
 
-Nothing is imported here eagerly: ``import minidist_course.references.data_parallel`` loads only what it needs.
+Nothing is imported here eagerly: ``import minidist_course.references.data_parallel`` loads only
+what it needs.
 """
 
-__all__ = ["ddp", "tp", "sharding", "hybrid", "fault_tolerant"]
+__all__ = ["data_parallel", "tensor_parallel", "sharding", "hybrid", "fault_tolerant",
+           "expert_parallel"]
