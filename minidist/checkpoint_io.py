@@ -46,6 +46,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .comm.p2p import group_rank_world
+
 __all__ = ["save_generation", "open_newest", "read_part", "check_tensors", "agree", "newest",
            "generations", "signature", "tensor_shapes", "flatten", "MANIFEST", "FORMAT"]
 
@@ -143,14 +145,8 @@ def _write_part(folder: str, name: str, obj, model_key: str | None, where: str) 
     return record
 
 
-def _world(group):
-    if dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
-
-
 def _gather(obj, group) -> list:
-    rank, world = _world(group)
+    rank, world = group_rank_world(group)
     if world == 1:
         return [obj]
     out = [None] * world
@@ -159,7 +155,7 @@ def _gather(obj, group) -> list:
 
 
 def _from_rank0(obj, group):
-    rank, world = _world(group)
+    rank, world = group_rank_world(group)
     if world == 1:
         return obj
     box = [obj]
@@ -188,7 +184,7 @@ def save_generation(path, parts: dict, *, where: str, kind: str, meta: dict | No
     if keep < 1:
         raise ValueError(f"{where}: keep must be >= 1 (the newest generation), got {keep!r}")
     path = os.fspath(path)
-    rank, world = _world(group)
+    rank, world = group_rank_world(group)
     number = None
     if rank == 0:
         try:

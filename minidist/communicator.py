@@ -170,16 +170,17 @@ class Handle:
 
 
 class CommThread:
-    """The communication thread: runs ``fn(communicator, *args)`` for each :meth:`submit`, in
-    submission order, with a :class:`Communicator` on a process group of its own (the members of
-    ``group``; default: the world) and ``algorithm`` (default ``"auto"``).
+    """The communication thread of ``comm`` (a :class:`Communicator`): runs ``fn(communicator,
+    *args)`` for each :meth:`submit`, in submission order, with a communicator like ``comm`` (the
+    same implementation and algorithm) on a process group of its own (the members of
+    ``comm.group``).
 
     Every rank of the group must submit the same collectives in the same order. Stopped by
     :meth:`close` or when garbage-collected.
     """
 
-    def __init__(self, collectives: str = "hand-built", group=None, name: str = "comm",
-                 algorithm: str = "auto"):
+    def __init__(self, comm: Communicator, name: str = "comm"):
+        group = comm.group
         # A group of its own: collectives on the main thread never share a wire with it. On a
         # subgroup only its members create it (use_local_synchronization: the name is hashed from
         # the ranks). A plain new_group expects every rank of the world to create the same group;
@@ -197,7 +198,7 @@ class CommThread:
         # as the launcher does after init (launch/rank_process.py).
         if isinstance(own, dist.ProcessGroup) and dist.get_backend(own) == "gloo":
             dist.barrier(group=own)
-        self.comm = Communicator(collectives, own, algorithm=algorithm)
+        self.comm = Communicator(comm.collectives, own, algorithm=comm.algorithm)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=_serve, args=(self._queue,), daemon=True, name=name)
         self._thread.start()

@@ -126,6 +126,17 @@ def _record(kind: str, tensor: torch.Tensor, peer: int) -> None:
 _groups: dict = {}   # id(process group) -> (the group, this rank in it, its size)
 
 
+def group_rank_world(group=None) -> tuple[int, int]:
+    """``(rank in group, group size)``, the one meaning of ``group=None`` in the library: the
+    world. Without an initialised process group this process is alone, ``(0, 1)``; a ``group``
+    given then is a ``RuntimeError`` (a group cannot exist without a world)."""
+    if not dist.is_initialized():
+        if group is not None:
+            raise RuntimeError("a process group was given but torch.distributed is not initialised")
+        return 0, 1
+    return rank_and_size(group)
+
+
 def rank_and_size(group=None) -> tuple[int, int]:
     """``(dist.get_rank(group), dist.get_world_size(group))``, remembered per process group.
 

@@ -14,7 +14,8 @@ import torch
 
 from ..tensor_parallel import accounting
 from ..tensor_parallel.attention import ParallelSelfAttention
-from .ring import group_rank_world, ring_attention
+from ..comm.p2p import group_rank_world
+from .ring import ring_attention
 
 __all__ = ["ContextParallelSelfAttention"]
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import collectives as C
-from .ring import group_rank_world
+from ..comm.p2p import group_rank_world
 
 __all__ = ["sharded_cross_entropy", "allreduce_grads"]
 

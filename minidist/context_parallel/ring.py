@@ -27,23 +27,17 @@ import contextlib
 import time
 
 import torch
-import torch.distributed as dist
 
 from ..comm import p2p
+from ..comm.p2p import group_rank_world
 from ..trace import Event
 from .blocks import block_backward, block_forward, compute_dtype, merge
 from .sharding import SPLITS, block_kind, chunks
 
-__all__ = ["ring_attention", "RingAttention", "ring_traffic", "group_rank_world", "recording"]
+__all__ = ["ring_attention", "RingAttention", "ring_traffic", "recording"]
 
 _KV, _DKV = 1, 2   # tags: the K/V block and its gradient accumulator are different messages
 
-
-def group_rank_world(group=None) -> tuple[int, int]:
-    """``(rank in group, group size)``; ``(0, 1)`` when no process group is initialised."""
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 class _Layout:

@@ -21,7 +21,7 @@ import torch
 
 from .. import collectives as C
 from .blocks import attention_reference, compute_dtype
-from .ring import group_rank_world
+from ..comm.p2p import group_rank_world
 from .sharding import positions
 
 __all__ = ["ulysses_attention", "check_heads", "heads_of"]

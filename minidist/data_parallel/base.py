@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..communicator import Communicator
-from .replicas import broadcast_module, check_same_structure
+from .replicas import broadcast_from_rank0, check_same_structure
 
 __all__ = ["DataParallelBase", "UnusedParametersError", "SyncDecisionError"]
 
@@ -68,13 +68,12 @@ class DataParallelBase(nn.Module):
         self.module = module
         self.communicator = Communicator(collectives, group, where="data parallel",
                                          algorithm=algorithm)
-        self.collectives, self.group, self.algorithm = collectives, group, algorithm
         self.rank, self.world_size = self.communicator.rank, self.communicator.world_size
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.reduce_dtype = reduce_dtype
         check_same_structure(module, group, what=f"{type(self).__name__} construction")
-        broadcast_module(module, collectives, group, algorithm=algorithm)
+        broadcast_from_rank0(self.communicator, module)
         self.param_names = {p: n for n, p in module.named_parameters() if p.requires_grad}
         self.params = list(self.param_names)  # registration order
         self._sync_enabled = True         # False inside no_sync()
@@ -83,8 +82,7 @@ class DataParallelBase(nn.Module):
     # ------------------------------------------------------------------ forward & the sync decision
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.world_size > 1 and any(True for _ in self.module.buffers()):
-            broadcast_module(self.module, self.collectives, self.group, buffers_only=True,
-                             algorithm=self.algorithm)
+            broadcast_from_rank0(self.communicator, self.module, buffers_only=True)
         self._sync_this_backward = self._sync_enabled
         return self.module(*args, **kwargs)
 
@@ -159,4 +157,4 @@ class DataParallelBase(nn.Module):
         raise NotImplementedError
 
     def extra_repr(self) -> str:
-        return f"collectives={self.collectives!r}, world_size={self.world_size}"
+        return f"collectives={self.communicator.collectives!r}, world_size={self.world_size}"

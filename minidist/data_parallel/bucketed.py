@@ -77,8 +77,9 @@ class BucketedDDP(DataParallelBase):
                  timeline: Timeline | None = None, first_bucket_cap_mb: float | None = None, **kwargs):
         super().__init__(module, **kwargs)
         if bucket_cap_mb is None:   # the model's size (hand-built auto; torch's 25 MiB otherwise)
-            auto = self.collectives == "hand-built" and self.algorithm == "auto"
-            bucket_cap_mb = (bucket_size.bucket_cap_bytes(tuner.agreed_table(self.group),
+            comm = self.communicator
+            auto = comm.collectives == "hand-built" and comm.algorithm == "auto"
+            bucket_cap_mb = (bucket_size.bucket_cap_bytes(tuner.agreed_table(comm.group),
                                                           self.world_size) / 2**20
                              if auto else bucket_size.BUCKET_FLOOR / 2**20)
         check_bucket_cap(f"BucketedDDP (rank {self.rank})", "bucket_cap_mb", bucket_cap_mb)
@@ -94,7 +95,7 @@ class BucketedDDP(DataParallelBase):
         self._where = {p: (b, i, b.views[i]) for b in self.buckets for i, p in enumerate(b.params)}
         self._hook, self._hook_state = allreduce_hook, None
         # the communication thread, on a process group of its own (see minidist.communicator)
-        self._worker = CommThread(self.collectives, self.group, algorithm=self.algorithm)
+        self._worker = CommThread(self.communicator)
         me = weakref.ref(self)  # neither the thread nor the hooks keep the wrapper alive
         self._me = me
         self._handles = [p.register_post_accumulate_grad_hook(_weak_hook(me))

@@ -20,19 +20,19 @@ from ..communicator import Communicator
 __all__ = ["FlatDDP", "average_flat"]
 
 
-def average_flat(tensors: list[torch.Tensor], collectives: str = "hand-built", group=None,
-                 dtype: torch.dtype | None = None, algorithm: str = "auto") -> list[torch.Tensor]:
-    """The average over ``group`` of each tensor, computed as ONE all-reduce of their concatenation.
+def average_flat(tensors: list[torch.Tensor], comm: Communicator,
+                 dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The average over ``comm``'s group of each tensor, computed as ONE all-reduce of their
+    concatenation (with ``comm``'s implementation and algorithm).
 
     Returns new tensors (same shapes, dtype ``dtype`` or the first tensor's); the inputs are not
-    modified. Every rank must pass the same shapes in the same order. ``algorithm``: hand-built
-    only, ``"auto"`` (:mod:`minidist.comm.tuner`) or a fixed name.
+    modified. Every rank must pass the same shapes in the same order.
     """
     if not tensors:
         return []
     dtype = dtype or tensors[0].dtype
     flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
-    Communicator(collectives, group, algorithm=algorithm).all_reduce(flat, "avg")
+    comm.all_reduce(flat, "avg")
     return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
@@ -44,8 +44,7 @@ class FlatDDP(DataParallelBase):
         if plan is None or not self.params:
             return
         grads, anywhere = plan
-        averaged = average_flat(grads, self.collectives, self.group, self.reduce_dtype,
-                                self.algorithm)
+        averaged = average_flat(grads, self.communicator, self.reduce_dtype)
         for p, avg, used in zip(self.params, averaged, anywhere):
             if used:
                 p.grad = avg.to(p.dtype).clone()

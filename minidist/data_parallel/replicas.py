@@ -89,7 +89,12 @@ def broadcast_module(module: nn.Module, collectives: str = "hand-built", group=N
     small buffers of several dtypes (ResNet-18: 40 fp32 BatchNorm statistics and 20 int64
     ``num_batches_tracked``) pays one collective's latency (and one size check), not one per dtype
     or sixty — as torch's DDP coalesces its buffer broadcast (``_broadcast_coalesced``)."""
-    if dist.get_world_size(group) == 1:
+    broadcast_from_rank0(Communicator(collectives, group, algorithm=algorithm), module, buffers_only)
+
+
+def broadcast_from_rank0(comm: Communicator, module: nn.Module, buffers_only: bool = False) -> None:
+    """:func:`broadcast_module` on ``comm`` (what a wrapper that holds one passes down)."""
+    if comm.world_size == 1:
         return
     tensors = [] if buffers_only else [p.data for p in module.parameters()]
     tensors += [b for b in module.buffers()]
@@ -97,7 +102,6 @@ def broadcast_module(module: nn.Module, collectives: str = "hand-built", group=N
     for t in tensors:
         if t.numel():
             by_device.setdefault(t.device, []).append(t)
-    comm = Communicator(collectives, group, algorithm=algorithm)
     for same in by_device.values():
         as_bytes = [t.detach().reshape(-1).view(torch.uint8) for t in same]
         flat = torch.cat(as_bytes)

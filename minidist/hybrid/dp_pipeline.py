@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import collectives as C
+from ..communicator import Communicator
 from ..data_parallel.flat import average_flat
 from ..pipeline_parallel.engine import StepResult, pipeline_step, scale_gradients
 from ..trace import Event
@@ -50,7 +51,7 @@ def sync_gradients(modules: dict[int, nn.Module], dp_group) -> None:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-    *averaged, anywhere = average_flat(grads + [used], group=dp_group)
+    *averaged, anywhere = average_flat(grads + [used], Communicator("hand-built", dp_group))
     for p, avg, a in zip(params, averaged, anywhere.tolist()):
         if a > 0:
             p.grad = avg.clone()

@@ -40,7 +40,7 @@ from torch import nn
 
 from .. import collectives as C
 from ..context_parallel.attention import ContextParallelSelfAttention
-from ..context_parallel.ring import group_rank_world
+from ..comm.p2p import group_rank_world
 from ..context_parallel.sharding import positions as cp_positions
 from ..models.gpt import GPT, GPTConfig
 from ..pipeline_parallel.partition import balanced_bounds

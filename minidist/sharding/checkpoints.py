@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import os
 
-import torch.distributed as dist
 
 from ..checkpoint_io import agree, check_tensors, open_newest, read_part, save_generation
+from ..comm.p2p import group_rank_world
 from ..data_parallel.checkpoint import FILE, _sharded_model, load_checkpoint, save_checkpoint
 from ..data_parallel.replicas import unwrap
 from . import fsdp_state
@@ -44,16 +44,12 @@ def shard_name(rank: int) -> str:
     return f"shard{rank:05d}.pt"
 
 
-def _rank_world(group):
-    return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
-
-
 def save_full_checkpoint(path, model, optimizer=None, extra: dict | None = None, group=None,
                          keep: int = 1) -> str:
     """One file with the unsharded model and optimizer state (rank 0 writes); collective."""
     if not _sharded_model(model):                 # ZeRO-1/2 or plain: data parallel's save
         return save_checkpoint(path, model, optimizer, extra=extra, group=group, keep=keep)
-    rank, _ = _rank_world(group)
+    rank, _ = group_rank_world(group)
     state = {"model": fsdp_state.full_state_dict(model),
              "optimizer": (fsdp_state.full_optim_state_dict(model, optimizer)
                            if optimizer is not None else None), "extra": extra or {}}
@@ -68,7 +64,7 @@ def load_full_checkpoint(path, model, optimizer=None, group=None) -> dict:
     rank is an error on every rank."""
     if not _sharded_model(model):
         return load_checkpoint(path, model, optimizer, group=group, restore_rng=False)
-    rank, _ = _rank_world(group)
+    rank, _ = group_rank_world(group)
     where = f"load_full_checkpoint (rank {rank})"
     expected = fsdp_state.full_state_dict(model)  # collective, before any rank can fail
     error: Exception | None = None
@@ -104,7 +100,7 @@ def _sharded_parts(model, optimizer, where: str, rank: int) -> dict:
 def save_sharded_checkpoint(path, model, optimizer=None, extra: dict | None = None, group=None,
                             keep: int = 1) -> str:
     """Every rank writes only what it owns (see the table); collective. Returns the folder."""
-    rank, world = _rank_world(group)
+    rank, world = group_rank_world(group)
     where = f"save_sharded_checkpoint (rank {rank})"
     part = {**_sharded_parts(model, optimizer, where, rank), "extra": extra or {}}
     kind = "sharded-zero3" if _sharded_model(model) else "sharded-zero12"
@@ -115,7 +111,7 @@ def save_sharded_checkpoint(path, model, optimizer=None, extra: dict | None = No
 def load_sharded_checkpoint(path, model, optimizer=None, group=None) -> dict:
     """Load :func:`save_sharded_checkpoint`'s newest generation (same world size); returns
     ``extra``. Collective: one rank's error is every rank's."""
-    rank, world = _rank_world(group)
+    rank, world = group_rank_world(group)
     where = f"load_sharded_checkpoint (rank {rank})"
     zero3 = _sharded_model(model)
     error: Exception | None = None

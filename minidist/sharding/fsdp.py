@@ -104,7 +104,7 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
     below = units(module)
-    ctx = _Context(collectives, group, algorithm)        # the newest outer unit's context is the shared one
+    ctx = _Context(unit.comm)        # the newest outer unit's context is the shared one
     for u in below:
         if u.ctx is not None:
             u.ctx.close()

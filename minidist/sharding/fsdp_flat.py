@@ -26,8 +26,8 @@ __all__ = ["FlatParamUnit"]
 class _Context:
     """What the units under one root share: the comm thread, the order, pending reduce-scatters."""
 
-    def __init__(self, collectives, group, algorithm: str = "auto"):
-        self.collectives, self.group, self.algorithm = collectives, group, algorithm
+    def __init__(self, comm: Communicator):
+        self.comm = comm                 # the root unit's: its group, implementation, algorithm
         self._worker: CommThread | None = None
         self.order: list = []            # units in forward order (recorded in step 1)
         self.recording = True
@@ -39,8 +39,7 @@ class _Context:
     def worker(self) -> CommThread:
         """Created at first use (the first forward, on every rank): only the root's is ever made."""
         if self._worker is None:
-            self._worker = CommThread(self.collectives, self.group, name="fsdp-comm",
-                                      algorithm=self.algorithm)
+            self._worker = CommThread(self.comm, name="fsdp-comm")
         return self._worker
 
     def close(self) -> None:

@@ -116,7 +116,7 @@ class ShardedOptimizer:
         self.optim = optimizer_class(inner_groups, **defaults)
         self._handles, self._in_backward, self._next = [], False, 0
         if stage == 2:
-            self.worker = CommThread(collectives, group, name="zero-comm", algorithm=algorithm)
+            self.worker = CommThread(self.comm, name="zero-comm")
             self._hook(list(self._where))
 
     def _add_buckets(self, gi: int, params: list) -> list[_Bucket]:

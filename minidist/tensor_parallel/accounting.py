@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-__all__ = ["CommEvent", "comm_log", "scope", "current_scope", "record", "summarize",
+from ..comm import p2p
+
+__all__ = ["CommEvent", "comm_log", "scope", "current_scope", "record", "collective", "summarize",
            "block_formula"]
 
 
@@ -79,6 +82,16 @@ def record(scope_name: str, op: str, phase: str, payload_bytes: int, bytes_sent:
         event = CommEvent(scope_name, op, phase, int(payload_bytes), int(bytes_sent), start, end)
         for log in _logs:
             log.append(event)
+
+
+@contextlib.contextmanager
+def collective(scope_name: str, op: str, phase: str, payload_bytes: int):
+    """Time the collective run inside the block and count the bytes this rank sends, then
+    :func:`record` it (what every region operator's collective runs under)."""
+    start = time.perf_counter()
+    with p2p.count_traffic() as sent:
+        yield
+    record(scope_name, op, phase, payload_bytes, sent.bytes_sent, start, time.perf_counter())
 
 
 def summarize(log, by=("scope", "phase", "op")) -> dict:

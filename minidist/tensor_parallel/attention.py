@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..comm.p2p import group_rank_world
 from ..models.gpt import causal_attention
-from . import accounting, regions as R
+from . import accounting
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .random import Dropout
 
@@ -34,7 +35,7 @@ class ParallelSelfAttention(nn.Module):
     def __init__(self, hidden: int, n_head: int, attn_dropout: float = 0.0,
                  resid_dropout: float = 0.0, group=None, sequence_parallel: bool = False):
         super().__init__()
-        rank, world = R.tp_rank_world(group)
+        rank, world = group_rank_world(group)
         if hidden % n_head:
             raise ValueError(f"ParallelSelfAttention (rank {rank}): hidden={hidden} is not "
                              f"divisible by n_head={n_head}")

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.p2p import group_rank_world
 from .. import collectives as C
-from . import regions as R
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -33,7 +33,7 @@ __all__ = ["vocab_parallel_cross_entropy"]
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_size, label_smoothing, ignore_index, group):
-        rank, world = R.tp_rank_world(group)
+        rank, world = group_rank_world(group)
         valid = target != ignore_index                              # ignored tokens: loss 0, grad 0
         local = logits.shape[-1]
         start = rank * local
@@ -96,7 +96,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
     Raises ``ValueError`` (naming the rank) for targets out of range that are not
     ``ignore_index``, a shape mismatch, or a vocabulary that does not fit ``W x`` the local columns.
     """
-    rank, world = R.tp_rank_world(group)
+    rank, world = group_rank_world(group)
     where = f"vocab_parallel_cross_entropy (rank {rank})"
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"{where}: logits {tuple(logits.shape)} and target {tuple(target.shape)} "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..comm.p2p import group_rank_world
 from ..models.gpt import Block, GPTConfig
 from . import accounting, regions as R
 from .attention import ParallelSelfAttention
@@ -80,7 +81,7 @@ class GPTStage(nn.Module):
         sp = sequence_parallel
         self.cfg, self.index, self.group, self.sequence_parallel = cfg, index, group, sp
         self.is_first, self.is_last = index == 0, index == n_stages - 1
-        self.tp_rank, self.tp_size = R.tp_rank_world(group)
+        self.tp_rank, self.tp_size = group_rank_world(group)
         if self.is_first:
             self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, group, sp)
             self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)

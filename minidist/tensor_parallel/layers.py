@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm.p2p import group_rank_world
 from . import regions as R
 from .sharding import pad_and_split
 
@@ -53,7 +54,7 @@ def _shard(full: torch.Tensor, dim: int, padded: int, group, what: str) -> nn.Pa
 
 
 def _check_divisible(n: int, group, what: str, name: str) -> None:
-    rank, world = R.tp_rank_world(group)
+    rank, world = group_rank_world(group)
     if n % world:
         raise ValueError(f"{what} (rank {rank}): {name}={n} is not divisible by the tensor-parallel "
                          f"size {world}")
@@ -170,7 +171,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, group=None,
                  sequence_parallel: bool = False, seq_dim: int = 1):
         super().__init__()
-        rank, world = R.tp_rank_world(group)
+        rank, world = group_rank_world(group)
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
         self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
         self.padded = pad_to_multiple(num_embeddings, world)
@@ -182,7 +183,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            rank, _ = R.tp_rank_world(self.group)
+            rank, _ = group_rank_world(self.group)
             raise ValueError(f"VocabParallelEmbedding (rank {rank}): ids must be in "
                              f"[0, {self.num_embeddings}), got min {int(ids.min())}, "
                              f"max {int(ids.max())}")

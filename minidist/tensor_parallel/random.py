@@ -41,6 +41,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..comm.p2p import group_rank_world
 from . import regions as R
 
 __all__ = ["RNGTracker", "get_rng_tracker", "model_parallel_seed", "grid_seed", "stage_seed",
@@ -116,7 +117,7 @@ def model_parallel_seed(seed: int, group=None, tracker: RNGTracker | None = None
     Returns the tracker (the global one unless ``tracker`` is given).
     """
     tracker = tracker or _TRACKER
-    rank, _ = R.tp_rank_world(group)
+    rank, _ = group_rank_world(group)
     base = stage_seed(seed, pp_rank, dp_rank)
     tracker.add("replicated", base)
     tracker.add("model-parallel", base + MODEL_PARALLEL_OFFSET + rank)
@@ -160,7 +161,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True, region: str = "rep
     gen = (tracker or _TRACKER).generator(region, x.device)
     shape = list(x.shape)
     if sequence_parallel:
-        _, world = R.tp_rank_world(group)
+        _, world = group_rank_world(group)
         shape[seq_dim] *= world
     keep = torch.rand(shape, generator=gen, device=x.device) >= p
     if sequence_parallel:

@@ -34,13 +34,10 @@ the *local* upstream gradient only, silently wrong; these functions are what TP 
 
 from __future__ import annotations
 
-import time
-
 import torch
-import torch.distributed as dist
 
 from .. import collectives as C
-from ..comm import p2p
+from ..comm.p2p import group_rank_world
 from . import accounting
 
 __all__ = [
@@ -48,23 +45,14 @@ __all__ = [
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "all_reduce", "all_gather", "reduce_scatter",
-    "tp_rank_world", "split_along", "gather_along", "reduce_scatter_along",
+    "split_along", "gather_along", "reduce_scatter_along",
 ]
-
-
-def tp_rank_world(group=None) -> tuple[int, int]:
-    """``(rank, world_size)`` of the TP group; ``(0, 1)`` when no process group is initialised."""
-    if not dist.is_initialized():
-        if group is not None:
-            raise RuntimeError("a TP group was given but torch.distributed is not initialised")
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 # ------------------------------------------------------------------ the four moves (no autograd)
 def _chunks(x: torch.Tensor, dim: int, group, what: str) -> tuple[int, list[torch.Tensor]]:
     """``(rank, the W slices of x along dim)``; ValueError naming the rank unless W divides it."""
-    rank, world = tp_rank_world(group)
+    rank, world = group_rank_world(group)
     if x.shape[dim] % world:
         raise ValueError(f"{what} (rank {rank}): dimension {dim} of shape {tuple(x.shape)} has "
                          f"size {x.shape[dim]}, not divisible by the tensor-parallel size {world}")
@@ -73,7 +61,7 @@ def _chunks(x: torch.Tensor, dim: int, group, what: str) -> tuple[int, list[torc
 
 def split_along(x: torch.Tensor, dim: int, group=None, what: str = "split") -> torch.Tensor:
     """This rank's contiguous slice of ``x`` along ``dim`` (sizes must divide by the TP size)."""
-    if tp_rank_world(group)[1] == 1:
+    if group_rank_world(group)[1] == 1:
         return x
     rank, pieces = _chunks(x, dim, group, what)
     return pieces[rank].contiguous()
@@ -81,7 +69,7 @@ def split_along(x: torch.Tensor, dim: int, group=None, what: str = "split") -> t
 
 def gather_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order: ``x.shape[dim]`` grows W-fold."""
-    _, world = tp_rank_world(group)
+    _, world = group_rank_world(group)
     if world == 1:
         return x
     x = x.contiguous()
@@ -92,7 +80,7 @@ def gather_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's slice of ``dim`` (divisible by W: else ValueError)."""
-    if tp_rank_world(group)[1] == 1:
+    if group_rank_world(group)[1] == 1:
         return x
     rank, pieces = _chunks(x, dim, group, "reduce_scatter")
     out = torch.empty_like(pieces[rank], memory_format=torch.contiguous_format)
@@ -117,18 +105,14 @@ _MOVES = {
 def _move(name: str, x: torch.Tensor, dim: int, group, phase: str, where: str) -> torch.Tensor:
     """Run one move; a collective is reported to :mod:`.accounting` with the bytes it sent."""
     fn, payload = _MOVES[name]
-    _, world = tp_rank_world(group)
+    _, world = group_rank_world(group)
     if world == 1 and name != "identity":
         return x  # a TP size of 1: every move is the identity
     if payload == 0:
         return fn(x, dim, group)
-    start = time.perf_counter()
-    with p2p.count_traffic() as sent:
-        out = fn(x, dim, group)
-    end = time.perf_counter()
     nbytes = x.numel() * x.element_size() * (world if payload is None else payload)
-    accounting.record(where, name, phase, nbytes, sent.bytes_sent, start, end)
-    return out
+    with accounting.collective(where, name, phase, nbytes):
+        return fn(x, dim, group)
 
 
 class _Region(torch.autograd.Function):

@@ -28,8 +28,8 @@ import weakref
 
 from torch import nn
 
+from ..comm.p2p import group_rank_world
 from .. import collectives as C
-from . import regions as R
 from .layers import mark_parameter
 
 __all__ = ["mark_sequence_parallel", "allreduce_sequence_parallel_grads",
@@ -75,7 +75,7 @@ def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> int:
     tracked model (:func:`track_sequence_parallel_grads`) it may also be called after every
     micro-batch: each contribution is summed once.
     """
-    _, world = R.tp_rank_world(group)
+    _, world = group_rank_world(group)
     n = 0
     for _, p in model.named_parameters():
         if getattr(p, "sequence_parallel", False) and p.grad is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.p2p import group_rank_world
 from .. import collectives as C
 from . import regions as R
 
@@ -32,7 +33,7 @@ def pad_and_split(full: torch.Tensor, dim: int, padded: int, group=None,
     """This rank's slice along ``dim`` of ``full`` zero-padded to ``padded`` (a multiple of the TP
     size) along ``dim``: the one way a full weight becomes a shard (layers at construction,
     checkpoints at load). ``ValueError`` naming the rank if ``full`` is larger than ``padded``."""
-    rank, world = R.tp_rank_world(group)
+    rank, world = group_rank_world(group)
     if full.shape[dim] > padded:
         raise ValueError(f"{what} (rank {rank}): full size {full.shape[dim]} along dim {dim} "
                          f"exceeds the padded size {padded} ({world} x {padded // world})")
@@ -47,14 +48,14 @@ def shard_tensor(full: torch.Tensor, partition_dim, local_shape, group=None) -> 
     """This rank's shard of ``full`` (padded with zeros to W x the local size along the dim)."""
     if partition_dim is None:
         return full.clone()
-    _, world = R.tp_rank_world(group)
+    _, world = group_rank_world(group)
     return pad_and_split(full, partition_dim, local_shape[partition_dim] * world, group,
                          "shard_tensor")
 
 
 def gather_tensor(shard: torch.Tensor, partition_dim, full_size=None, group=None) -> torch.Tensor:
     """All-gather the shards along ``partition_dim`` and drop the padding (collective)."""
-    _, world = R.tp_rank_world(group)
+    _, world = group_rank_world(group)
     if partition_dim is None or world == 1:
         full = shard.detach().clone()
     else:

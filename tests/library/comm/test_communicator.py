@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import minidist
+from minidist.comm.p2p import group_rank_world
 from minidist.communicator import COLLECTIVES, CommThread, Communicator, check_collectives
 
 SIZES = (0, 1, 5, 7)
@@ -30,6 +31,8 @@ def _rank(rank, world):
             errors.append(f"rank {rank} {name}: error {err:.3g}, shapes {tuple(got.shape)} vs "
                           f"{tuple(want.shape)}")
 
+    # the one meaning of group=None in the library: the world
+    assert group_rank_world() == group_rank_world(None) == (rank, world)
     for impl in COLLECTIVES:
         comm = Communicator(impl, None)
         assert (comm.rank, comm.world_size) == (rank, world)
@@ -55,7 +58,7 @@ def _rank(rank, world):
             comm.broadcast(b, world - 1)
             check(f"{impl} broadcast n={n}", b, _x(world - 1, n, 2), 0.0)
         # the one communication thread: submission order kept, an error re-raised on wait
-        worker = CommThread(impl, None)
+        worker = CommThread(comm)
         seen = []
         handles = [worker.submit(f"job {i}", lambda c, i=i: seen.append((i, c.all_reduce(
             torch.tensor([float(rank + i)], dtype=torch.float64), "sum").item()))) for i in range(4)]
@@ -93,3 +96,11 @@ def test_unknown_implementation_and_no_process_group_are_errors():
         check_collectives("nccl")
     with pytest.raises(RuntimeError, match="process group is not initialised"):
         Communicator("torch")
+
+
+def test_without_a_process_group_this_process_is_alone_and_a_group_is_an_error():
+    """group_rank_world outside any run: (0, 1) for the world; a group cannot exist without one."""
+    assert group_rank_world() == (0, 1)
+    with pytest.raises(RuntimeError, match="a process group was given but torch.distributed is "
+                                           "not initialised"):
+        group_rank_world(object())
