@@ -43,7 +43,8 @@ def check_curve(losses, ref):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.integration   # the default tier runs the same 8 ranks against one process: chapter 12
+@pytest.mark.timeout(420)  # ("the tiny GPT on (2, 2, 2), 8 processes", 10 steps, asserted)
 def test_loss_curve_8_ranks_equals_one_process():
     t3 = load_script()
     kwargs = dict(dp=2, tp=2, pp=2, microbatches=2, dp_mode="zero1", steps=20)

@@ -25,7 +25,9 @@ def _load(rank, world, worker_method):
     return seen.tolist(), total.item()
 
 
-@pytest.mark.parametrize("rank_method", ["fork", "spawn"])
+# ranks started with spawn (each re-imports torch: 12-19 s) are the integration tier's; the default
+# tier keeps fork ranks with both kinds of loader workers
+@pytest.mark.parametrize("rank_method", ["fork", pytest.param("spawn", marks=pytest.mark.exhaustive)])
 @pytest.mark.parametrize("worker_method", ["fork", "spawn"])
 def test_dataloader_workers_inside_a_rank(rank_method, worker_method):
     res = minidist.run(_load, 2, worker_method, start_method=rank_method, timeout=240)

@@ -111,7 +111,8 @@ def _classroom(rounds: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.exhaustive   # 55 s of twelve launches at once; the default tier keeps two at once
+@pytest.mark.timeout(900)  # (test_launcher.py::test_two_launches_at_the_same_moment_do_not_collide)
 def test_a_classroom_of_concurrent_launches_never_fails():
     """12 separate interpreters call minidist.run(f, W=2..4) at the same instant; f returns at once
     (the case that raced), with the start-up retry off so a first-start failure cannot hide.

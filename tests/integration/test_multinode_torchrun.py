@@ -4,6 +4,11 @@ Two ``torch.distributed.run`` agents on one machine play two nodes: they meet th
 rendezvous on 127.0.0.1, torchrun assigns global ranks, each rank writes ``rank{r}.json``. The test
 reads those files (not the interleaved logs): world size 4, node ranks {0, 1} each with local ranks
 {0, 1}, bit-identical parameters on every rank after training, and a model that learned.
+
+The integration tier (tests/integration/): each test starts two or three process trees (15-40 s
+each). Chapter 08 runs the same launches, in the integration tier too; the default tier keeps
+torchrun through test_launch_isolation.py (two standalone jobs at once), test_env_kubernetes.py
+(two pods' torchrun agents) and chapter 12 (the 3-D script under torchrun).
 """
 
 import json
