@@ -1,5 +1,7 @@
-"""Load a solution notebook's code into a namespace, optionally with a cell's code replaced: the
-tests inject a learner's plausible wrong solution and check that the grader rejects it."""
+"""Load a solution (or exercise) notebook's code into a namespace, optionally with a cell's code
+replaced, and run its grading cells in this process: the tests inject a learner's plausible wrong
+solution and check that the grader rejects it, check that every solution passes and that every
+unmodified exercise fails, without a notebook kernel per case."""
 
 import contextlib
 import io
@@ -15,8 +17,8 @@ LAUNCHING = ("01_token_ring", "02_collectives_by_composition", "03_ring_allreduc
              "09_zero", "12_global_grad_norm", "14_context_parallel")
 
 
-def _cells(name):
-    nb = json.loads((ROOT / "solutions" / name).read_text())
+def _cells(name, folder="solutions"):
+    nb = json.loads((ROOT / folder / name).read_text())
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":
             src = cell["source"]
@@ -24,14 +26,16 @@ def _cells(name):
                 src, list) else src
 
 
-def load(name, replace=None, upto=None):
-    """Execute the code cells of ``solutions/name`` that define things (solution cells, set-up
+def load(name, replace=None, upto=None, folder="solutions"):
+    """Execute the code cells of ``folder/name`` that define things (solution cells, set-up
     cells; not grading cells, not cells that run ranks) into a fresh namespace and return it.
 
-    ``replace``: {grade_id: source} replaces a solution cell; ``upto``: stop before that grade_id.
+    ``replace``: {grade_id: source} replaces a solution cell; ``upto``: stop before that grade_id;
+    ``folder="exercises"``: the learner's notebook, whose unfilled cells may raise
+    NotImplementedError where they run (the grading cells then find what is missing).
     """
     ns = {"__name__": f"solution_{Path(name).stem}"}
-    for meta, src in _cells(name):
+    for meta, src in _cells(name, folder):
         gid = meta.get("grade_id")
         if upto is not None and gid == upto:
             break
@@ -40,16 +44,26 @@ def load(name, replace=None, upto=None):
         src = (replace or {}).get(gid, src)
         with contextlib.redirect_stdout(io.StringIO()):
             if meta.get("solution"):
-                exec(compile(src, f"<{name}:{gid}>", "exec"), ns)
+                try:
+                    exec(compile(src, f"<{name}:{gid}>", "exec"), ns)
+                except NotImplementedError:
+                    if folder != "exercises":
+                        raise
             else:
                 with contextlib.suppress(Exception):
                     exec(compile(src, f"<{name}>", "exec"), ns)
     return ns
 
 
-def grade(name, grade_id, ns):
-    """Run grading cell ``grade_id`` in ``ns``; return (printed text, AssertionError or None)."""
-    for meta, src in _cells(name):
+def grading_cells(name, folder="solutions"):
+    """The grade_ids of the grading cells of ``folder/name``, in order."""
+    return [meta["grade_id"] for meta, _ in _cells(name, folder) if meta.get("grade")]
+
+
+def grade(name, grade_id, ns, folder="solutions"):
+    """Run grading cell ``grade_id`` in ``ns``; return (printed text, AssertionError or None).
+    Any other exception (a NameError, a typo in the grading cell) propagates."""
+    for meta, src in _cells(name, folder):
         if meta.get("grade_id") == grade_id:
             out = io.StringIO()
             with contextlib.redirect_stdout(out):

@@ -40,6 +40,8 @@ def pytest_xdist_auto_num_workers(config):
 INTEGRATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration") + os.sep
 # Notebooks whose nbval run is the integration tier's, with the reason (the default tier's 15
 # minutes cannot hold them); each is still executed by `pytest -m integration`.
+# The solution notebooks run under nbval in the integration tier too; the default tier runs every
+# grading cell of every solution in one process (tests/course/grading/test_exercises.py).
 INTEGRATION_NOTEBOOKS = {
     "08_multi_node.ipynb": "six torchrun process trees and two pods' agents, 3.5 minutes; the "
                            "default tier keeps torchrun in test_launch_isolation.py, "
@@ -51,7 +53,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if (any(item.get_closest_marker(m) for m in INTEGRATION)
                 or str(item.path).startswith(INTEGRATION_DIR)
-                or (item.path.parent.name == "course" and item.path.name in INTEGRATION_NOTEBOOKS)):
+                or (item.path.parent.name == "course" and item.path.name in INTEGRATION_NOTEBOOKS)
+                or (item.path.parent.name == "solutions" and item.path.suffix == ".ipynb")):
             item.add_marker(pytest.mark.integration)
 
 

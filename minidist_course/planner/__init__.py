@@ -12,8 +12,8 @@
   planner is checked on (Megatron-LM Table 1, BLOOM)
 * :mod:`~minidist_course.planner.scaling` — data parallelism's strong and weak scaling efficiency and its
   communication/computation ratio, predicted (``dp_scaling``; chapter 05)
-* :mod:`~minidist_course.planner.experts` — expert parallelism: an MoE model's expert memory per rank and
-  the all-to-all time of a step (``MoESpec``, ``predict_ep``; chapter 15)
+* :mod:`~minidist_course.planner.expert_parallel` — expert parallelism: an MoE model's expert memory
+  per rank and the all-to-all time of a step (``MoESpec``, ``predict_ep``; chapter 15)
 * context parallelism's formulas (activations / cp, the ring's K/V traffic, the longest context in
   a device): :func:`activation_bytes`, :func:`ring_time`, :func:`longest_context` from
   :mod:`minidist_course.planner.context_parallel`, re-exported by :mod:`~minidist_course.planner.search`
@@ -25,7 +25,7 @@ The face::
 """
 
 from . import calc, cost, energy
-from .experts import MoESpec, predict_ep
+from .expert_parallel import MoESpec, predict_ep
 from .machine import (busy_ranks, calibrate_overhead, load_link, optimizer_fraction,
                       predict_step_seconds, spearman, this_machine)
 from .published import BLOOM, BLOOM_MEMORY_PER_GPU, LINKS, MEGATRON_TABLE1, PRECISIONS

@@ -49,7 +49,7 @@ def broken(flat, op, rank, world, group=None):
     ring.reduce_scatter_chunks(list(flat.tensor_split(world)), op, rank, world, group)
 
 C.ALGORITHMS["all_reduce"]["ring"] = broken
-sys.exit(main(["demo", "--sections", "collectives"]))
+sys.exit(main(["demo", "--sections", "collectives", "--world-size", "2"]))
 """
 
 

@@ -47,12 +47,22 @@ def test_exercise_is_up_to_date(solution):
         f"{target.name} is out of date: run `python -m minidist_course.exercises`"
 
 
-# Exercises that start ranks take 10-15 s each to execute (2.5 minutes together): the integration
-# tier runs them; the default tier runs the others, and test_exercise_rules.py shows every grader
-# rejecting a wrong solution by name.
-@pytest.mark.parametrize("solution", [
-    pytest.param(s, marks=pytest.mark.exhaustive) if s.stem in _solutions.LAUNCHING else s
-    for s in SOLUTIONS], ids=lambda p: p.name)
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.name)
+def test_unmodified_exercise_fails_every_grading_cell_in_this_process(solution):
+    """Every grading cell of the exercise as shipped, run on its unfilled cells: the grader says no
+    (AssertionError), not a NameError or a typo in the grading cell. The default tier's version of
+    the next test: no kernel per notebook (each took 6-15 s, 2.5 minutes together)."""
+    name = solution.name
+    ns = _solutions.load(name, folder="exercises")
+    graded = _solutions.grading_cells(name, folder="exercises")
+    assert graded, f"{name}: no nbgrader grading cells"
+    for gid in graded:
+        text, error = _solutions.grade(name, gid, ns, folder="exercises")
+        assert error is not None, f"{name}: grading cell {gid} passed on the unmodified exercise:\n{text}"
+
+
+@pytest.mark.exhaustive   # a kernel per notebook, as a learner runs it: the integration tier
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.name)
 def test_unmodified_exercise_fails_every_grading_cell(solution):
     nb = _execute(ROOT / "exercises" / solution.name)
     graded = _grade_cells(nb)
@@ -67,12 +77,16 @@ def test_unmodified_exercise_fails_every_grading_cell(solution):
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.name)
 def test_solution_passes_every_grading_cell(solution):
-    """The stored run of the solution: no cell raised, every grading cell printed a full score.
+    """Every grading cell run now on the solution's code gives a full score (in this process), and
+    the stored run shows it: no cell raised, every grading cell printed a full score.
 
-    The suite also executes every solution under nbval (``testpaths`` holds solutions/): a grading
-    cell raises AssertionError on any failed check (``Report.check``), so a solution that stops
-    passing fails there, and a changed printed score fails nbval's output comparison. Executing it
-    a second time here would only double the time."""
+    The integration tier also executes every solution under nbval (``testpaths`` holds
+    solutions/; tests/conftest.py tiers them), where a changed printed score fails the output
+    comparison."""
+    ns = _solutions.load(solution.name)
+    for gid in _solutions.grading_cells(solution.name):
+        text, error = _solutions.grade(solution.name, gid, ns)
+        assert error is None and "score:" in text and "✗" not in text, f"{gid}:\n{text}"
     nb = json.loads(solution.read_text())
     graded = [c for c in nb["cells"] if c["cell_type"] == "code"
               and c.get("metadata", {}).get("nbgrader", {}).get("grade")]

@@ -53,7 +53,8 @@ def test_loss_curve_8_ranks_equals_one_process():
     check_curve(results[0], t3.reference(steps=20))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.exhaustive   # 20 steps (34 s): every configuration's one step equal to one process is
+@pytest.mark.timeout(300)  # test_hybrid_equivalence's, and chapter 12 runs a 10-step curve on 8 ranks
 def test_loss_curve_4_ranks_interleaved_sequence_parallel():
     t3 = load_script()
     kwargs = dict(tp=2, pp=2, chunks=2, microbatches=4, sequence_parallel=True, steps=20)
@@ -62,6 +63,7 @@ def test_loss_curve_4_ranks_interleaved_sequence_parallel():
 
 
 @pytest.mark.slow
+@pytest.mark.integration   # chapter 12 runs the same script under torchrun in the default tier
 @pytest.mark.timeout(420)
 def test_torchrun_runs_the_script_and_prints_the_same_losses():
     t3 = load_script()

@@ -139,7 +139,8 @@ _TORCHRUN_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_two_torchrun_standalone_jobs_started_together_both_succeed(tmp_path):
+@pytest.mark.exhaustive   # 19 s, with the classroom above; two minidist launches at once stay in
+def test_two_torchrun_standalone_jobs_started_together_both_succeed(tmp_path):   # the default tier
     script = tmp_path / "job.py"
     script.write_text(_TORCHRUN_SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1")

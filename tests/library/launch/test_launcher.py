@@ -189,7 +189,8 @@ _NOTEBOOK_CELLS = [
 ]
 
 
-def test_functions_defined_in_a_notebook_cell_work():
+@pytest.mark.integration   # a kernel of its own (13-18 s); every chapter runs functions defined in
+def test_functions_defined_in_a_notebook_cell_work():   # its cells under nbval in the default tier
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in _NOTEBOOK_CELLS])
