@@ -11,8 +11,8 @@ greedy cut itself, with two rules for where a bucket ends:
   holds at least the cap, so a bucket may pass the cap by its last parameter. torch's DDP
   (``compute_bucket_assignment_by_size`` in ``torch/csrc/distributed/c10d/reducer.cpp``) and
   Megatron-LM's DDP buffers cut this way; :class:`~minidist.data_parallel.BucketedDDP` does too, so
-  with the same cap it has the same buckets as torch's DDP (``tests/library/data_parallel/test_ddp_buckets.py`` checks
-  it against torch's rebuilt buckets). Which rule leaves the better *last* bucket — the one
+  with the same cap it has the same buckets as torch's DDP
+  (``tests/library/data_parallel/test_ddp_buckets.py`` checks it against torch's rebuilt buckets). Which rule leaves the better *last* bucket — the one
   all-reduced after backward, never hidden — depends on the model: on ResNet-18 with a 25 MiB cap
   the first rule gives buckets of 18.5, 24.1 and 0.02 MiB (the 24.1 MiB one completes only in the
   last stages of backward), the second 27.5 and 15.1 MiB. (That buckets pass the cap is torch's

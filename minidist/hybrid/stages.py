@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from .. import collectives as C
-from ..context_parallel.attention import ContextParallelSelfAttention
 from ..comm.p2p import group_rank_world
+from ..context_parallel.attention import ContextParallelSelfAttention
 from ..context_parallel.sharding import positions as cp_positions
 from ..models.gpt import GPT, GPTConfig
 from ..pipeline_parallel.partition import balanced_bounds

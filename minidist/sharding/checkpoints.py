@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 
-
 from ..checkpoint_io import agree, check_tensors, open_newest, read_part, save_generation
 from ..comm.p2p import group_rank_world
 from ..data_parallel.checkpoint import FILE, _sharded_model, load_checkpoint, save_checkpoint
