@@ -19,7 +19,8 @@
 # files hard-code C++14 and torch's headers need C++17 (horovod/horovod#3996, fixed upstream, never
 # released). The recipe below downloads the sdist from PyPI with pip, checks its sha256, changes
 # the two `set(CMAKE_CXX_STANDARD 14)` lines to 17, builds at -O1 without debug info instead of
-# RelWithDebInfo's -O3 -g, for torch + gloo only (needs g++ and cmake; the slowest env to build).
+# RelWithDebInfo's -O3 -g, for torch + gloo only, CPU only even beside a CUDA torch and an nvcc
+# (needs g++ and cmake; the slowest env to build).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -27,7 +28,7 @@ PINS="$ROOT/frameworks/envs"
 CACHE="${MINIDIST_FRAMEWORK_ENVS:-$HOME/.cache/minidist-frameworks}"
 PY="${PYTHON:-python3}"
 ALL="deepspeed tensorflow paddle horovod accelerate"
-RECIPE=2   # bump when build() below changes what an env contains
+RECIPE=3   # bump when build() below changes what an env contains
 HOROVOD_SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
@@ -60,6 +61,14 @@ build_horovod() {  # DIR: patched sdist, torch + gloo only
         || die "horovod: optimisation-flags patch site moved"
     sed -i 's/^string(REPLACE "-O2" "-O3" CMAKE_\(C\|CXX\)_FLAGS_RELWITHDEBINFO .*/set(CMAKE_\1_FLAGS_RELWITHDEBINFO "-O1 -DNDEBUG")/' \
         "$d/CMakeLists.txt"
+    # CPU only, whatever torch and this machine carry: FindPytorch.cmake calls torch a CUDA build
+    # when torch.version.cuda is set and torch finds a CUDA_HOME (any nvcc on PATH, or
+    # /usr/local/cuda), and then compiles Horovod's CUDA ops; with PyPI's CUDA torch on a machine
+    # whose CUDA toolkit has no runtime library that fails ("Could NOT find CUDAToolkit (missing:
+    # CUDA_CUDART)"). The course's job is torch + gloo on CPU ranks.
+    local cuda_probe='print(True if ((torch.version.cuda is not None) and (CUDA_HOME is not None)) else False)'
+    grep -qF "$cuda_probe" "$d/cmake/Modules/FindPytorch.cmake" || die "horovod: CUDA-probe patch site moved"
+    sed -i "s/$cuda_probe/print(False)/" "$d/cmake/Modules/FindPytorch.cmake"
     HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
     HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo HOROVOD_GPU_OPERATIONS= MAKEFLAGS=-j2 \
         "$dir/bin/pip" install -q --no-build-isolation --no-cache-dir "$d"
