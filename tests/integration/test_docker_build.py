@@ -13,6 +13,9 @@ Python 3.11 (this project's CI machine has one), it goes in with --build-context
 TORCH_VERSION set to it (~0.2 GB instead of PyPI's 6 GB CUDA build); torchvision then comes from
 PyPI, whose build needs CUDA torch, so ``import torchvision`` fails in the test image (nothing
 tested here uses it; the default build takes both from PyPI or the CPU index, where they match).
+Without such a wheel both come from PyPI (``MINIDIST_TORCH_INDEX_URL`` names another index): the
+CUDA build, about 6 GB, because PyTorch's CPU index is not a package registry every machine
+reaches (this project's CI machine, since 2026-12-03, has neither the wheel nor that index).
 The host's extra CA certificates (/usr/local/share/ca-certificates, e.g. a TLS-intercepting proxy's)
 go in as EXTRA_CA_CERTS. Podman keeps its storage and networks in a folder of its own, emptied and
 removed at the end, failure or not; the test checks that no container, image or network is left.
@@ -129,8 +132,9 @@ def _build_args() -> list[str]:
                  "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple",  # torchvision and the rest
                  "--build-arg", f"TORCH_VERSION={tv}+cpu",
                  "--build-arg", f"TORCHVISION_VERSION=0.{minor + 15}.*"]  # torch 2.N <-> torchvision 0.(N+15)
-    elif os.environ.get("MINIDIST_TORCH_INDEX_URL"):
-        args += ["--build-arg", f"TORCH_INDEX_URL={os.environ['MINIDIST_TORCH_INDEX_URL']}"]
+    else:   # PyPI: reachable wherever this project's own install was (PyTorch's CPU index may not be)
+        index = os.environ.get("MINIDIST_TORCH_INDEX_URL", "https://pypi.org/simple")
+        args += ["--build-arg", f"TORCH_INDEX_URL={index}"]
     return args
 
 
