@@ -65,6 +65,9 @@ class _State:
     seq: int = 0
     scopes: _Scopes = field(default_factory=_Scopes)
     traffic: dict = field(default_factory=lambda: defaultdict(Traffic))
+    # The counters are shared by the threads of a rank (a DDP comm thread sends while the main
+    # thread's TP regions snapshot them): every read and write of the dict holds this lock.
+    lock: Any = field(default_factory=threading.Lock)
     shm: Any = None  # multiprocessing.Array('c', N) installed by minidist.run
     last: str = "none yet"
 
@@ -111,15 +114,16 @@ def _record(kind: str, tensor: torch.Tensor, peer: int) -> None:
     _state.seq += 1
     nbytes = tensor.numel() * tensor.element_size()
     scope = _scope_name()
-    t = _state.traffic[scope]
-    if kind in ("send", "isend"):
-        t.bytes_sent += nbytes
-        t.msgs_sent += 1
-        arrow = "to"
-    else:
-        t.bytes_recv += nbytes
-        t.msgs_recv += 1
-        arrow = "from"
+    sending = kind in ("send", "isend")
+    with _state.lock:
+        t = _state.traffic[scope]
+        if sending:
+            t.bytes_sent += nbytes
+            t.msgs_sent += 1
+        else:
+            t.bytes_recv += nbytes
+            t.msgs_recv += 1
+    arrow = "to" if sending else "from"
     publish(f"{scope}: {kind} {arrow} rank {peer}, {nbytes} bytes, seq {_state.seq}")
 
 
@@ -269,13 +273,15 @@ def exchange(send_tensor, dst: int, recv_tensor, src: int, group=None) -> None:
 
 def traffic(name: str | None = None) -> dict | Traffic:
     """This rank's traffic so far: a dict ``{collective name: Traffic}``, or one row by name."""
-    if name is not None:
-        return Traffic(**vars(_state.traffic.get(name, Traffic())))
-    return {k: Traffic(**vars(v)) for k, v in _state.traffic.items()}
+    with _state.lock:
+        if name is not None:
+            return Traffic(**vars(_state.traffic.get(name, Traffic())))
+        return {k: Traffic(**vars(v)) for k, v in _state.traffic.items()}
 
 
 def reset_traffic() -> None:
-    _state.traffic.clear()
+    with _state.lock:
+        _state.traffic.clear()
 
 
 @contextlib.contextmanager

@@ -121,3 +121,32 @@ def test_send_first_exchange_of_large_messages_completes(world):
     (two ranks sending large tensors at once hung in a blocking isend)."""
     for numel in (0, 1, 1 << 20, 4 << 20):   # up to 16 MiB per message
         assert all(minidist.run(_both_send_first, world, numel, timeout=90)), numel
+
+
+def test_traffic_counters_are_safe_to_read_while_another_thread_sends():
+    """Regression (CI, 2026-12-03): a DDP comm thread recorded a send under a new collective name
+    while the main thread's TP region snapshotted the counters: "dictionary changed size during
+    iteration" on one rank of a (dp, pp, tp) = (2, 2, 2) run. Recording and reading share one lock."""
+    import threading
+
+    from minidist.comm import p2p
+
+    p2p.reset_traffic()
+    t = torch.zeros(4)
+
+    def sender():
+        for i in range(5_000):
+            with p2p.collective(f"op{i}"):
+                p2p._record("send", t, peer=1)
+
+    th = threading.Thread(target=sender)
+    th.start()
+    try:
+        while th.is_alive():
+            with p2p.count_traffic():
+                pass
+    finally:
+        th.join()
+    rows = p2p.traffic()
+    assert len(rows) == 5_000 and all(r.bytes_sent == 16 and r.msgs_sent == 1 for r in rows.values())
+    p2p.reset_traffic()
