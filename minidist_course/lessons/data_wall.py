@@ -174,13 +174,14 @@ def train_input_pipeline(rank: int, world_size: int, folder: str, epochs: int = 
 
     Returns:
         ``{"events", "t0", "wall_s", "samples_per_s", "data_s", "compute_s", "comm_s",
-        "exposed_comm_s", "steps", "pinned", "loss", "warnings"}``: ``events`` the Timeline's (with
-        this ``rank``; lanes in the
-        module docstring; ``t0`` its origin on ``perf_counter``), ``data_s`` the lane ``data``
+        "exposed_comm_s", "steps", "pinned", "loss", "warnings", "worker_pids"}``: ``events`` the
+        Timeline's (with this ``rank``; lanes in the module docstring; ``t0`` its origin on ``perf_counter``), ``data_s`` the lane ``data``
         summed, ``compute_s`` forward + backward + optimizer less DDP's wait, ``comm_s`` the summed
         all-reduces (mostly hidden behind backward), ``exposed_comm_s`` DDP's ``"wait"``,
         ``pinned``: whether the batches arrived in pinned memory, ``warnings``: what the
-        ``DataLoader`` warned (e.g. that ``pin_memory`` found no accelerator).
+        ``DataLoader`` warned (e.g. that ``pin_memory`` found no accelerator), ``worker_pids``: per
+        epoch, the process ids of the loader's workers (``()`` without workers; the same ids in
+        every epoch when they are persistent).
     """
     if unknown := set(loader) - set(LOADER_OPTIONS):
         raise ValueError(f"train_input_pipeline (rank {rank}): unknown loader option(s) "
@@ -197,7 +198,7 @@ def train_input_pipeline(rank: int, world_size: int, folder: str, epochs: int = 
     ddp = BucketedDDP(MLP(size * size, (hidden, hidden), 10), bucket_cap_mb=0.25, timeline=tl)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05 * world_size, momentum=0.9)
     g = torch.Generator().manual_seed(seed + rank)
-    pinned, warned, steps, loss = [], [], 0, torch.zeros(())
+    pinned, warned, steps, loss, worker_pids = [], [], 0, torch.zeros(()), []
     if dist.is_initialized():
         dist.barrier()
     tl.clear()
@@ -208,6 +209,7 @@ def train_input_pipeline(rank: int, world_size: int, folder: str, epochs: int = 
             warnings.simplefilter("always")     # e.g. pin_memory without an accelerator
             it = iter(batches)                  # workers start here (unless persistent)
         warned += w
+        worker_pids.append(tuple(p.pid for p in getattr(it, "_workers", ())))
         while True:
             with tl.record("data wait", lane="data"):
                 batch = next(it, None)
@@ -228,4 +230,5 @@ def train_input_pipeline(rank: int, world_size: int, folder: str, epochs: int = 
             "compute_s": compute, "comm_s": tl.total("all-reduce", lane="comm"),
             "exposed_comm_s": exposed, "steps": steps,
             "pinned": bool(pinned) and all(pinned), "loss": float(loss.detach()),
+            "worker_pids": worker_pids,
             "warnings": sorted({str(w.message) for w in warned})}
