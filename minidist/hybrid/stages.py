@@ -8,7 +8,9 @@ Inside a stage every layer is tensor-parallel over the grid's TP group: each sta
 :class:`minidist.tensor_parallel.gpt.GPTStage` (VocabParallelEmbedding, ParallelSelfAttention and
 ParallelMLP in the plain ``Block``, a vocabulary-parallel head; optionally sequence parallelism),
 the same code :class:`~minidist.tensor_parallel.gpt.TPGPT` is (one stage holding every layer).
-Rank ``r`` holds stages ``r, r+P, ...`` (chunk order) of its pipeline. Narayanan et al. 2021,
+Rank ``r`` holds stages ``r, r+P, ...`` (chunk order) of its pipeline, or with ``placement="v"``
+(two chunks, the V-shaped schedules ZB-V and DualPipe-V) stages ``r`` and ``2P-1-r``: rank 0 then
+holds the first and the last stage. Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2-3.
 
 Weights: every rank builds the full ``GPT(cfg)`` after ``torch.manual_seed(seed)`` and keeps its
@@ -58,11 +60,13 @@ def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
 
 def check_grid(cfg: GPTConfig, dp: int, pp: int, tp: int, chunks: int = 1,
                sequence_parallel: bool = False, rank: int | None = None, seq_len: int | None = None,
-               batch: int | None = None, microbatches: int | None = None, cp: int = 1) -> None:
+               batch: int | None = None, microbatches: int | None = None, cp: int = 1,
+               placement: str = "loop") -> None:
     """Raise ``ValueError`` (naming ``rank`` and what to change) when the grid does not divide the
     model or the batch: fewer layers than ``pp·chunks`` stages, ``n_head % tp``, ``seq_len % tp``
     with sequence parallelism, a global batch not divisible by ``dp``, fewer samples per replica
-    than ``microbatches``, or ``microbatches % pp`` with the interleaved schedule (``chunks > 1``);
+    than ``microbatches``, ``microbatches % pp`` with the interleaved schedule (``chunks > 1``,
+    ``placement="loop"``), a ``placement`` other than ``"loop"``/``"v"``, ``"v"`` without 2 chunks;
     with ``cp > 1``: ``seq_len % (2·cp)`` (the zigzag split), sequence parallelism, attention dropout.
     Every rank raises the same error before any communication, so nothing hangs."""
     who = f"hybrid GPT (rank {rank}, grid dp={dp} pp={pp} tp={tp} chunks={chunks}" + (
@@ -97,7 +101,10 @@ def check_grid(cfg: GPTConfig, dp: int, pp: int, tp: int, chunks: int = 1,
             raise ValueError(f"{who}: each replica gets {batch // dp} samples, fewer than the "
                              f"{microbatches} micro-batches; use microbatches <= {batch // dp} or "
                              "a larger batch")
-    if chunks > 1 and microbatches is not None and microbatches % pp:
+    if placement not in ("loop", "v") or (placement == "v" and chunks != 2):
+        raise ValueError(f"{who}: placement must be 'loop' (rank r holds stages r, r+pp, ...) or "
+                         f"'v' with chunks=2 (the V of ZB-V and DualPipe-V), got {placement!r}")
+    if placement == "loop" and chunks > 1 and microbatches is not None and microbatches % pp:
         raise ValueError(f"{who}: the interleaved schedule needs microbatches ({microbatches}) to "
                          f"be a multiple of pp={pp}")
 
@@ -128,7 +135,8 @@ class HybridGPT:
 
     Args: ``cfg``; ``grid`` (``ProcessGrid(dp, pp, tp)``, or ``(..., cp=c)``: context
     parallelism); ``chunks`` = ``v`` model chunks per rank (interleaved 1F1B);
-    ``sequence_parallel``; ``seed`` for the full model's weights.
+    ``sequence_parallel``; ``seed`` for the full model's weights; ``placement``: ``"loop"`` or
+    ``"v"`` (module docstring; the schedule's own ``placement``).
 
     Attributes: ``stages`` {stage index: :class:`GPTStage`, a :class:`CPGPTStage` with cp > 1}
     (this rank's), ``n_stages`` = pp·v,
@@ -138,18 +146,20 @@ class HybridGPT:
     """
 
     def __init__(self, cfg: GPTConfig, grid, chunks: int = 1, sequence_parallel: bool = False,
-                 seed: int = 0):
+                 seed: int = 0, placement: str = "loop"):
         cp = getattr(grid, "cp_size", 1)
         check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, chunks, sequence_parallel,
-                   grid.rank, cp=cp)
+                   grid.rank, cp=cp, placement=placement)
         self.cfg, self.grid, self.chunks, self.sequence_parallel = cfg, grid, chunks, sequence_parallel
+        self.placement = placement
         self.n_stages = grid.pp_size * chunks
         self.bounds = stage_bounds(cfg.n_layer, self.n_stages)
         torch.manual_seed(seed)
         full = GPT(cfg).state_dict()
         self.stages = {}
+        P, r = grid.pp_size, grid.pp_rank
         for c in range(chunks):
-            s = c * grid.pp_size + grid.pp_rank
+            s = 2 * P - 1 - r if placement == "v" and c == 1 else c * P + r
             layers = range(*self.bounds[s])
             stage = (CPGPTStage(cfg, s, self.n_stages, layers, grid.tp_group, sequence_parallel,
                                 grid.cp_group) if cp > 1 else
@@ -200,8 +210,8 @@ class HybridGPT:
             total = _grad(a) + _grad(b)
             a.grad, b.grad = total, total.clone()
             return
-        if self.grid.embedding_group is None:
-            return   # a middle stage
+        if self.grid.embedding_group is None or (self.first is None and self.last is None):
+            return   # a middle stage (with placement "v", rank pp-1 is one, in the group or not)
         p = self.first.tok_emb.weight if self.first is not None else self.last.head.weight
         p.grad = _grad(p)
         C.all_reduce(p.grad, "sum", group=self.grid.embedding_group)

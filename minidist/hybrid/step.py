@@ -94,7 +94,7 @@ def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> d
 
 
 def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torch.Tensor,
-               microbatches: int, schedule: str = "1f1b", dp_mode: str = "flat",
+               microbatches: int, schedule: str | None = None, dp_mode: str = "flat",
                loss_reduction: str = "mean", max_norm: float | None = None,
                record: bool = False, step: bool = True) -> StepOutput:
     """One step on the global batch ``ids``/``targets`` ``[B, s]`` (the same on every rank).
@@ -104,11 +104,15 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     gradients are then averaged by one flat all-reduce, also for ``"zero1"``, whose optimizer
     otherwise reduce-scatters them: ``p.grad`` then stays this replica's, and
     ``optimizer.full_gradients_()`` writes the averaged, clipped ones back);
-    ``schedule``: ``"1f1b"`` (``"interleaved"`` when ``model.chunks > 1``) or ``"gpipe"``.
+    ``schedule``: any of :data:`~minidist.pipeline_parallel.catalog.SCHEDULES` that fits the
+    model's chunks and placement: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"`` (one chunk),
+    ``"interleaved"`` (chunks > 1), ``"zb-v"``, ``"dualpipe-v"`` (``placement="v"``); None:
+    ``"1f1b"``, or ``"interleaved"`` when ``model.chunks > 1``.
     ``step=False`` stops after clipping (gradients left in ``.grad``, for checks).
 
     Raises ``ValueError`` (every rank, before communicating) when ``B`` does not split over dp,
-    a replica gets fewer than ``microbatches`` samples, or the grid does not fit the model.
+    a replica gets fewer than ``microbatches`` samples, the grid does not fit the model, or the
+    schedule does not fit the model's chunks and placement (naming both).
     """
     grid, cfg = model.grid, model.cfg
     if dp_mode == "zero1" and optimizer is not None and not hasattr(optimizer, "reduce_gradients"):
@@ -120,10 +124,17 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
                          f"{dp_mode!r}; build them with wrap_stages(model, {dp_mode!r})")
     cp = getattr(grid, "cp_size", 1)
     check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, model.chunks,
-               model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches, cp)
-    if model.chunks > 1 and schedule != "interleaved":
-        schedule = "interleaved"
+               model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches, cp,
+               model.placement)
+    if schedule is None:
+        schedule = "interleaved" if model.chunks > 1 else "1f1b"
     sched = make_schedule(schedule, grid.pp_size, microbatches, v=model.chunks)
+    if sched.v != model.chunks or sched.placement != model.placement:
+        raise ValueError(f"train_step (rank {grid.rank}): schedule {schedule!r} runs {sched.v} "
+                         f"chunk(s) per rank placed {sched.placement!r}, but the model was built "
+                         f"with chunks={model.chunks}, placement={model.placement!r}; build "
+                         f"HybridGPT(..., chunks={sched.v}, placement={sched.placement!r}) or pick "
+                         "a schedule for the model")
     model.zero_grad()
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)

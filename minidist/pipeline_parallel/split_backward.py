@@ -149,15 +149,7 @@ def backward_weight(wg: WeightGrad) -> None:
         roots += [(e, g) for e, g in zip(targets, got) if g is not None]
     if not roots or not wg.params:
         return
-    leaf = {id(p): p for p in wg.params}
-    through = []
-    for edge, g in roots:  # an edge straight into a parameter's AccumulateGrad: add it directly
-        var = getattr(edge.node, "variable", None)
-        if var is not None:
-            if id(var) in leaf:
-                var.grad = g.detach().clone() if var.grad is None else var.grad + g
-        else:
-            through.append((edge, g))
-    if through:
-        torch.autograd.backward([e for e, _ in through], [g for _, g in through],
-                                inputs=wg.params)
+    # Every root goes through autograd, also an edge straight into a parameter's AccumulateGrad
+    # (a bias): only then do the parameter's hooks fire (post-accumulate-grad hooks, which
+    # bucketed DDP fills its buckets from). Writing ``.grad`` by hand skipped them (pytorch#144530).
+    torch.autograd.backward([e for e, _ in roots], [g for _, g in roots], inputs=wg.params)
