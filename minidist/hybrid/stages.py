@@ -37,7 +37,10 @@ dropout with CP.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from .. import collectives as C
@@ -46,11 +49,16 @@ from ..context_parallel.attention import ContextParallelSelfAttention
 from ..context_parallel.sharding import positions as cp_positions
 from ..models.gpt import GPT, GPTConfig
 from ..pipeline_parallel.partition import balanced_bounds
+from ..sharding.recompute import checkpoint
 from ..tensor_parallel.gpt import GPTStage
 from ..tensor_parallel.sequence import allreduce_sequence_parallel_grads
 from ..tensor_parallel.sharding import gather_state_dict, shard_state_dict
 
-__all__ = ["GPTStage", "CPGPTStage", "HybridGPT", "stage_bounds", "check_grid"]
+__all__ = ["GPTStage", "CPGPTStage", "HybridGPT", "stage_bounds", "check_grid", "RECOMPUTE"]
+
+# how a stage runs each block: as is, or recomputed in backward (minidist's or torch's checkpoint)
+RECOMPUTE = {"none": None, "minidist": checkpoint,
+             "torch": functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)}
 
 
 def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
@@ -136,7 +144,11 @@ class HybridGPT:
     Args: ``cfg``; ``grid`` (``ProcessGrid(dp, pp, tp)``, or ``(..., cp=c)``: context
     parallelism); ``chunks`` = ``v`` model chunks per rank (interleaved 1F1B);
     ``sequence_parallel``; ``seed`` for the full model's weights; ``placement``: ``"loop"`` or
-    ``"v"`` (module docstring; the schedule's own ``placement``).
+    ``"v"`` (module docstring; the schedule's own ``placement``); ``recompute``: ``"none"``,
+    ``"minidist"`` (:func:`minidist.sharding.recompute.checkpoint` around every block) or
+    ``"torch"`` (``torch.utils.checkpoint``, non-reentrant) — activation recomputation: each
+    block keeps its input and runs again in backward (in each backward: twice under a
+    zero-bubble split).
 
     Attributes: ``stages`` {stage index: :class:`GPTStage`, a :class:`CPGPTStage` with cp > 1}
     (this rank's), ``n_stages`` = pp·v,
@@ -146,12 +158,15 @@ class HybridGPT:
     """
 
     def __init__(self, cfg: GPTConfig, grid, chunks: int = 1, sequence_parallel: bool = False,
-                 seed: int = 0, placement: str = "loop"):
+                 seed: int = 0, placement: str = "loop", recompute: str = "none"):
         cp = getattr(grid, "cp_size", 1)
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"HybridGPT (rank {grid.rank}): recompute must be one of "
+                             f"{sorted(RECOMPUTE)}, got {recompute!r}")
         check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, chunks, sequence_parallel,
                    grid.rank, cp=cp, placement=placement)
         self.cfg, self.grid, self.chunks, self.sequence_parallel = cfg, grid, chunks, sequence_parallel
-        self.placement = placement
+        self.placement, self.recompute = placement, recompute
         self.n_stages = grid.pp_size * chunks
         self.bounds = stage_bounds(cfg.n_layer, self.n_stages)
         torch.manual_seed(seed)
@@ -165,6 +180,7 @@ class HybridGPT:
                                 grid.cp_group) if cp > 1 else
                      GPTStage(cfg, s, self.n_stages, layers, grid.tp_group, sequence_parallel))
             stage.load_state_dict(shard_state_dict(full, stage, grid.tp_group))
+            stage.run_block = RECOMPUTE[recompute]
             self.stages[s] = stage
         last, first = self.n_stages - 1, 0
         self.shared = cfg.tie_embeddings and self.n_stages == 1

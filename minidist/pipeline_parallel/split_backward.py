@@ -48,8 +48,9 @@ class WeightGrad:
     params: list = field(default_factory=list)
 
 
-def _nodes_reaching(root, target):
-    """Nodes of the graph under ``root`` from which ``target`` can be reached (incl. target)."""
+def _nodes_reaching(root, target) -> dict:
+    """Nodes of the graph under ``root`` from which ``target`` can be reached (incl. target), in
+    a deterministic order (as keys of a dict)."""
     memo = {}
     stack = [(root, False)]
     while stack:  # iterative post-order: deep graphs do not hit the recursion limit
@@ -63,7 +64,11 @@ def _nodes_reaching(root, target):
         memo.setdefault(node, False)
         stack.append((node, True))
         stack += [(n, False) for n, _ in node.next_functions if n is not None and n not in memo]
-    return {n for n, reach in memo.items() if reach}
+    # a dict, not a set: the same graph gives the same order on every rank. W runs the frontier
+    # groups in this order, and a group may recompute a checkpointed block whose forward holds a
+    # collective (a TP all-reduce): in a set's order (by address) two TP ranks recomputed
+    # different blocks and summed each other's activations.
+    return dict.fromkeys(n for n, reach in memo.items() if reach)
 
 
 def backward_input(y: torch.Tensor, dy: torch.Tensor | None, x: torch.Tensor, params) -> tuple:

@@ -6,20 +6,29 @@ hook, ``torch.autograd.graph.saved_tensors_hooks``). The first time backward ask
 ("unpack"), ``fn`` is run again on the same inputs under ``enable_grad`` with the RNG states it
 had the first time — torch's CPU and CUDA generators and the tensor-parallel dropout tracker's
 generators (:mod:`minidist.tensor_parallel.random`) — so dropout draws the same masks, and the
-tensors that run saves, numbered in the same order, are handed to the original graph one by one. No nested backward runs, so gradient
-hooks (bucketed DDP's, ZeRO-2's, ZeRO-3's) fire once, in the outer backward, exactly as without
-recomputation. This is the design of torch's non-reentrant ``torch.utils.checkpoint``; the
-reentrant one instead runs a whole nested backward in a custom autograd function.
+tensors that run saves, numbered in the same order, are handed to the original graph one by one.
+No nested backward runs, so gradient hooks (bucketed DDP's, ZeRO-2's, ZeRO-3's) fire once, in the
+outer backward, exactly as without recomputation. This is the design of torch's non-reentrant
+``torch.utils.checkpoint``; the reentrant one instead runs a whole nested backward in a custom
+autograd function.
+
+One recomputation per *backward call* (autograd's graph task): a graph walked by several
+backwards — a zero-bubble pipeline's split backward (B with ``retain_graph=True``, then the weight
+pass W, :mod:`minidist.pipeline_parallel.split_backward`), or any ``retain_graph=True`` — is
+recomputed again in each, as torch's non-reentrant checkpoint does. Each ticket is a small holder
+object held by the graph; the recomputed tensors are kept by holder in a weak dictionary, so they
+die with the graph (or with the node that used them, in a backward that frees the graph).
 
 Memory: for a chain of n blocks with activations A per block, saved activations go from n·A to
 n·(size of a block input) + A (one block recomputed at a time) for one extra forward of compute
 (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"; Korthikanti et al. 2022 §4 for
 transformers). Restriction: ``fn`` must save the same tensors in the same order when run again
-(no data-dependent control flow), else ``RuntimeError``; ``retain_graph`` backwards are not
-supported (each recomputed tensor is handed over once).
+(no data-dependent control flow), else ``RuntimeError``.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -29,9 +38,19 @@ __all__ = ["checkpoint", "Checkpointed"]
 METERS: list = []  # active memory.ActivationMeter objects: told about the inputs kept here
 
 
+class _Ticket:
+    """What the graph holds in place of a saved tensor: its number in the forward's save order."""
+
+    __slots__ = ("index", "__weakref__")
+
+    def __init__(self, index: int):
+        self.index = index
+
+
 class _Frame:
     def __init__(self):
-        self.count, self.recomputed = 0, None
+        self.tickets: list = []       # weak references, in save order
+        self.recomputed: dict = {}    # graph task id -> WeakKeyDictionary {ticket: tensor}
 
 
 def _rng_state(args):
@@ -70,16 +89,20 @@ def checkpoint(fn, *args, **kwargs):
                 meter.add(a)
 
     def pack(t):
-        frame.count += 1
-        return frame.count - 1
+        ticket = _Ticket(len(frame.tickets))
+        frame.tickets.append(weakref.ref(ticket))
+        return ticket
 
-    def unpack(i):
-        if frame.recomputed is None:
-            frame.recomputed = _recompute(fn, args, kwargs, rng, frame.count)
-        t = frame.recomputed.pop(i, None)
+    def unpack(ticket):
+        task = torch._C._current_graph_task_id()   # this backward call
+        got = frame.recomputed.get(task)
+        if got is None:   # the first tensor this backward asks for: run fn again
+            saved = _recompute(fn, args, kwargs, rng, len(frame.tickets))
+            got = frame.recomputed[task] = weakref.WeakKeyDictionary(
+                {k: saved[k.index] for k in (r() for r in frame.tickets) if k is not None})
+        t = got.pop(ticket, None)
         if t is None:
-            raise RuntimeError("checkpoint: a saved tensor was asked for twice; backward with "
-                               "retain_graph=True through a checkpoint is not supported")
+            raise RuntimeError("checkpoint: a saved tensor was asked for twice in one backward")
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -112,7 +135,8 @@ def _recompute(fn, args, kwargs, rng, expected: int) -> dict:
 
 
 class Checkpointed(nn.Module):
-    """``module`` whose forward runs through :func:`checkpoint` (or not, ``enabled=False``).
+    """``module`` whose forward runs through :func:`checkpoint` (or not, ``enabled=False``), with
+    whatever positional and keyword arguments ``module`` takes.
 
     ``impl``: ``"minidist"`` (this file), ``"torch-reentrant"`` or ``"torch-non-reentrant"``
     (``torch.utils.checkpoint`` with ``use_reentrant=True/False``), for comparisons.
@@ -124,10 +148,15 @@ class Checkpointed(nn.Module):
             raise ValueError(f"Checkpointed: unknown impl {impl!r}")
         self.module, self.enabled, self.impl = module, enabled, impl
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):
         if not self.enabled or not torch.is_grad_enabled():
-            return self.module(*args)
+            return self.module(*args, **kwargs)
         if self.impl == "minidist":
-            return checkpoint(self.module, *args)
+            return checkpoint(self.module, *args, **kwargs)
+        if kwargs and self.impl == "torch-reentrant":
+            raise ValueError(f"Checkpointed(impl='torch-reentrant'): torch's reentrant checkpoint "
+                             f"takes no keyword arguments (got {sorted(kwargs)}); pass them "
+                             "positionally, or use impl='minidist' or 'torch-non-reentrant'")
         from torch.utils.checkpoint import checkpoint as torch_checkpoint
-        return torch_checkpoint(self.module, *args, use_reentrant=self.impl == "torch-reentrant")
+        return torch_checkpoint(self.module, *args, use_reentrant=self.impl == "torch-reentrant",
+                                **kwargs)

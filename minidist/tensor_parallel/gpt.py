@@ -59,7 +59,13 @@ class LayerDict(nn.ModuleDict):
 
 class GPTStage(nn.Module):
     """Stage ``index`` of ``n_stages``: blocks ``layers`` (global indices), plus the embeddings on
-    the first stage and ``ln_f`` + head on the last, tensor-parallel over ``group``."""
+    the first stage and ``ln_f`` + head on the last, tensor-parallel over ``group``.
+
+    ``run_block``: None (each block called as is) or ``f(block, x) -> y`` that runs every block —
+    activation recomputation sets it to a checkpoint function (``HybridGPT(recompute=...)``);
+    parameter names stay the GPT's."""
+
+    run_block = None
 
     def __init__(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group=None,
                  sequence_parallel: bool = False):
@@ -117,7 +123,7 @@ class GPTStage(nn.Module):
                 x = self.drop(tok + pos)
         for i, block in self.blocks.items():
             with accounting.scope(f"block{i}"):
-                x = block(x)
+                x = block(x) if self.run_block is None else self.run_block(block, x)
         if self.is_last:
             with accounting.scope("head"):
                 x = self.head(self.ln_f(x))

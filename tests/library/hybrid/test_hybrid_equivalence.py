@@ -57,10 +57,12 @@ def batch(ignore, n=B):
     return ids, targets
 
 
-def _rank(rank, world, dp, tp, pp, v, sp, mode, M, reduction, tie, n=B, schedule=None):
+def _rank(rank, world, dp, tp, pp, v, sp, mode, M, reduction, tie, n=B, schedule=None,
+          recompute="none"):
     grid = ProcessGrid(dp, pp, tp)
     placement = "v" if schedule in ("zb-v", "dualpipe-v") else "loop"
-    model = HybridGPT(cfg_of(tie), grid, chunks=v, sequence_parallel=sp, seed=0, placement=placement)
+    model = HybridGPT(cfg_of(tie), grid, chunks=v, sequence_parallel=sp, seed=0, placement=placement,
+                      recompute=recompute)
     modules = wrap_stages(model, mode)
     # ZeRO-1 averages the gradients itself (reduce-scatter) and clips its slices
     opt = make_optimizer(model, mode, torch.optim.SGD, lr=0.0) if mode == "zero1" else None
@@ -128,22 +130,25 @@ def test_one_step_equals_one_process(dp, tp, pp, v, sp, mode, M, reduction, tie)
 # Bucketed DDP fills its buckets from the parameters' post-accumulate-grad hooks: until the weight
 # pass went through autograd for every parameter, the biases (an edge straight into their
 # AccumulateGrad) were written by hand past the hooks, and the DDP wrapper called them unused.
-# (schedule, dp, tp, pp, chunks, sp, dp mode, micro-batches, loss reduction, tied)
+# Recomputation walks each block's graph twice under the split (B, then W): minidist's checkpoint
+# refused the second walk until it recomputed once per backward call, as torch's does.
+# (schedule, dp, tp, pp, chunks, sp, dp mode, micro-batches, loss reduction, tied, recompute)
 ZERO_BUBBLE = [
-    ("zb-h1", 2, 1, 2, 1, False, "bucketed", 2, "mean", False),
-    ("zb-v", 2, 1, 2, 2, False, "bucketed", 2, "per_token", True),   # rank 0 holds both copies
-    ("dualpipe-v", 1, 2, 2, 2, True, "zero1", 4, "sum", True),
-    ("zb-v", 2, 2, 2, 2, False, "flat", 2, "mean", False),
+    ("zb-h1", 2, 1, 2, 1, False, "bucketed", 2, "mean", False, "minidist"),
+    ("zb-v", 2, 1, 2, 2, False, "bucketed", 2, "per_token", True, "none"),  # rank 0: both copies
+    ("dualpipe-v", 1, 2, 2, 2, True, "zero1", 4, "sum", True, "torch"),
+    ("zb-v", 2, 2, 2, 2, False, "flat", 2, "mean", False, "minidist"),
 ]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule,dp,tp,pp,v,sp,mode,M,reduction,tie", ZERO_BUBBLE,
-                         ids=[f"{c[0]}-dp{c[1]}-tp{c[2]}-pp{c[3]}-{c[6]}" for c in ZERO_BUBBLE])
+@pytest.mark.parametrize("schedule,dp,tp,pp,v,sp,mode,M,reduction,tie,recompute", ZERO_BUBBLE,
+                         ids=[f"{c[0]}-dp{c[1]}-tp{c[2]}-pp{c[3]}-{c[6]}-recompute-{c[10]}"
+                              for c in ZERO_BUBBLE])
 def test_zero_bubble_schedules_equal_one_process(schedule, dp, tp, pp, v, sp, mode, M, reduction,
-                                                 tie):
+                                                 tie, recompute):
     results = minidist.run(_rank, dp * tp * pp, dp, tp, pp, v, sp, mode, M, reduction, tie, B,
-                           schedule, timeout=180)
+                           schedule, recompute, timeout=180)
     compare(results, reduction, tie)
 
 
