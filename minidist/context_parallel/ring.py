@@ -32,7 +32,7 @@ from ..comm import p2p
 from ..comm.p2p import group_rank_world
 from ..trace import Event
 from .blocks import block_backward, block_forward, compute_dtype, merge
-from .sharding import SPLITS, block_kind, chunks
+from .sharding import SPLITS, agreed_length, block_kind, chunks
 
 __all__ = ["ring_attention", "RingAttention", "ring_traffic", "recording"]
 
@@ -64,7 +64,7 @@ class _Layout:
                     yield qs, qp.to(device), ks, kp.to(device), kind
 
 
-def _check(q, k, v, split, seq_len, rank, world):
+def _check(q, k, v, split, seq_len, rank, world, group=None):
     where = f"ring_attention (rank {rank} of {world})"
     if split not in SPLITS:
         raise ValueError(f"{where}: split must be one of {SPLITS}, got {split!r}")
@@ -78,7 +78,7 @@ def _check(q, k, v, split, seq_len, rank, world):
         raise ValueError(f"{where}: {q.shape[1]} query heads are not a multiple of the "
                          f"{k.shape[1]} key/value heads")
     if seq_len is None:
-        seq_len = q.shape[2] * world
+        seq_len = agreed_length(q.shape[2], group, where, world, q.device) if world > 1 else q.shape[2]
     expected = sum(int(x.numel()) for x in chunks(split, seq_len, world, rank))
     if q.shape[2] != expected:
         raise ValueError(f"{where}: q holds {q.shape[2]} positions, but the {split} split of a "
@@ -213,8 +213,9 @@ def ring_attention(q, k, v, group=None, split: str = "zigzag", seq_len: int | No
         q: ``[b, h, s_r, d]`` this rank's queries (positions from ``split``, see :func:`.shard`);
         k, v: ``[b, h_kv, s_r, d]`` (``h % h_kv == 0``: grouped-query attention);
         group: the context-parallel group (None: the world); split: ``"contiguous"``,
-            ``"zigzag"`` or ``"striped"``; seq_len: the global length ``S`` (default ``s_r · W``,
-            pass it when ``S`` does not divide evenly); causal; scale (default ``d ** -0.5``).
+            ``"zigzag"`` or ``"striped"``; seq_len: the global length ``S`` (pass it when ``S``
+            does not divide evenly; None: ``s_r · W`` once the ranks have agreed that every
+            ``s_r`` is the same, one small all-gather); causal; scale (default ``d ** -0.5``).
 
     Returns:
         ``(out [b, h, s_r, d] in q's dtype, lse [b, h, s_r] in the compute dtype)``, equal to
@@ -222,10 +223,12 @@ def ring_attention(q, k, v, group=None, split: str = "zigzag", seq_len: int | No
         in q, k, v (hand-written backward).
 
     Raises:
-        ValueError: shapes, heads, or a local length that does not match the split (naming rank).
+        ValueError: shapes, heads, or a local length that does not match the split (naming rank);
+            without ``seq_len``, ranks that hold different lengths (every rank, naming the lengths
+            and the ``seq_len`` to pass).
     """
     rank, world = group_rank_world(group)
-    seq_len = _check(q, k, v, split, seq_len, rank, world)
+    seq_len = _check(q, k, v, split, seq_len, rank, world, group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return RingAttention.apply(q, k, v, group, split, seq_len, causal, scale)
 

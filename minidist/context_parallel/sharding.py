@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import collectives as C
+
 __all__ = ["SPLITS", "positions", "chunks", "shard", "unshard", "causal_work", "block_kind",
-           "block_table", "computed_work"]
+           "block_table", "computed_work", "agreed_length"]
 
 SPLITS = ("contiguous", "zigzag", "striped")
 
@@ -119,3 +121,19 @@ def computed_work(split: str, seq_len: int, world: int, causal: bool = True) -> 
     runs = [chunks(split, seq_len, world, r) for r in range(world)]
     return [sum(a.numel() * b.numel() for j in range(world) for a in runs[i] for b in runs[j]
                 if block_kind(a, b, causal) != "skipped") for i in range(world)]
+
+
+def agreed_length(local: int, group, where: str, world: int, device=None) -> int:
+    """The global sequence length when ``seq_len`` is not given (ring and Ulysses attention):
+    ``local · world``, once the ranks agree on the global length before any block moves. One
+    all-gather of each rank's local length (a few bytes, only when ``seq_len`` is None): shards cut
+    unevenly by hand would otherwise each infer their own length, pass their own check and meet
+    as mismatched messages deep in the ring."""
+    lengths = torch.zeros(world, dtype=torch.int64, device=device)   # device: the data's (NCCL)
+    C.all_gather(lengths, torch.tensor([local], dtype=torch.int64, device=device), group=group)
+    lengths = lengths.tolist()
+    if len(set(lengths)) > 1:
+        raise ValueError(f"{where}: the ranks hold different numbers of positions {lengths} and "
+                         f"seq_len was not given, so the global length is unknown; pass "
+                         f"seq_len={sum(lengths)} (the whole sequence) to every rank")
+    return local * world

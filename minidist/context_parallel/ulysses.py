@@ -22,7 +22,7 @@ import torch
 from .. import collectives as C
 from .blocks import attention_reference, compute_dtype
 from ..comm.p2p import group_rank_world
-from .sharding import positions
+from .sharding import agreed_length, positions
 
 __all__ = ["ulysses_attention", "check_heads", "heads_of"]
 
@@ -122,7 +122,10 @@ def ulysses_attention(q, k, v, group=None, split: str = "zigzag", seq_len: int |
     b, heads, s, d = q.shape
     kv_heads = k.shape[1]
     check_heads(heads, kv_heads, world, rank)
-    seq_len = s * world if seq_len is None else seq_len
+    if seq_len is None:
+        seq_len = (agreed_length(s, group, f"ulysses_attention (rank {rank} of {world})", world,
+                                 q.device)
+                   if world > 1 else s)
     pos = [positions(split, seq_len, world, r) for r in range(world)]
     if pos[rank].numel() != s or k.shape[2] != s or v.shape != k.shape:
         raise ValueError(f"ulysses_attention (rank {rank} of {world}): q holds {s} positions, "

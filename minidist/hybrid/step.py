@@ -95,7 +95,7 @@ def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> d
 
 def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torch.Tensor,
                microbatches: int, schedule: str | None = None, dp_mode: str = "flat",
-               loss_reduction: str = "mean", max_norm: float | None = None,
+               loss_reduction: str | None = None, max_norm: float | None = None,
                record: bool = False, step: bool = True) -> StepOutput:
     """One step on the global batch ``ids``/``targets`` ``[B, s]`` (the same on every rank).
 
@@ -109,10 +109,18 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     ``"interleaved"`` (chunks > 1), ``"zb-v"``, ``"dualpipe-v"`` (``placement="v"``); None:
     ``"1f1b"``, or ``"interleaved"`` when ``model.chunks > 1``.
     ``step=False`` stops after clipping (gradients left in ``.grad``, for checks).
+    ``loss_reduction``: ``"mean"`` (each micro-batch's token mean, averaged: one process's mean
+    only when every shard counts the same tokens), ``"sum"``, ``"per_token"`` (the global token
+    mean, however the ignored targets fall), or None: ``"per_token"`` when any target is
+    ``-100`` (ignored), else ``"mean"``.
 
     Raises ``ValueError`` (every rank, before communicating) when ``B`` does not split over dp,
     a replica gets fewer than ``microbatches`` samples, the grid does not fit the model, or the
-    schedule does not fit the model's chunks and placement (naming both).
+    schedule does not fit the model's chunks and placement (naming both), or
+    ``loss_reduction="mean"`` meets ignored targets while the batch is cut into several shards
+    (replicas, CP ranks or micro-batches): each shard would average over its own count of tokens
+    and the result differ from one process (Megatron-LM warns of the same; pass
+    ``"per_token"``).
     """
     grid, cfg = model.grid, model.cfg
     if dp_mode == "zero1" and optimizer is not None and not hasattr(optimizer, "reduce_gradients"):
@@ -126,6 +134,7 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, model.chunks,
                model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches, cp,
                model.placement)
+    loss_reduction = _reduction(grid, targets, microbatches, loss_reduction, cp)
     if schedule is None:
         schedule = "interleaved" if model.chunks > 1 else "1f1b"
     sched = make_schedule(schedule, grid.pp_size, microbatches, v=model.chunks)
@@ -165,6 +174,23 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
         if step:
             optimizer.step()
     return StepOutput(_global_loss(model, result, loss_reduction), norm, result)
+
+
+def _reduction(grid, targets: torch.Tensor, microbatches: int, loss_reduction, cp: int) -> str:
+    """The loss reduction to run (see :func:`train_step`); decided from the global targets,
+    which every rank holds, so every rank decides the same without communicating."""
+    ignored = bool((targets == -100).any())
+    if loss_reduction is None:
+        return "per_token" if ignored else "mean"
+    shards = grid.dp_size * cp * microbatches
+    if loss_reduction == "mean" and ignored and shards > 1:
+        cut = ", ".join(f"{k}={v}" for k, v in (("dp", grid.dp_size), ("cp", cp),
+                                                ("microbatches", microbatches)) if v > 1)
+        raise ValueError(f"train_step (rank {grid.rank}): loss_reduction='mean' with ignored "
+                         f"targets (-100) over {shards} shards ({cut}): each shard would average "
+                         "over its own count of tokens, which differs from one process's mean "
+                         "over all of them; pass loss_reduction='per_token' (or None)")
+    return loss_reduction
 
 
 @contextlib.contextmanager

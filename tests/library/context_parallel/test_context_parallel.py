@@ -468,3 +468,25 @@ def test_next_transfer_is_posted_before_the_current_block_is_computed():
         assert [e[0] for e in compute] == [f"fwd {t}" for t in range(world)] + \
             [f"bwd {t}" for t in range(world)]
         assert sum(1 for e in events if e[0] == "wait") == 2 * world
+
+
+def _uneven_without_seq_len(rank, world):
+    q = torch.randn(1, 2, 3 if rank == 0 else 2, 4, dtype=torch.float64)   # 5 positions, cut 3 + 2
+    out = []
+    for fn in (ring_attention, ulysses_attention):
+        with pytest.raises(ValueError) as e:
+            fn(q, q, q, split="contiguous")
+        out.append((str(e.value), tuple(fn(q, q, q, split="contiguous", seq_len=5)[0].shape)))
+    return out
+
+
+def test_uneven_shards_without_seq_len_are_refused_on_every_rank_naming_seq_len():
+    """Field report: shards cut unevenly by hand, no ``seq_len``: each rank inferred its own
+    length (6 and 4), passed its own check, and the run died in gloo with a hint that blamed the
+    user's send/recv. The ranks now agree on the lengths first (ring and Ulysses); with
+    ``seq_len=5`` both run."""
+    for rank, both in enumerate(minidist.run(_uneven_without_seq_len, 2, timeout=60)):
+        for name, (msg, shape) in zip(("ring_attention", "ulysses_attention"), both):
+            assert f"{name} (rank {rank} of 2)" in msg and "[3, 2]" in msg, msg
+            assert "pass seq_len=5" in msg, msg
+            assert shape == (1, 2, 3 if rank == 0 else 2, 4)

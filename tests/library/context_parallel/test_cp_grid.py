@@ -153,3 +153,29 @@ def _bad(rank, world):
 def test_sequence_not_divisible_by_2cp_is_a_clear_error():
     for rank, msg in enumerate(minidist.run(_bad, 2, timeout=40)):
         assert f"rank {rank}" in msg and "sequence length (10) divisible by 2·cp = 4" in msg
+
+
+def _padded(rank, world):
+    grid = ProcessGrid(1, 1, 1, cp=2)
+    model = HybridGPT(CFG, grid, seed=0)
+    ids, targets = batch(True)
+    modules = wrap_stages(model, "flat")
+    with pytest.raises(ValueError, match=r"loss_reduction='mean' with ignored targets \(-100\) over "
+                                         r"2 shards \(cp=2\).*pass loss_reduction='per_token'"):
+        train_step(model, None, modules, ids, targets, 1, loss_reduction="mean", step=False)
+    default = train_step(model, None, modules, ids, targets, 1, step=False).loss
+    grads = model.gather(grads=True)
+    per_token = train_step(model, None, modules, ids, targets, 1, loss_reduction="per_token",
+                           step=False).loss
+    return default, per_token, grads, model.gather(grads=True)
+
+
+@pytest.mark.timeout(120)
+def test_padded_targets_take_the_per_token_loss_and_mean_is_refused_naming_cp():
+    """Field report (Megatron-LM warns of it): CP with ignored targets and the per-shard mean gave
+    a loss 4.8e-3 relative off one process and no warning. Now ``"mean"`` with ignored targets
+    over several shards is refused on every rank, and the default is the per-token loss."""
+    ref_loss = reference("per_token", torch.float32)[0][0]
+    for default, per_token, grads, grads_again in minidist.run(_padded, 2, timeout=90):
+        assert default == per_token == pytest.approx(ref_loss, rel=TOL)
+        assert all(torch.equal(grads[k], grads_again[k]) for k in grads)
