@@ -13,8 +13,8 @@ The strategies are one attribute away, imported on first use (``import minidist`
     minidist.tensor_parallel.ColumnParallelLinear    # Megatron-style TP layers, TPGPT, ...
     minidist.pipeline_parallel.make_schedule         # GPipe / 1F1B / interleaved, engine, simulator
     minidist.sharding                                # ZeRO-style sharding (when installed)
-    minidist.hybrid.HybridGPT                        # DP x TP x PP: the GPT on a ProcessGrid
-    minidist.expert_parallel.MoEGPT                  # mixture of experts, EP x DP on an EPGrid
+    minidist.hybrid.HybridGPT                        # DP x PP x CP x TP: the GPT on a ProcessGrid
+    minidist.expert_parallel.MoEGPT                  # mixture of experts, EP folded over DP
     minidist.context_parallel.ring_attention         # long context: ring attention, Ulysses
 
 What drives and checks them is the course kit beside this package, :mod:`minidist_course`: the

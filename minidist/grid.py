@@ -1,4 +1,4 @@
-"""A 3-D process grid: which ranks do data, pipeline and tensor parallelism together.
+"""The process grid: which ranks do data, pipeline, tensor, context and expert parallelism together.
 
 The world's ranks are laid out as ``torch.arange(world).view(dp, pp, tp)`` (picotron's
 ``process_group_manager``; Megatron-LM's ``parallel_state`` uses the same order): tensor-parallel
@@ -27,6 +27,18 @@ ranks with the same ``(dp, pp, tp)``; the **DP×CP group** (Megatron's data-para
 context parallel") the ranks with the same ``(pp, tp)``: parameters are replicated over it, so
 gradients are reduced over it. Example, world 8 = dp 2 x cp 2 x tp 2: rank 5 is at dp 1, cp 0,
 tp 1; CP group [5, 7], DP group [1, 5], DP×CP group [1, 3, 5, 7], TP group [4, 5].
+
+**Expert parallelism** (``ep``, default 1) is not a fifth factor of the world: it is *folded* over
+the DP×CP ranks (``ep`` must divide ``dp·cp``), as Megatron-core does. Every DP×CP rank holds the
+same dense parameters and its own tokens; the experts of an MoE layer are the only parameters
+that are not replicated over DP×CP, so they are the ones sharded: each DP×CP group (in its order,
+cp fastest) is cut into consecutive **EP groups** of ``ep`` ranks that split the experts between
+them and exchange tokens by all-to-all, and the ranks with the same place in their EP group form
+an **expert-DP group** (``dp·cp/ep`` ranks holding the same experts), which sums the expert
+gradients. Folding costs no extra ranks: an MoE model's EP ranks still do data parallelism for
+the dense layers. Example, world 8 = dp 4 x tp 2, ep 2: rank 5 is at dp 2, tp 1; DP group
+[1, 3, 5, 7], EP group [5, 7], expert-DP group [1, 5]. With ``ep == 1`` the EP group is this rank
+alone (``ep_group`` None) and the expert-DP group is the DP×CP group.
 """
 
 from __future__ import annotations
@@ -42,19 +54,24 @@ _DIMS = ("dp", "pp", "tp")
 
 
 def grid_layout(world_size: int, dp: int, pp: int = 1, tp: int = 1,
-                cp: int = 1) -> dict[str, list[list[int]]]:
+                cp: int = 1, ep: int = 1) -> dict[str, list[list[int]]]:
     """The groups of each dimension as lists of global ranks, no processes needed.
 
-    Returns ``{"dp": [...], "pp": [...], "tp": [...], "cp": [...], "dp_cp": [...]}``, each a list
-    of rank lists that partitions ``range(world_size)`` (``"dp_cp"``: the ranks that hold the same
-    parameters, DP replicas and CP ranks together; with ``cp == 1`` it is ``"dp"``).
+    Returns ``{"dp": [...], "pp": [...], "tp": [...], "cp": [...], "dp_cp": [...], "ep": [...],
+    "expert_dp": [...]}``, each a list of rank lists that partitions ``range(world_size)``
+    (``"dp_cp"``: the ranks that hold the same dense parameters, DP replicas and CP ranks
+    together; with ``cp == 1`` it is ``"dp"``; ``"ep"``/``"expert_dp"``: module docstring).
 
     Raises:
-        ValueError: ``dp·pp·cp·tp != world_size`` or a size < 1.
+        ValueError: ``dp·pp·cp·tp != world_size``, a size < 1, or ``ep`` not dividing ``dp·cp``.
     """
-    for name, n in zip(_DIMS + ("cp",), (dp, pp, tp, cp)):
+    for name, n in zip(_DIMS + ("cp", "ep"), (dp, pp, tp, cp, ep)):
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"ProcessGrid: {name} must be an int >= 1, got {n!r}")
+    if (dp * cp) % ep:
+        raise ValueError(f"ProcessGrid: ep={ep} must divide dp x cp = {dp} x {cp} = {dp * cp} "
+                         "(expert parallelism is folded over the data- and context-parallel "
+                         "ranks)")
     if dp * pp * cp * tp != world_size:
         if cp == 1:
             raise ValueError(f"ProcessGrid: dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp}, "
@@ -62,12 +79,15 @@ def grid_layout(world_size: int, dp: int, pp: int = 1, tp: int = 1,
         raise ValueError(f"ProcessGrid: dp x pp x cp x tp = {dp} x {pp} x {cp} x {tp} = "
                          f"{dp * pp * cp * tp}, but the world size is {world_size}")
     g = torch.arange(world_size).view(dp, pp, cp, tp)
+    dp_cp = [g[:, p, :, t].reshape(-1).tolist() for p in range(pp) for t in range(tp)]
     return {
         "dp": [g[:, p, c, t].tolist() for p in range(pp) for c in range(cp) for t in range(tp)],
         "pp": [g[d, :, c, t].tolist() for d in range(dp) for c in range(cp) for t in range(tp)],
         "tp": [g[d, p, c, :].tolist() for d in range(dp) for p in range(pp) for c in range(cp)],
         "cp": [g[d, p, :, t].tolist() for d in range(dp) for p in range(pp) for t in range(tp)],
-        "dp_cp": [g[:, p, :, t].reshape(-1).tolist() for p in range(pp) for t in range(tp)],
+        "dp_cp": dp_cp,
+        "ep": [ranks[i:i + ep] for ranks in dp_cp for i in range(0, len(ranks), ep)],
+        "expert_dp": [ranks[j::ep] for ranks in dp_cp for j in range(ep)],
     }
 
 
@@ -85,6 +105,11 @@ class ProcessGrid:
     ``dp_cp_group`` / ``dp_cp_ranks`` (DP replicas and CP ranks: reduce gradients over it). With
     ``cp == 1`` no group is created: ``cp_group`` is None (never pass it to a collective: None
     means the world), ``dp_cp_group`` is ``dp_group``.
+
+    Expert parallelism (``ep``, folded over DP×CP; module docstring): ``ep_rank``, ``ep_size``,
+    ``ep_group``, ``ep_ranks``, ``expert_dp_rank``, ``expert_dp_size``, ``expert_dp_group``,
+    ``expert_dp_ranks``. With ``ep == 1``: ``ep_group`` None (the rank alone), the expert-DP group
+    is the DP×CP group. Every attribute exists at every size: nothing to ``getattr`` with a default.
     """
 
     # set per dimension in __init__ (setattr over "dp", "pp", "tp"; with cp > 1 also "cp", "dp_cp")
@@ -98,14 +123,18 @@ class ProcessGrid:
     dp_cp_group: Any
     cp_ranks: list[int]
     dp_cp_ranks: list[int]
+    ep_group: Any
+    ep_ranks: list[int]
+    expert_dp_group: Any
+    expert_dp_ranks: list[int]
 
-    def __init__(self, dp: int, pp: int = 1, tp: int = 1, cp: int = 1):
+    def __init__(self, dp: int, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("ProcessGrid: the process group is not initialised; run inside "
                                "minidist.run(...) or after minidist.init()")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         try:
-            layout = grid_layout(self.world_size, dp, pp, tp, cp)
+            layout = grid_layout(self.world_size, dp, pp, tp, cp, ep)
         except ValueError as e:  # every rank raises the same, before any communication
             raise ValueError(f"{e} (rank {self.rank})") from None
         self.dp_size, self.pp_size, self.tp_size, self.cp_size = dp, pp, tp, cp
@@ -114,7 +143,7 @@ class ProcessGrid:
         self.grid = full if cp > 1 else full.view(dp, pp, tp)
         self.dp_rank, self.pp_rank, self.tp_rank, self.cp_rank = d, p, t, c
         self.cp_group, self.cp_ranks = None, [self.rank]
-        dims = _DIMS + (("cp", "dp_cp") if cp > 1 else ())
+        dims = _DIMS + (("cp", "dp_cp") if cp > 1 else ()) + (("ep", "expert_dp") if ep > 1 else ())
         for dim in dims:  # every rank creates every group, in the same order
             for ranks in layout[dim]:
                 group = dist.new_group(ranks)
@@ -123,6 +152,12 @@ class ProcessGrid:
                     setattr(self, f"{dim}_ranks", ranks)
         if cp == 1:
             self.dp_cp_group, self.dp_cp_ranks = self.dp_group, self.dp_ranks
+        if ep == 1:
+            self.ep_group, self.ep_ranks = None, [self.rank]
+            self.expert_dp_group, self.expert_dp_ranks = self.dp_cp_group, self.dp_cp_ranks
+        self.ep_size, self.expert_dp_size = ep, dp * cp // ep
+        self.ep_rank = self.ep_ranks.index(self.rank)
+        self.expert_dp_rank = self.expert_dp_ranks.index(self.rank)
         self.embedding_ranks = sorted({self.pp_ranks[0], self.pp_ranks[-1]})
         self.embedding_group = None
         if pp > 1:
@@ -143,5 +178,8 @@ class ProcessGrid:
         return (f"ProcessGrid(rank {self.rank}: dp {self.dp_rank}/{self.dp_size}, pp {self.pp_rank}/"
                 f"{self.pp_size}, tp {self.tp_rank}/{self.tp_size}"
                 + (f", cp {self.cp_rank}/{self.cp_size}" if self.cp_size > 1 else "")
+                + (f", ep {self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else "")
                 + f"; dp group {self.dp_ranks}, pp group {self.pp_ranks}, tp group {self.tp_ranks}"
-                + (f", cp group {self.cp_ranks}" if self.cp_size > 1 else "") + ")")
+                + (f", cp group {self.cp_ranks}" if self.cp_size > 1 else "")
+                + (f", ep group {self.ep_ranks}, expert-dp group {self.expert_dp_ranks}"
+                   if self.ep_size > 1 else "") + ")")

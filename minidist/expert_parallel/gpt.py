@@ -1,20 +1,21 @@
-"""The course GPT with MoE MLPs, trained expert-parallel x data-parallel on an :class:`EPGrid`.
+"""The course GPT with MoE MLPs, trained expert-parallel x data-parallel on a process grid.
 
 ``MoEGPT(cfg, num_experts, top_k, grid=grid, ...)`` is :class:`minidist.models.gpt.GPT` with each
 block's MLP replaced by a :class:`~.layer.MoE`; ``forward(ids, targets) -> (logits, loss)`` where
 ``loss`` is the cross-entropy **plus every layer's auxiliary losses**. With ``grid=None`` it is the
-one-process model (the reference); with a grid, the experts are sharded over ``grid.ep_group``
-and the load-balancing statistics are taken over every rank (``aux_stats="global"``, the
-one-process value) or per rank (``"local"``). ``recompute=True`` checkpoints every block (activation recomputation; the MoE
+one-process model (the reference); with a :class:`minidist.grid.ProcessGrid` ``(dp=D, ep=E)``
+(E divides D: expert parallelism folded over the data-parallel ranks), the experts are sharded
+over ``grid.ep_group`` and the load-balancing statistics are taken over every data-parallel rank
+(``aux_stats="global"``, the one-process value) or per rank (``"local"``). ``recompute=True`` checkpoints every block (activation recomputation; the MoE
 statistics are per-forward snapshots, so the recomputed forward does not count tokens twice).
 
 Gradients (:func:`sync_grads`), with each rank's loss the mean over its own tokens and the
-one-process loss the mean over all ``W = dp·ep`` ranks' tokens:
+one-process loss the mean over all ``D`` data-parallel ranks' tokens:
 
-* **non-expert** parameters (replicated on all W ranks): average over the dense-DP group (sum / W);
+* **non-expert** parameters (replicated on all D ranks): average over the DP group (sum / D);
 * **expert** parameters: backward's all-to-all has already summed the contributions of the ``ep``
-  ranks of this EP group; sum over the expert-DP group (the ``dp`` replicas of these experts),
-  then divide by **W** — not by ``dp`` (forgetting that the all-to-all summed ``ep`` losses makes
+  ranks of this EP group; sum over the expert-DP group (the ``D/ep`` replicas of these experts),
+  then divide by **D** — not by ``D/ep`` (forgetting that the all-to-all summed ``ep`` losses makes
   the expert gradients ``ep`` times too large), and not averaged over the whole world (that mixes
   different experts' gradients). Megatron-LM scales expert gradients the same way.
 
@@ -45,7 +46,9 @@ def is_expert(p) -> bool:
 class MoEGPT(nn.Module):
     """GPT with ``n_layer`` MoE blocks. ``moe_kwargs`` go to every :class:`~.layer.MoE`.
 
-    Raises ValueError for ``aux_stats`` not in ("global", "local") and what GPT / MoE raise."""
+    Raises ValueError for ``aux_stats`` not in ("global", "local"), a grid with pipeline, tensor
+    or context parallelism (this model is one module; those need the stages of
+    :mod:`minidist.hybrid`), and what GPT / MoE raise."""
 
     def __init__(self, cfg: GPTConfig, num_experts: int, top_k: int = 1, grid=None,
                  aux_stats: str = "global", recompute: bool = False, **moe_kwargs):
@@ -60,8 +63,15 @@ class MoEGPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         groups = {}
         if grid is not None:
+            other = [f"{k}={v}" for k, v in (("pp", grid.pp_size), ("tp", grid.tp_size),
+                                              ("cp", grid.cp_size)) if v > 1]
+            if other:
+                raise ValueError(f"MoEGPT (rank {grid.rank}): expert parallelism composes with "
+                                 f"data parallelism here, not with {', '.join(other)}: MoEGPT is "
+                                 "one module, not pipeline stages, and its attention and MLPs "
+                                 "are not tensor- or context-parallel")
             groups = dict(ep_group=grid.ep_group,
-                          stats_group=grid.dense_dp_group if aux_stats == "global" else None)
+                          stats_group=grid.dp_group if aux_stats == "global" else None)
         self.blocks = nn.ModuleList(
             Block(cfg, mlp=MoE(cfg, num_experts, top_k, **groups, **moe_kwargs))
             for _ in range(cfg.n_layer))
@@ -115,15 +125,15 @@ def _flat_all_reduce(grads: list[torch.Tensor], op: str, group) -> None:
 def sync_grads(model: MoEGPT, grid) -> None:
     """Average the gradients over the right group for each kind of parameter (module text).
 
-    Collective over the dense-DP group and the expert-DP group; every rank must call it."""
+    Collective over the DP group and the expert-DP group; every rank must call it."""
     dense = [p.grad for p in model.parameters() if p.grad is not None and not is_expert(p)]
     expert = [p.grad for p in model.parameters() if p.grad is not None and is_expert(p)]
-    if grid.world_size > 1:
-        _flat_all_reduce(dense, "avg", grid.dense_dp_group)
     if grid.dp_size > 1:
+        _flat_all_reduce(dense, "avg", grid.dp_group)
+    if grid.expert_dp_size > 1:
         _flat_all_reduce(expert, "sum", grid.expert_dp_group)
     for g in expert:
-        g.div_(grid.world_size)
+        g.div_(grid.dp_size)
 
 
 def global_grad_norm(model: MoEGPT, grid) -> float:

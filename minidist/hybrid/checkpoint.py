@@ -117,7 +117,7 @@ def save_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, ste
     grid = model.grid
     state = {
         "format": FORMAT, "rank": grid.rank, "step": int(step), "layout": _layout(model),
-        "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank, getattr(grid, "cp_rank", 0)),
+        "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank, grid.cp_rank),
         "model": {int(s): m.state_dict() for s, m in sorted(model.stages.items())},
         "optimizer": _optimizer_state(optimizer),
         "rng": {**rank_state(sampler), "numpy": _numpy_state(),

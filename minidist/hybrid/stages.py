@@ -159,7 +159,11 @@ class HybridGPT:
 
     def __init__(self, cfg: GPTConfig, grid, chunks: int = 1, sequence_parallel: bool = False,
                  seed: int = 0, placement: str = "loop", recompute: str = "none"):
-        cp = getattr(grid, "cp_size", 1)
+        cp = grid.cp_size
+        if grid.ep_size > 1:
+            raise ValueError(f"HybridGPT (rank {grid.rank}): the grid has ep={grid.ep_size}, but "
+                             "this GPT's MLPs are dense (no experts to shard); use ep=1, or "
+                             "MoEGPT for expert parallelism with data parallelism")
         if recompute not in RECOMPUTE:
             raise ValueError(f"HybridGPT (rank {grid.rank}): recompute must be one of "
                              f"{sorted(RECOMPUTE)}, got {recompute!r}")

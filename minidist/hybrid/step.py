@@ -130,7 +130,7 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     if any(wrapped) != (dp_mode == "bucketed") or len(set(wrapped)) > 1:
         raise ValueError(f"train_step (rank {grid.rank}): modules do not match dp_mode="
                          f"{dp_mode!r}; build them with wrap_stages(model, {dp_mode!r})")
-    cp = getattr(grid, "cp_size", 1)
+    cp = grid.cp_size
     check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, model.chunks,
                model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches, cp,
                model.placement)

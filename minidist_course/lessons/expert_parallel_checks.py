@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minidist.expert_parallel import EPGrid, MoE, MoEGPT, clip_grad_norm_, sync_grads
+from minidist.expert_parallel import MoE, MoEGPT, clip_grad_norm_, sync_grads
+from minidist.grid import ProcessGrid
 from minidist.expert_parallel.gpt import is_expert
 from ..references.expert_parallel import dense_moe
 from minidist.expert_parallel.stats import a2a_bytes_formula
@@ -128,13 +129,14 @@ def _train(model, world, rank, grid, steps, lr=3e-3, eps=1e-5, max_norm=0.5, b=2
 
 
 def train_on_grid(rank, world, dp, ep, E, k, cf=None, steps=3) -> dict:
-    """``steps`` AdamW steps of MoEGPT on a dp x ep grid; this rank's parameters by one-process name."""
-    grid = EPGrid(dp, ep)
+    """``steps`` AdamW steps of MoEGPT with ``dp`` replicas of each expert and ``ep`` ranks sharing
+    the experts (``ProcessGrid(dp·ep, ep=ep)``); this rank's parameters by one-process name."""
+    grid = ProcessGrid(dp * ep, ep=ep)
     torch.manual_seed(0)
     model = MoEGPT(GPT_CFG, E, k, grid=grid, capacity_factor=cf, aux_loss_coeff=0.01,
                    z_loss_coeff=0.001)
     losses = _train(model, world, rank, grid, steps)
-    return dict(coords=(grid.dp_rank, grid.ep_rank), losses=losses, params=_named(model))
+    return dict(coords=(grid.expert_dp_rank, grid.ep_rank), losses=losses, params=_named(model))
 
 
 def train_reference(world, E, k, cf=None, steps=3) -> dict:

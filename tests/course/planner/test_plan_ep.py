@@ -20,8 +20,8 @@ CFG = GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16)
 
 
 def _count(rank, world):
-    from minidist.expert_parallel import EPGrid
-    grid = EPGrid(1, world)
+    from minidist.grid import ProcessGrid
+    grid = ProcessGrid(world, ep=world)
     model = MoEGPT(CFG, 4, 2, grid=grid)
     return (sum(p.numel() for p in model.parameters() if is_expert(p)),
             sum(p.numel() for p in model.parameters() if not is_expert(p)))

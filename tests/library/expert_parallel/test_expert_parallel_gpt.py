@@ -31,13 +31,14 @@ from minidist.expert_parallel.gpt import (
     is_expert,
     sync_grads,
 )
-from minidist.expert_parallel.grid import EPGrid, ep_layout
+from minidist.grid import ProcessGrid, grid_layout
 from minidist.models.gpt import GPTConfig
 
 CFG = GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16)
 B, STEPS, LR, EPS, MAX_NORM, TOL = 2, 3, 3e-3, 1e-5, 0.5, 1e-6
 MOE = dict(aux_loss_coeff=0.01, z_loss_coeff=0.001)
-# (dp, ep, E, k, capacity_factor)
+# (replicas of each expert = expert-DP size, ep, E, k, capacity_factor): the grid is
+# ProcessGrid(dp=replicas·ep, ep=ep), expert parallelism folded over the data-parallel ranks
 CONFIGS = {4: [(1, 4, 2, 1, None), (2, 2, 4, 2, 1.0), (4, 1, 4, 1, 1.0), (1, 4, 8, 2, 1.25)],
            2: [(1, 2, 4, 2, None), (2, 1, 2, 1, 1.0), (1, 2, 8, 1, 0.5)]}
 
@@ -50,14 +51,14 @@ def batch(world, step):
 
 def sync_world_avg(model, grid):       # wrong: expert gradients averaged like the dense ones
     from minidist.expert_parallel.gpt import _flat_all_reduce
-    _flat_all_reduce([p.grad for p in model.parameters()], "avg", grid.dense_dp_group)
+    _flat_all_reduce([p.grad for p in model.parameters()], "avg", grid.dp_group)
 
 
-def sync_dp_only(model, grid):         # wrong: expert gradients divided by dp, not dp x ep
+def sync_dp_only(model, grid):         # wrong: expert gradients divided by dp/ep, not dp
     from minidist.expert_parallel.gpt import _flat_all_reduce
     _flat_all_reduce([p.grad for p in model.parameters() if not is_expert(p)], "avg",
-                     grid.dense_dp_group)
-    if grid.dp_size > 1:
+                     grid.dp_group)
+    if grid.expert_dp_size > 1:
         _flat_all_reduce([p.grad for p in model.parameters() if is_expert(p)], "avg",
                          grid.expert_dp_group)
 
@@ -103,14 +104,14 @@ def train(model, world, rank, grid, sync, steps=STEPS):
 def _rank(rank, world, configs):
     out = []
     for dp, ep, E, k, cf in configs:
-        grid = EPGrid(dp, ep)
+        grid = ProcessGrid(dp * ep, ep=ep)
         per_sync = {}
         for sync in (("right", "world_avg", "dp_only") if dp > 1 and ep > 1 else ("right",)):
             torch.manual_seed(0)
             model = MoEGPT(CFG, E, k, grid=grid, capacity_factor=cf, **MOE)
             losses, grads, norms = train(model, world, rank, grid, sync)
             per_sync[sync] = (losses, grads, norms, named(model))
-        out.append(((grid.dp_rank, grid.ep_rank), per_sync))
+        out.append(((grid.expert_dp_rank, grid.ep_rank), per_sync))
     return out
 
 
@@ -159,7 +160,7 @@ def test_ep_dp_adamw_steps_equal_one_process(world):
 
 
 def _recompute_rank(rank, world, E, k):
-    grid = EPGrid(1, world)
+    grid = ProcessGrid(world, ep=world)
     res = {}
     for recompute in (False, True):
         torch.manual_seed(0)
@@ -189,8 +190,23 @@ def test_recomputation_gives_the_same_gradients_and_counts_tokens_once(world, E,
         assert (total1.sum(1) == 2 * B * CFG.block_size * k).all()  # steps x T x k, once
 
 
-def test_ep_layout_and_bad_sizes():
-    lay = ep_layout(4, 2, 2)
-    assert lay == {"ep": [[0, 1], [2, 3]], "expert_dp": [[0, 2], [1, 3]], "dense_dp": [[0, 1, 2, 3]]}
-    with pytest.raises(ValueError, match="dp x ep = 2 x 3 = 6, but the world size is 4"):
-        ep_layout(4, 2, 3)
+def test_ep_is_folded_over_dp_and_cp_and_bad_sizes_are_refused():
+    lay = grid_layout(4, 4, ep=2)
+    assert (lay["ep"], lay["expert_dp"], lay["dp"]) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]],
+                                                       [[0, 1, 2, 3]])
+    lay = grid_layout(8, 4, tp=2, ep=2)   # the grid module's docstring example
+    assert [1, 3, 5, 7] in lay["dp"] and [5, 7] in lay["ep"] and [1, 5] in lay["expert_dp"]
+    lay = grid_layout(8, 2, cp=2, tp=2, ep=4)   # folded over dp x cp: all four such ranks
+    assert lay["ep"] == lay["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    with pytest.raises(ValueError, match=r"ep=3 must divide dp x cp = 4 x 1 = 4"):
+        grid_layout(4, 4, ep=3)
+
+
+def _moe_on_a_tp_grid(rank, world):
+    with pytest.raises(ValueError, match=r"MoEGPT \(rank \d\): .* not with tp=2"):
+        MoEGPT(CFG, 4, 2, grid=ProcessGrid(2, tp=2, ep=2))
+    return True
+
+
+def test_moe_gpt_refuses_a_grid_it_cannot_use_naming_the_axis():
+    assert minidist.run(_moe_on_a_tp_grid, 4, timeout=60) == [True] * 4
