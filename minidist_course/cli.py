@@ -1,6 +1,7 @@
 """The ``minidist`` command: ``demo`` (the tour, exits non-zero on any wrong result), ``bench``
-(nccl-tests-style tables; ``bench ddp`` and ``bench pp`` for the strategies), ``doctor`` and
-``plan`` (3-D parallel configurations, :mod:`minidist_course.planner`)."""
+(nccl-tests-style tables; ``bench ddp`` and ``bench pp`` for the strategies), ``doctor``,
+``plan`` (3-D parallel configurations, :mod:`minidist_course.planner`) and ``matrix`` (every pair
+of training-step features against one process, :mod:`minidist_course.matrix`)."""
 
 from __future__ import annotations
 
@@ -235,18 +236,24 @@ def _plan_assumptions(a, rate, links, gpu) -> str:
             f"{said(a.inter, links.inter)} between nodes")
 
 
+def matrix(argv=None) -> int:
+    from .matrix import main as matrix_main
+    return matrix_main(argv)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": demo, "bench": bench, "doctor": doctor, "plan": plan}
+    commands = {"demo": demo, "bench": bench, "doctor": doctor, "plan": plan, "matrix": matrix}
     if not argv or argv[0] not in commands:
         asked = bool(argv) and argv[0] in ("-h", "--help")
-        print("usage: minidist {demo,bench,doctor,plan} [options]\n"
+        print("usage: minidist {demo,bench,doctor,plan,matrix} [options]\n"
               "  demo    run every hand-built collective (and DDP/TP/PP) against torch; exit 1 if wrong\n"
               "  bench   nccl-tests-style table (algbw, busbw, ratio to torch); bench ddp | pp | zero |\n"
               "          alpha-beta (link latency/bandwidth with spreads) | flops (matmul GFLOP/s) |\n"
               "          3d (dp x tp x pp step time, tokens/s, MFU: measured vs the planner)\n"
               "  doctor  what this machine offers: torch, backends, devices, network, launch variables\n"
-              "  plan    every valid dp x tp x pp (+ ZeRO, recompute) configuration: memory, step time",
+              "  plan    every valid dp x tp x pp (+ ZeRO, recompute) configuration: memory, step time\n"
+              "  matrix  every pair of training-step features run against one process, or refused",
               file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
     return commands[argv[0]](argv[1:])

@@ -51,7 +51,7 @@ class WeightGrad:
 def _nodes_reaching(root, target) -> dict:
     """Nodes of the graph under ``root`` from which ``target`` can be reached (incl. target), in
     a deterministic order (as keys of a dict)."""
-    memo = {}
+    memo: dict = {}
     stack = [(root, False)]
     while stack:  # iterative post-order: deep graphs do not hit the recursion limit
         node, expanded = stack.pop()

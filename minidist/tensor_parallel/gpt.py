@@ -20,6 +20,8 @@ padded to a multiple of the TP size. Communication per block and pass is filed u
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -65,7 +67,7 @@ class GPTStage(nn.Module):
     activation recomputation sets it to a checkpoint function (``HybridGPT(recompute=...)``);
     parameter names stay the GPT's."""
 
-    run_block = None
+    run_block: Callable | None = None
 
     def __init__(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group=None,
                  sequence_parallel: bool = False):

@@ -1,0 +1,147 @@
+"""The dimensions of the training step and a pairwise covering array over them.
+
+A *configuration* picks one value per dimension of :func:`minidist.hybrid.train_step` — the
+pipeline schedule, the data-parallel mode, recomputation, context parallelism, tensor parallelism
+(with or without sequence parallelism), the loss reduction, the data-parallel size, the tied
+embedding and expert parallelism. Testing every configuration is a product of all the value
+counts (6·3·3·2·3·3·2·2·2 = 7,776 here); testing every *pair* of values of every two dimensions
+takes a few dozen (a covering array of strength 2: Cohen et al. 1997, "The AETG System", whose
+greedy construction this is — each new configuration is the best of a few random candidates
+at covering pairs not covered yet). Most bugs of composition are pairs (the field reports of
+this course's issues were), so every pair is run at least once.
+
+Some pairs are not supported and must be *refused* by the library before any communication, with
+a ``ValueError`` that names both features: :data:`REFUSED` lists them with the words each
+refusal must contain. A refused pair is checked by one configuration that holds it; every other
+pair is covered by configurations that hold no refused pair. Hard limits (the world size at most
+:data:`MAX_WORLD`) are not pairs of the matrix: a pair they exclude (dp=2 × cp=2 × tp=2) is
+still covered by other configurations.
+
+Deterministic: the same ``seed`` gives the same array, so a failure can be run again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+__all__ = ["DIMENSIONS", "REFUSED", "MAX_WORLD", "world_size", "refusal", "pairs_of", "pair_refused",
+           "covering_array", "strength_one"]
+
+DIMENSIONS: dict[str, tuple] = {
+    "schedule": ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipe-v"),
+    "dp_mode": ("flat", "bucketed", "zero1"),
+    "recompute": ("none", "minidist", "torch"),
+    "cp": (1, 2),
+    "tp": ("1", "2", "2+sp"),
+    "loss": ("mean", "sum", "per_token"),
+    "dp": (1, 2),
+    "tie": (False, True),
+    "ep": (1, 2),
+}
+PP = 2            # every configuration is a two-stage pipeline: the schedule is a dimension
+MAX_WORLD = 8
+
+# (dimension, value) -> a predicate on the other (dimension, value), and the words the library's
+# ValueError must contain (both features named). None: the value is refused with anything.
+REFUSED: list[tuple[tuple[str, object], tuple[str, object] | None, tuple[str, ...]]] = [
+    (("cp", 2), ("tp", "2+sp"), ("sequence parallelism", "context parallelism")),
+    (("ep", 2), None, ("ep=2",)),
+]
+
+
+def world_size(config: dict) -> int:
+    tp = 1 if config["tp"] == "1" else 2
+    return config["dp"] * PP * config["cp"] * tp
+
+
+def refusal(config: dict) -> tuple[str, ...] | None:
+    """The words the library's refusal of ``config`` must contain, or None if it must run."""
+    for (d1, v1), other, words in REFUSED:
+        if config[d1] == v1 and (other is None or config[other[0]] == other[1]):
+            return words
+    return None
+
+
+def pairs_of(config: dict) -> set:
+    """Every pair ``((dim, value), (dim, value))`` the configuration holds (dimension order)."""
+    items = [(d, config[d]) for d in DIMENSIONS]
+    return set(itertools.combinations(items, 2))
+
+
+def pair_refused(pair) -> bool:
+    (a, b) = pair
+    for one, other, _ in REFUSED:
+        if one in (a, b) and (other is None or other in (a, b)):
+            return True
+    return False
+
+
+def _all_pairs() -> list:
+    dims = list(DIMENSIONS)
+    return [((d1, v1), (d2, v2)) for i, d1 in enumerate(dims) for d2 in dims[i + 1:]
+            for v1 in DIMENSIONS[d1] for v2 in DIMENSIONS[d2]]
+
+
+def _candidate(rng: random.Random, seed_pair, want_refused: bool) -> dict | None:
+    config = {d: rng.choice(v) for d, v in DIMENSIONS.items()}
+    for d, v in seed_pair:
+        config[d] = v
+    if world_size(config) > MAX_WORLD:   # shrink what the pair does not fix
+        fixed = {d for d, _ in seed_pair}
+        for d, small in (("dp", 1), ("cp", 1), ("tp", "1")):
+            if world_size(config) > MAX_WORLD and d not in fixed:
+                config[d] = small
+    if world_size(config) > MAX_WORLD:
+        return None
+    if want_refused:
+        return config
+    if refusal(config) is not None:
+        for d, v in (("ep", 1), ("tp", "2"), ("cp", 1)):   # undo refused values the pair allows
+            if refusal(config) is not None and d not in {d for d, _ in seed_pair}:
+                config[d] = v
+    return None if refusal(config) is not None else config
+
+
+def covering_array(seed: int = 0, candidates: int = 30) -> list[dict]:
+    """Configurations that cover every pair of values (strength 2): every allowed pair by a
+    configuration that must run, every refused pair by one that must be refused. Raises
+    ``RuntimeError`` if a pair cannot be covered within the limits (a bad :data:`REFUSED`)."""
+    rng = random.Random(seed)
+    pairs = _all_pairs()
+    refused = [p for p in pairs if pair_refused(p)]
+    uncovered = {p for p in pairs if not pair_refused(p)}
+    array: list[dict] = []
+    while uncovered:
+        seed_pair = min(uncovered, key=lambda p: (repr(p)))   # deterministic start
+        best, gain = None, -1
+        for _ in range(candidates):
+            c = _candidate(rng, seed_pair, want_refused=False)
+            if c is not None and len(pairs_of(c) & uncovered) > gain:
+                best, gain = c, len(pairs_of(c) & uncovered)
+        if best is None or seed_pair not in pairs_of(best):
+            raise RuntimeError(f"covering_array: no configuration within the limits holds {seed_pair}")
+        array.append(best)
+        uncovered -= pairs_of(best)
+    checked = set()
+    for pair in refused:   # one configuration per refused pair that no earlier one checks
+        if pair in checked:
+            continue
+        c = _candidate(rng, pair, want_refused=True)
+        if c is None:
+            raise RuntimeError(f"covering_array: no configuration within the limits holds {pair}")
+        array.append(c)
+        checked |= {p for p in pairs_of(c) if pair_refused(p)}
+    return array
+
+
+def strength_one(array: list[dict]) -> list[dict]:
+    """A prefix-free subset of ``array`` in which every value of every dimension appears at least
+    once, runnable and refused ones both (the default test tier's budget)."""
+    chosen, seen = [], set()
+    for c in sorted(array, key=lambda c: -len({(d, c[d]) for d in DIMENSIONS} - set())):
+        new = {(d, c[d]) for d in DIMENSIONS} - seen
+        if new:
+            chosen.append(c)
+            seen |= new
+    return chosen

@@ -1,0 +1,131 @@
+"""Run the composition matrix: each configuration of :mod:`.covering` trains one step of the tiny
+GPT through :func:`minidist.hybrid.train_step` and is compared with one process on the global
+batch (:mod:`minidist_course.references.hybrid`), or must be refused naming both features.
+
+One launch per world size runs all of that size's configurations in turn (each builds its own
+:class:`~minidist.grid.ProcessGrid`), so the whole array costs three launches. A configuration is
+
+* ``✓`` — it ran and the loss and the gradient norm are within :data:`TOL` (relative) of one
+  process, the gathered (clipped) gradients within :data:`TOL` model-wide, every parameter
+  covered, and DP/CP replicas and the tied embedding's two copies bitwise equal;
+* ``refused`` — :data:`~.covering.REFUSED` says it must be, and every rank raised ``ValueError``
+  containing the words listed there (the two features), before the step;
+* ``✗`` — anything else: a difference beyond the tolerance, a refusal that should not happen or
+  does not name the features, a missing refusal.
+
+Tolerance: fp32, one step, clipping active (max norm 0.25): the shards sum in another order than
+one process, measured up to 1e-6 relative (as the 3-D tests).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import minidist
+from minidist.grid import ProcessGrid
+from minidist.hybrid import HybridGPT, make_optimizer, train_step, wrap_stages
+from minidist.models.gpt import GPTConfig
+
+from ..references import hybrid as ref_hybrid
+from .covering import DIMENSIONS, PP, pairs_of, refusal, world_size
+
+__all__ = ["TOL", "MICROBATCHES", "run_matrix", "check", "summarise"]
+
+TOL = 1e-6
+MICROBATCHES = 4       # dualpipe-v needs 2·pp; interleaved a multiple of pp
+BATCH = 8              # dp = 2: 4 samples per replica, one per micro-batch
+
+
+def _cfg(config) -> GPTConfig:
+    return GPTConfig(**{**vars(ref_hybrid.CFG), "tie_embeddings": config["tie"]})
+
+
+def _ignore(config) -> float:
+    return 0.3 if config["loss"] == "per_token" else 0.0   # "mean" over shards needs none ignored
+
+
+def _one(config) -> dict:
+    """This rank's part of one configuration (runs on every rank of a launch of its world size)."""
+    tp = 1 if config["tp"] == "1" else 2
+    chunks = 2 if config["schedule"] in ("interleaved", "zb-v", "dualpipe-v") else 1
+    placement = "v" if config["schedule"] in ("zb-v", "dualpipe-v") else "loop"
+    try:
+        grid = ProcessGrid(config["dp"], PP, tp, cp=config["cp"], ep=config["ep"])
+        model = HybridGPT(_cfg(config), grid, chunks=chunks, sequence_parallel=config["tp"] == "2+sp",
+                          seed=0, placement=placement, recompute=config["recompute"])
+        modules = wrap_stages(model, config["dp_mode"])
+        opt = (make_optimizer(model, "zero1", torch.optim.SGD, lr=0.0)
+               if config["dp_mode"] == "zero1" else None)
+        ids, targets = ref_hybrid.batch(BATCH, _cfg(config), _ignore(config))
+        out = train_step(model, opt, modules, ids, targets, MICROBATCHES,
+                         schedule=config["schedule"], dp_mode=config["dp_mode"],
+                         loss_reduction=config["loss"], max_norm=ref_hybrid.MAX_NORM, step=False)
+    except ValueError as e:
+        return {"refused": str(e)}
+    if opt is not None:
+        opt.full_gradients_()
+    return {"coords": (grid.dp_rank * grid.cp_size + grid.cp_rank, grid.pp_rank, grid.tp_rank),
+            "loss": out.loss, "grad_norm": out.grad_norm, "grads": model.gather(grads=True)}
+
+
+def _rank(rank, world, configs):
+    return [_one(c) for c in configs]
+
+
+def check(config: dict, results: list[dict], refs: dict) -> tuple[str, str]:
+    """``("✓" | "refused" | "✗", detail)`` for one configuration's per-rank results."""
+    words = refusal(config)
+    refused = [r["refused"] for r in results if "refused" in r]
+    if words is not None:
+        if len(refused) != len(results):
+            return "✗", f"should be refused (naming {' and '.join(words)}) on every rank"
+        bad = [m for m in refused if not all(w in m for w in words)]
+        return ("✗", f"refusal does not name {words}: {bad[0]}") if bad else ("refused", refused[0])
+    if refused:
+        return "✗", f"refused, but should run: {refused[0]}"
+    key = (config["tie"], config["loss"])
+    if key not in refs:
+        reduction = "sum" if config["loss"] == "sum" else "mean"
+        refs[key] = ref_hybrid.reference(ref_hybrid.MAX_NORM, _cfg(config), BATCH, _ignore(config),
+                                         reduction)
+    err = ref_hybrid.compare(results, refs[key])
+    worst = max(err["loss"], err["grad_norm"], err["grads"])
+    detail = f"loss {err['loss']:.1e}, norm {err['grad_norm']:.1e}, grads {err['grads']:.1e}"
+    if err["missing"]:
+        return "✗", f"no rank returned {err['missing'][:3]}"
+    if worst > TOL or err["replicas"] > 0 or err["tied"] > 0:
+        return "✗", detail + f", replicas {err['replicas']:.1e}, tied {err['tied']:.1e}"
+    return "✓", detail
+
+
+def run_matrix(configs: list[dict], timeout: float = 600, progress=None) -> list[dict]:
+    """Run ``configs`` (one launch per world size); each row is the config plus ``"world"``,
+    ``"status"``, ``"detail"``. ``progress(text)`` is called after each launch."""
+    by_world: dict[int, list[dict]] = {}
+    for c in configs:
+        by_world.setdefault(world_size(c), []).append(c)
+    rows, refs = [], {}
+    for w in sorted(by_world):
+        start = time.perf_counter()
+        per_rank = minidist.run(_rank, w, by_world[w], timeout=timeout)
+        for i, c in enumerate(by_world[w]):
+            status, detail = check(c, [r[i] for r in per_rank], refs)
+            rows.append({**c, "world": w, "status": status, "detail": detail})
+        if progress:
+            progress(f"W={w}: {len(by_world[w])} configurations in {time.perf_counter() - start:.0f} s")
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Per pair of values held by some row: ``"✗"`` if a configuration that holds it failed,
+    else ``"✓"`` if one ran correctly, else ``"refused"`` (checked refused). Returns
+    ``{"pairs": {pair: status}, "failed": rows with ✗, "dimensions": names}``."""
+    seen: dict = {}
+    for r in rows:
+        for p in pairs_of(r):
+            seen.setdefault(p, set()).add(r["status"])
+    pairs = {p: next(s for s in ("✗", "✓", "refused") if s in got) for p, got in seen.items()}
+    return {"pairs": pairs, "failed": [r for r in rows if r["status"] == "✗"],
+            "dimensions": list(DIMENSIONS)}

@@ -1,0 +1,94 @@
+"""The composition matrix (``minidist matrix``): the covering array covers every pair, the checker
+rejects each plausible wrong result by name, and the configurations run as expected — the
+default tier a strength-1 subset (every value once, two launches), the integration tier all."""
+
+import pytest
+
+from minidist.models.gpt import GPTConfig
+from minidist_course.matrix import format_table
+from minidist_course.matrix.covering import (DIMENSIONS, MAX_WORLD, covering_array,
+                                             pair_refused, pairs_of, refusal, strength_one,
+                                             world_size)
+from minidist_course.matrix.run import check, run_matrix
+from minidist_course.references import hybrid as ref_hybrid
+
+
+def test_the_array_covers_every_pair_within_the_limits_and_is_reproducible():
+    array = covering_array(0)
+    assert array == covering_array(0) and array != covering_array(1)
+    covered = set().union(*(pairs_of(c) for c in array))
+    dims = list(DIMENSIONS)
+    every = {((a, x), (b, y)) for i, a in enumerate(dims) for b in dims[i + 1:]
+             for x in DIMENSIONS[a] for y in DIMENSIONS[b]}
+    assert covered == every
+    assert all(world_size(c) <= MAX_WORLD for c in array)
+    runnable = set().union(*(pairs_of(c) for c in array if refusal(c) is None))
+    assert {p for p in every if not pair_refused(p)} <= runnable   # each by a config that runs
+    assert {p for p in every if pair_refused(p)}                   # and some are refused
+    assert len(array) < 60                        # a few dozen, not the 7,776 of the product
+    quick = strength_one(array)
+    assert {(d, c[d]) for c in quick for d in DIMENSIONS} == {(d, v) for d in DIMENSIONS
+                                                               for v in DIMENSIONS[d]}
+
+
+def _config(**kw):
+    base = {"schedule": "1f1b", "dp_mode": "flat", "recompute": "none", "cp": 1, "tp": "1",
+            "loss": "sum", "dp": 2, "tie": False, "ep": 1}
+    return {**base, **kw}
+
+
+def _results(ref, bump=0.0, replica_off=False):
+    """Two DP replicas of a one-stage 'grid' that returns the reference's own numbers."""
+    out = []
+    for d in range(2):
+        grads = {k: v.clone() for k, v in ref["grads"].items()}
+        if d == 1 and replica_off:
+            k = next(iter(grads))
+            grads[k] = grads[k] + 1e-12
+        out.append({"coords": (d, 0, 0), "loss": ref["loss"] * (1 + bump),
+                    "grad_norm": ref["grad_norm"], "grads": grads})
+    return out
+
+
+def test_the_checker_rejects_each_wrong_result_by_name():
+    config = _config()
+    refs = {}
+    cfg = GPTConfig(**{**vars(ref_hybrid.CFG), "tie_embeddings": False})
+    ref = refs[(False, "sum")] = ref_hybrid.reference(ref_hybrid.MAX_NORM, cfg, 8, 0.0, "sum")
+    assert check(config, _results(ref), refs)[0] == "✓"
+    assert check(config, _results(ref, bump=1e-5), refs)[0] == "✗"  # loss 1e-5 relative off
+    assert check(config, _results(ref, replica_off=True), refs)[0] == "✗"   # replicas not bitwise
+    missing = _results(ref)
+    for r in missing:
+        r["grads"].pop("ln_f.weight")
+    assert check(config, missing, refs)[0] == "✗"                    # a parameter nobody returned
+    # refusals: must happen on every rank, must name the features, must not happen elsewhere
+    sp_cp = _config(cp=2, tp="2+sp")
+    words = "sequence parallelism and context parallelism together are not supported"
+    assert check(sp_cp, [{"refused": words}] * 2, refs)[0] == "refused"
+    assert check(sp_cp, [{"refused": "sequence parallelism is off"}] * 2, refs)[0] == "✗"
+    assert check(sp_cp, _results(ref), refs)[0] == "✗"              # ran: should be refused
+    assert check(sp_cp, [{"refused": words}, _results(ref)[1]], refs)[0] == "✗"   # one rank only
+    assert check(config, [{"refused": "no"}] * 2, refs)[0] == "✗"    # refused, should run
+    table = format_table([{**config, "world": 4, "status": "✓", "detail": ""},
+                          {**sp_cp, "world": 8, "status": "✗", "detail": "loss 1e-3"}])
+    assert "✗ schedule=1f1b" in table and "loss 1e-3" in table
+
+
+@pytest.mark.timeout(300)
+def test_every_value_once_runs_as_expected():
+    rows = run_matrix(strength_one(covering_array(0)), timeout=240)
+    bad = [r for r in rows if r["status"] == "✗"]
+    assert not bad, format_table(rows)
+    assert {r["status"] for r in rows} == {"✓", "refused"}
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(900)
+def test_every_pair_runs_as_expected():
+    rows = run_matrix(covering_array(0), timeout=600)
+    table = format_table(rows)
+    print(table)
+    assert not [r for r in rows if r["status"] == "✗"], table
+    all_row = next(line for line in table.splitlines() if line.startswith("all "))
+    assert all_row.split()[-2:] == ["0", "0"], all_row     # no ✗, nothing not run
