@@ -46,6 +46,7 @@ from torch import nn
 from .. import collectives as C
 from ..comm.p2p import group_rank_world
 from ..context_parallel.attention import ContextParallelSelfAttention
+from ..context_parallel.sharding import SPLITS as CP_SPLITS
 from ..context_parallel.sharding import positions as cp_positions
 from ..models.gpt import GPT, GPTConfig
 from ..pipeline_parallel.partition import balanced_bounds
@@ -124,18 +125,19 @@ class CPGPTStage(GPTStage):
     zigzag positions. Same parameters (names, shapes) as the plain stage."""
 
     def __init__(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group,
-                 sequence_parallel: bool, cp_group):
+                 sequence_parallel: bool, cp_group, split: str = "zigzag", method: str = "ring"):
         nn.Module.__init__(self)        # cp_group first: make_attention needs it during the build
-        self.cp_group = cp_group
+        self.cp_group, self.split, self.method = cp_group, split, method
         self._build(cfg, index, n_stages, layers, group, sequence_parallel)
 
     def make_attention(self, cfg: GPTConfig, group, sequence_parallel: bool) -> nn.Module:
         return ContextParallelSelfAttention(cfg.n_embd, cfg.n_head, cfg.attn_dropout, cfg.dropout,
-                                            group, sequence_parallel, self.cp_group, "zigzag")
+                                            group, sequence_parallel, self.cp_group, self.split,
+                                            self.method)
 
     def positions(self, s: int, device) -> tuple[int, torch.Tensor]:
-        cp_rank, cp = group_rank_world(self.cp_group)   # this rank's zigzag positions of cp·s
-        return s * cp, cp_positions("zigzag", s * cp, cp, cp_rank).to(device)
+        cp_rank, cp = group_rank_world(self.cp_group)   # this rank's positions of cp·s
+        return s * cp, cp_positions(self.split, s * cp, cp, cp_rank).to(device)
 
 
 class HybridGPT:
@@ -148,7 +150,9 @@ class HybridGPT:
     ``"minidist"`` (:func:`minidist.sharding.recompute.checkpoint` around every block) or
     ``"torch"`` (``torch.utils.checkpoint``, non-reentrant) — activation recomputation: each
     block keeps its input and runs again in backward (in each backward: twice under a
-    zero-bubble split).
+    zero-bubble split); ``cp_attention``: ``"ring"`` or ``"ulysses"`` and ``cp_split``:
+    ``"zigzag"``, ``"contiguous"`` or ``"striped"`` — how the sequence is cut over the CP ranks
+    and how their attention meets (:mod:`minidist.context_parallel`; used when ``cp > 1``).
 
     Attributes: ``stages`` {stage index: :class:`GPTStage`, a :class:`CPGPTStage` with cp > 1}
     (this rank's), ``n_stages`` = pp·v,
@@ -158,12 +162,17 @@ class HybridGPT:
     """
 
     def __init__(self, cfg: GPTConfig, grid, chunks: int = 1, sequence_parallel: bool = False,
-                 seed: int = 0, placement: str = "loop", recompute: str = "none"):
+                 seed: int = 0, placement: str = "loop", recompute: str = "none",
+                 cp_attention: str = "ring", cp_split: str = "zigzag"):
         cp = grid.cp_size
         if grid.ep_size > 1:
             raise ValueError(f"HybridGPT (rank {grid.rank}): the grid has ep={grid.ep_size}, but "
                              "this GPT's MLPs are dense (no experts to shard); use ep=1, or "
                              "MoEGPT for expert parallelism with data parallelism")
+        if cp_attention not in ("ring", "ulysses") or cp_split not in CP_SPLITS:
+            raise ValueError(f"HybridGPT (rank {grid.rank}): cp_attention must be 'ring' or "
+                             f"'ulysses' and cp_split one of {CP_SPLITS}, got {cp_attention!r}, "
+                             f"{cp_split!r}")
         if recompute not in RECOMPUTE:
             raise ValueError(f"HybridGPT (rank {grid.rank}): recompute must be one of "
                              f"{sorted(RECOMPUTE)}, got {recompute!r}")
@@ -171,6 +180,7 @@ class HybridGPT:
                    grid.rank, cp=cp, placement=placement)
         self.cfg, self.grid, self.chunks, self.sequence_parallel = cfg, grid, chunks, sequence_parallel
         self.placement, self.recompute = placement, recompute
+        self.cp_attention, self.cp_split = cp_attention, cp_split
         self.n_stages = grid.pp_size * chunks
         self.bounds = stage_bounds(cfg.n_layer, self.n_stages)
         torch.manual_seed(seed)
@@ -181,7 +191,7 @@ class HybridGPT:
             s = 2 * P - 1 - r if placement == "v" and c == 1 else c * P + r
             layers = range(*self.bounds[s])
             stage = (CPGPTStage(cfg, s, self.n_stages, layers, grid.tp_group, sequence_parallel,
-                                grid.cp_group) if cp > 1 else
+                                grid.cp_group, cp_split, cp_attention) if cp > 1 else
                      GPTStage(cfg, s, self.n_stages, layers, grid.tp_group, sequence_parallel))
             stage.load_state_dict(shard_state_dict(full, stage, grid.tp_group))
             stage.run_block = RECOMPUTE[recompute]

@@ -19,9 +19,9 @@
 With ``record=True`` steps 3-6 are Events on the engine's timeline too ("sp grads", "tied grads",
 "clip", "optimizer"), for :mod:`minidist.hybrid.timeline`.
 
-Context parallelism (``grid.cp_size > 1``): after the DP slice, each rank keeps its zigzag
-positions of every sample (:func:`minidist.context_parallel.sharding.shard`); the gradients and
-the loss are reduced over the DP×CP group (``grid.dp_cp_group``) where they were over DP: the
+Context parallelism (``grid.cp_size > 1``): after the DP slice, each rank keeps its positions of
+every sample (the model's ``cp_split``, zigzag by default;
+:func:`minidist.context_parallel.sharding.shard`); the gradients and the loss are reduced over the DP×CP group (``grid.dp_cp_group``) where they were over DP: the
 parameters are replicated over both. ``"per_token"`` is exact for any ignored tokens; ``"mean"``
 averages equal-sized shards' means (exact without ignored tokens), as it does over DP replicas.
 
@@ -150,7 +150,7 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     x = ids.tensor_split(grid.dp_size)[grid.dp_rank]
     y = targets.tensor_split(grid.dp_size)[grid.dp_rank]
     if cp > 1:   # this rank's positions of every sample
-        x, y = (shard(t, "zigzag", cp, grid.cp_rank, dim=1) for t in (x, y))
+        x, y = (shard(t, model.cp_split, cp, grid.cp_rank, dim=1) for t in (x, y))
     bucketed, zero1 = dp_mode == "bucketed", dp_mode == "zero1" and optimizer is not None
     ctx = (lambda s, m, last: modules[s].backward_sync(last)) if bucketed else None
     result = dp_pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),

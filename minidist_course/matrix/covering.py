@@ -1,10 +1,11 @@
 """The dimensions of the training step and a pairwise covering array over them.
 
 A *configuration* picks one value per dimension of :func:`minidist.hybrid.train_step` — the
-pipeline schedule, the data-parallel mode, recomputation, context parallelism, tensor parallelism
+pipeline schedule, the data-parallel mode, recomputation, context parallelism (ring attention
+with each of the three splits, or Ulysses), tensor parallelism
 (with or without sequence parallelism), the loss reduction, the data-parallel size, the tied
 embedding and expert parallelism. Testing every configuration is a product of all the value
-counts (6·3·3·2·3·3·2·2·2 = 7,776 here); testing every *pair* of values of every two dimensions
+counts (6·3·3·5·3·3·2·2·2 = 19,440 here); testing every *pair* of values of every two dimensions
 takes a few dozen (a covering array of strength 2: Cohen et al. 1997, "The AETG System", whose
 greedy construction this is — each new configuration is the best of a few random candidates
 at covering pairs not covered yet). Most bugs of composition are pairs (the field reports of
@@ -25,14 +26,14 @@ from __future__ import annotations
 import itertools
 import random
 
-__all__ = ["DIMENSIONS", "REFUSED", "MAX_WORLD", "world_size", "refusal", "pairs_of", "pair_refused",
+__all__ = ["DIMENSIONS", "REFUSED", "MAX_WORLD", "world_size", "cp_size", "refusal", "pairs_of", "pair_refused",
            "covering_array", "strength_one"]
 
 DIMENSIONS: dict[str, tuple] = {
     "schedule": ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipe-v"),
     "dp_mode": ("flat", "bucketed", "zero1"),
     "recompute": ("none", "minidist", "torch"),
-    "cp": (1, 2),
+    "cp": ("1", "ring/zigzag", "ring/contiguous", "ring/striped", "ulysses"),
     "tp": ("1", "2", "2+sp"),
     "loss": ("mean", "sum", "per_token"),
     "dp": (1, 2),
@@ -45,14 +46,18 @@ MAX_WORLD = 8
 # (dimension, value) -> a predicate on the other (dimension, value), and the words the library's
 # ValueError must contain (both features named). None: the value is refused with anything.
 REFUSED: list[tuple[tuple[str, object], tuple[str, object] | None, tuple[str, ...]]] = [
-    (("cp", 2), ("tp", "2+sp"), ("sequence parallelism", "context parallelism")),
-    (("ep", 2), None, ("ep=2",)),
-]
+    (("cp", cp), ("tp", "2+sp"), ("sequence parallelism", "context parallelism"))
+    for cp in ("ring/zigzag", "ring/contiguous", "ring/striped", "ulysses")
+] + [(("ep", 2), None, ("ep=2",))]
 
 
 def world_size(config: dict) -> int:
     tp = 1 if config["tp"] == "1" else 2
-    return config["dp"] * PP * config["cp"] * tp
+    return config["dp"] * PP * cp_size(config) * tp
+
+
+def cp_size(config: dict) -> int:
+    return 1 if config["cp"] == "1" else 2
 
 
 def refusal(config: dict) -> tuple[str, ...] | None:
@@ -89,15 +94,20 @@ def _candidate(rng: random.Random, seed_pair, want_refused: bool) -> dict | None
         config[d] = v
     if world_size(config) > MAX_WORLD:   # shrink what the pair does not fix
         fixed = {d for d, _ in seed_pair}
-        for d, small in (("dp", 1), ("cp", 1), ("tp", "1")):
+        for d, small in (("dp", 1), ("cp", "1"), ("tp", "1")):
             if world_size(config) > MAX_WORLD and d not in fixed:
                 config[d] = small
     if world_size(config) > MAX_WORLD:
         return None
-    if want_refused:
+    if want_refused:   # refused for this pair's reason only: no other refused value beside it
+        fixed = {d for d, _ in seed_pair}
+        if "ep" not in fixed:
+            config["ep"] = 1
+        if "ep" in fixed and config["tp"] == "2+sp" and config["cp"] != "1":
+            config["tp" if "tp" not in fixed else "cp"] = "2" if "tp" not in fixed else "1"
         return config
     if refusal(config) is not None:
-        for d, v in (("ep", 1), ("tp", "2"), ("cp", 1)):   # undo refused values the pair allows
+        for d, v in (("ep", 1), ("tp", "2"), ("cp", "1")):   # undo refused values the pair allows
             if refusal(config) is not None and d not in {d for d, _ in seed_pair}:
                 config[d] = v
     return None if refusal(config) is not None else config
@@ -136,12 +146,17 @@ def covering_array(seed: int = 0, candidates: int = 30) -> list[dict]:
 
 
 def strength_one(array: list[dict]) -> list[dict]:
-    """A prefix-free subset of ``array`` in which every value of every dimension appears at least
-    once, runnable and refused ones both (the default test tier's budget)."""
-    chosen, seen = [], set()
-    for c in sorted(array, key=lambda c: -len({(d, c[d]) for d in DIMENSIONS} - set())):
-        new = {(d, c[d]) for d in DIMENSIONS} - seen
-        if new:
-            chosen.append(c)
-            seen |= new
-    return chosen
+    """A subset of ``array`` in which every value of every dimension appears at least once,
+    runnable and refused ones both (the default test tier's budget): greedy, the most new values
+    per rank first (a configuration of 8 ranks costs about four of 2)."""
+    chosen: list[dict] = []
+    seen: set = set()
+    rest = list(array)
+    while True:
+        gain = lambda c: len({(d, c[d]) for d in DIMENSIONS} - seen) / world_size(c)  # noqa: E731
+        best = max(rest, key=gain, default=None)
+        if best is None or gain(best) == 0:
+            return chosen
+        chosen.append(best)
+        seen |= {(d, best[d]) for d in DIMENSIONS}
+        rest.remove(best)

@@ -29,7 +29,7 @@ from minidist.hybrid import HybridGPT, make_optimizer, train_step, wrap_stages
 from minidist.models.gpt import GPTConfig
 
 from ..references import hybrid as ref_hybrid
-from .covering import DIMENSIONS, PP, pairs_of, refusal, world_size
+from .covering import DIMENSIONS, PP, cp_size, pairs_of, refusal, world_size
 
 __all__ = ["TOL", "MICROBATCHES", "run_matrix", "check", "summarise"]
 
@@ -51,10 +51,13 @@ def _one(config) -> dict:
     tp = 1 if config["tp"] == "1" else 2
     chunks = 2 if config["schedule"] in ("interleaved", "zb-v", "dualpipe-v") else 1
     placement = "v" if config["schedule"] in ("zb-v", "dualpipe-v") else "loop"
+    attention, _, split = config["cp"].partition("/")   # "ring/zigzag", "ulysses" (zigzag)
     try:
-        grid = ProcessGrid(config["dp"], PP, tp, cp=config["cp"], ep=config["ep"])
+        grid = ProcessGrid(config["dp"], PP, tp, cp=cp_size(config), ep=config["ep"])
         model = HybridGPT(_cfg(config), grid, chunks=chunks, sequence_parallel=config["tp"] == "2+sp",
-                          seed=0, placement=placement, recompute=config["recompute"])
+                          seed=0, placement=placement, recompute=config["recompute"],
+                          cp_attention="ulysses" if attention == "ulysses" else "ring",
+                          cp_split=split or "zigzag")
         modules = wrap_stages(model, config["dp_mode"])
         opt = (make_optimizer(model, "zero1", torch.optim.SGD, lr=0.0)
                if config["dp_mode"] == "zero1" else None)
