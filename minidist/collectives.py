@@ -59,13 +59,37 @@ ALGORITHMS: dict[str, dict] = {
 }
 
 
-def _setup(opname: str, algorithm: str, tensor, group):
+def _check_movable(opname: str, **tensors) -> None:
+    """Refuse, before any message, a tensor no collective can move: sparse (only the strided
+    layout has one flat buffer of values) or on the meta device (a shape without data). Each
+    rank checks its own arguments; the error names the rank, the op and the argument. A check
+    after the first message would leave the other ranks' messages half sent, and the next,
+    valid collective would meet them (a hang)."""
+    for arg, value in tensors.items():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for i, t in enumerate(items):
+            if not isinstance(t, torch.Tensor):
+                continue
+            where = (f"{opname} (rank {dist.get_rank()}): {arg}"
+                     + (f"[{i}]" if isinstance(value, (list, tuple)) else ""))
+            if t.layout != torch.strided:
+                raise ValueError(f"{where} is a sparse tensor ({t.layout}); collectives move dense "
+                                 "(strided) tensors: pass t.to_dense(), or move its indices and "
+                                 "values as two dense tensors")
+            if t.device.type == "meta":
+                raise ValueError(f"{where} is on the meta device (a shape without data); "
+                                 "materialise it first (e.g. module.to_empty(device='cpu') and "
+                                 "initialise, or torch.empty_like(t, device='cpu'))")
+
+
+def _setup(opname: str, algorithm: str, tensor, group, arg: str = "tensor", **others):
     if not dist.is_initialized():
         raise RuntimeError(f"{opname}: the process group is not initialised; run inside "
                            "minidist.run(...) or call minidist.init() first")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{opname}: expected a torch.Tensor, got {type(tensor).__name__}")
     check_group(opname, group)
+    _check_movable(opname, **{arg: tensor}, **others)
     table = ALGORITHMS.get(opname)
     if opname == "all_reduce" and algorithm == "tree":
         raise ValueError("all_reduce: algorithm 'tree' is now called 'recursive_doubling' (log2 W "
@@ -161,7 +185,7 @@ def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring
     or one tensor of W · output.numel() elements (piece r is the r-th slice along the flat order).
     ``input`` is used as scratch space. Traffic per rank (ring): (W-1)/W of the input.
     """
-    rank, world = _setup("reduce_scatter", algorithm, output, group)
+    rank, world = _setup("reduce_scatter", algorithm, output, group, "output", input=input)
     op = normalize_op(op, output.dtype, f"reduce_scatter (rank {rank})")
     pieces = _data(input)
     if isinstance(pieces, list):                  # scratch space: contiguous copies are fine
@@ -192,7 +216,7 @@ def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
     rank) or one tensor of W · input.numel() elements (rank r's input is the r-th slice).
     Traffic per rank (ring): (W-1) · input.numel() elements sent.
     """
-    rank, world = _setup("all_gather", algorithm, input, group)
+    rank, world = _setup("all_gather", algorithm, input, group, "input", output=output)
     result, output, mine = output, _data(output), _data(input)
     strided = isinstance(output, list) and any(not o.is_contiguous() for o in output)
     if strided:                                   # gather into contiguous copies, copy back
@@ -253,7 +277,8 @@ def reduce(tensor: torch.Tensor, dst: int, op="sum", algorithm: str = "tree", gr
 
 def all_to_all(output: list, input: list, group=None, debug: bool | None = None) -> list:
     """Rank r sends ``input[j]`` to rank j, and receives rank j's ``input[r]`` into ``output[j]``."""
-    rank, world = _setup("all_to_all", "naive", input[0] if input else None, group)
+    rank, world = _setup("all_to_all", "naive", input[0] if input else None, group, "input[0]",
+                         input=input, output=output)
     if len(output) != world or len(input) != world:
         raise ValueError(f"all_to_all (rank {rank}): need {world} input and output tensors, got "
                          f"{len(input)} and {len(output)}")

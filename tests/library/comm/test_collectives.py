@@ -320,3 +320,33 @@ def test_all_reduce_tree_is_a_clear_error_naming_recursive_doubling():
     """all-reduce's log2(W) algorithm is recursive doubling; "tree" stays for broadcast/reduce."""
     msg = minidist.run(_old_tree_name_rank, 2, timeout=60)[0]
     assert "recursive_doubling" in msg and "all_reduce" in msg, msg
+
+
+def _unmovable_then_valid(rank, world):
+    out = []
+    cases = [("all_reduce", lambda bad: C.all_reduce(bad)),
+             ("broadcast", lambda bad: C.broadcast(bad, 0)),
+             ("all_gather", lambda bad: C.all_gather(torch.zeros(8), bad)),
+             ("reduce_scatter", lambda bad: C.reduce_scatter(torch.zeros(2), [bad, bad])),
+             ("all_to_all", lambda bad: C.all_to_all([torch.zeros(4)] * world, [bad] * world))]
+    for make, kind in ((lambda: torch.empty(4, device="meta"), "meta device"),
+                       (lambda: torch.ones(4).to_sparse(), "sparse")):
+        for op, call in cases:
+            with pytest.raises(ValueError, match=rf"{op} \(rank {rank}\): .*{kind}") as e:
+                call(make())
+            t = torch.full((4,), float(rank + 1))
+            C.all_reduce(t)                         # the next, valid collective runs at once
+            out.append((op, kind, t.tolist() == [world * (world + 1) / 2] * 4, str(e.value)))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_meta_or_sparse_tensor_is_refused_before_any_message_and_the_next_collective_runs():
+    """Field report: a meta tensor's error left the ranks' messages half sent and the next,
+    valid all-reduce hung until the timeout; a sparse tensor's error was torch's "unsupported
+    memory format option Contiguous". Both are refused by name, on every rank, first."""
+    for rank, rows in enumerate(minidist.run(_unmovable_then_valid, 2, timeout=45)):
+        assert len(rows) == 10
+        for op, kind, ok, msg in rows:
+            assert ok, (op, kind)
+            assert ("to_dense" if kind == "sparse" else "materialise") in msg, msg
