@@ -70,6 +70,7 @@ class _State:
     lock: Any = field(default_factory=threading.Lock)
     shm: Any = None  # multiprocessing.Array('c', N) installed by minidist.run
     last: str = "none yet"
+    collectives: int = 0   # collectives this rank has finished (outermost scopes, main thread)
 
 
 _state = _State()
@@ -88,6 +89,12 @@ def publish(text: str) -> None:
         _state.shm.raw = data + b"\0" * (len(_state.shm) - len(data))
 
 
+def progress() -> tuple[int, str]:
+    """``(collectives finished by this rank's main thread, what it last published)``: what the
+    launcher reports of a rank that returned (or failed) while the others were still in one."""
+    return _state.collectives, _state.last
+
+
 def _scope_name() -> str:
     return _state.scopes.stack[-1] if _state.scopes.stack else "p2p"
 
@@ -104,9 +111,15 @@ class collective:
     def __enter__(self) -> None:
         _state.scopes.stack.append(self.name)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         _state.scopes.stack.pop()
         if not _state.scopes.stack:
+            main = threading.current_thread() is threading.main_thread()
+            if exc_type is not None:   # keep saying where it stopped
+                if main:
+                    publish(f"{self.name} (its collective #{_state.collectives + 1}), which failed")
+                return
+            _state.collectives += main
             publish(f"idle after {self.name} (seq {_state.seq})")
 
 

@@ -228,7 +228,8 @@ def describe_exit(code: int, oom_killed: bool | None = False, resident: int | No
 
 
 def failure(world_size: int, errors: dict, exited: dict, have: set,
-            oom_killed: bool | None = False, resident: dict | None = None) -> RankError:
+            oom_killed: bool | None = False, resident: dict | None = None,
+            returned: dict | None = None, progress: dict | None = None) -> RankError:
     """One :class:`RankError` from what the ranks reported, the root cause first.
 
     Args:
@@ -238,6 +239,13 @@ def failure(world_size: int, errors: dict, exited: dict, have: set,
         oom_killed: the OOM killer killed a process of this cgroup during the run (None: its
             counter is unreadable, so a SIGKILL is reported with the rank's resident size).
         resident: ``{rank: bytes}``, each rank's last resident size sampled by the launcher.
+        returned: ``{rank: (time, collectives finished)}`` for ranks that returned a result.
+        progress: ``{rank: (collectives finished, what it last published)}`` for ranks that raised.
+
+    When every failure is a lost connection (a consequence) and some rank had already returned
+    from its function, that return is the root cause: it left the others waiting in a collective
+    it never joined (uneven inputs: one rank ran fewer steps). The message names the rank, how
+    many collectives each side finished and what the others were waiting in.
     """
     events = []  # (secondary?, time, rank, summary, details)
     for r, (t, summary, tb) in errors.items():
@@ -246,6 +254,9 @@ def failure(world_size: int, errors: dict, exited: dict, have: set,
         if r not in errors:
             events.append((False, t, r, f"rank {r} {describe_exit(code, oom_killed, (resident or {}).get(r))}", ""))
     events.sort(key=lambda e: (e[0], e[1]))
+    early = _returned_early(events, returned or {}, progress or {})
+    if early is not None:
+        return early
     failures = [(r, s, d) for _, _, r, s, d in events]
     secondary = {r for sec, _, r, _, _ in events if sec}
     stopped = [r for r in range(world_size) if r not in have and r not in errors and r not in exited]
@@ -257,6 +268,32 @@ def failure(world_size: int, errors: dict, exited: dict, have: set,
         lines += ["", f"--- rank {r} ({why}) ---", s]
     if stopped:
         lines += ["", f"ranks {stopped} were stopped by the launcher after rank {root_rank} failed."]
+    return RankError("\n".join(lines), failures)
+
+
+def _returned_early(events: list, returned: dict, progress: dict) -> RankError | None:
+    """The uneven-inputs report (see :func:`failure`), or None when it does not apply."""
+    if not events or not returned or not all(sec for sec, *_ in events):
+        return None
+    first = min(t for _, t, *_ in events)
+    early = sorted(r for r, (t, _) in returned.items() if t <= first)
+    if not early:
+        return None
+    done = {r: returned[r][1] for r in early}
+    lines = [f"rank{'s' if len(early) > 1 else ''} {', '.join(map(str, early))} returned from "
+             f"the function after {', '.join(str(done[r]) for r in early)} collective(s), while "
+             "other ranks were still in a collective they never joined (uneven inputs: one rank "
+             "ran fewer steps or batches than the others):"]
+    for _, _, r, summary, _ in events:
+        n, doing = progress.get(r, (None, "unknown"))
+        count = f"had finished {n} collective(s) and " if n is not None else ""
+        lines.append(f"  rank {r} {count}was in: {doing}")
+    lines += ["", "Every rank must run the same collectives in the same order: give every rank "
+              "the same number of batches (DistributedSampler(drop_last=True), or pad the last "
+              "one), or stop all ranks together (agree on a flag with an all-reduce)."]
+    for _, _, r, summary, _ in events:
+        lines += ["", f"--- rank {r} (a consequence: its peer had gone) ---", summary]
+    failures = [(early[0], lines[0], "")] + [(r, s, d) for _, _, r, s, d in events]
     return RankError("\n".join(lines), failures)
 
 

@@ -226,6 +226,8 @@ def _supervise(procs, q, out, shms, dumps, timeout, world_size):
     sampled_at = 0.0
     results, have = [None] * world_size, set()
     errors = {}  # rank -> (time, summary, traceback)
+    returned = {}  # rank -> (time, collectives it finished) for ranks that returned a result
+    progress = {}  # rank -> (collectives finished, what it was doing) for ranks that raised
     exited = {}  # rank -> (time, exitcode) for ranks seen dead without a result
     first_failure = None
     while len(have) < world_size:
@@ -246,8 +248,10 @@ def _supervise(procs, q, out, shms, dumps, timeout, world_size):
             elif kind == "result":
                 results[rank] = cloudpickle.loads(msg[2])
                 have.add(rank)
+                returned[rank] = (time.monotonic(), msg[3])
             elif kind == "error":
                 errors[rank] = (time.monotonic(), msg[2], msg[3])
+                progress[rank] = msg[4]
                 first_failure = first_failure or time.monotonic()
             continue  # drain everything queued before looking at exit codes
         if now - sampled_at > _SAMPLE_S:   # for the report of a rank SIGKILLed without a trace
@@ -268,7 +272,8 @@ def _supervise(procs, q, out, shms, dumps, timeout, world_size):
         return results
     oom_now = _errors.oom_kill_count()
     oom_killed = None if None in (oom_at_start, oom_now) else oom_now > oom_at_start
-    error = failure(world_size, errors, exited, have, oom_killed=oom_killed, resident=resident)
+    error = failure(world_size, errors, exited, have, oom_killed=oom_killed, resident=resident,
+                    returned=returned, progress=progress)
     if is_startup_failure(error, started=any(shm.raw.split(b"\0", 1)[0] for shm in shms)):
         raise StartupFailure(error)
     raise error

@@ -122,11 +122,11 @@ def main(rank, world_size, payload, tmpdir, backend, pg_timeout_s, q, shm, dump_
         _all_connected(store, rank, world_size)
         p2p.publish("running user code (no minidist op yet)")
         result = fn(rank, world_size, *args)
-        q.put(("result", rank, cloudpickle.dumps(_to_cpu(result))))
+        q.put(("result", rank, cloudpickle.dumps(_to_cpu(result)), p2p.progress()[0]))
     except BaseException as e:  # noqa: BLE001 - everything must reach the parent
         code = 1
         summary = f"{type(e).__name__}: {e}".strip() + _env.oom_hint(e)
-        q.put(("error", rank, summary, traceback.format_exc()))
+        q.put(("error", rank, summary, traceback.format_exc(), p2p.progress()))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -109,3 +109,24 @@ def test_without_the_oom_counter_a_sigkill_reports_the_ranks_last_resident_size(
     if limit:
         assert f"of {limit[0] / 2**30:.2f} GiB ({limit[1]})" in first, first
     assert launch_errors.describe_exit(-signal.SIGKILL, None, None).count("not sampled") == 1
+
+
+def _uneven_steps(rank, world):
+    for _ in range(3 if rank == 0 else 1):    # rank 1's data ran out after one step
+        C.all_reduce(torch.ones(4))
+    return rank
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_returns_early_is_named_as_the_root_cause_not_gloo():
+    """Uneven inputs: rank 1 returned while rank 0 waited in its second all-reduce. The report
+    names rank 1, how many collectives each finished and where rank 0 was — not only gloo's
+    "connection closed by peer" blaming rank 0."""
+    with pytest.raises(minidist.RankError) as e:
+        minidist.run(_uneven_steps, 2, timeout=45)
+    msg = str(e.value)
+    assert msg.startswith("rank 1 returned from the function after 1 collective(s)"), msg
+    assert "rank 0 had finished 1 collective(s) and was in: all_reduce/ring (its collective #2)" \
+        in msg, msg
+    assert "drop_last=True" in msg and "(a consequence: its peer had gone)" in msg
+    assert e.value.rank == 1
