@@ -20,7 +20,7 @@ from minidist.models.gpt import GPTConfig
 from ..references.hybrid import BATCH, CFG, MAX_NORM, TOL, batch, compare, reference
 
 __all__ = ["CFG", "BATCH", "MAX_NORM", "TOL", "batch", "step_on_grid", "reference", "compare",
-           "demo_rows"]
+           "demo_rows", "weighted_by_samples"]
 
 
 def step_on_grid(rank: int, world: int, dp: int, tp: int, pp: int,
@@ -43,6 +43,35 @@ def step_on_grid(rank: int, world: int, dp: int, tp: int, pp: int,
                      loss_reduction=loss_reduction, max_norm=max_norm, step=False)
     return {"coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank), "loss": out.loss,
             "grad_norm": out.grad_norm, "grads": model.gather(grads=True)}
+
+
+def weighted_by_samples(shards: int = 4, cfg: GPTConfig = CFG, n: int = BATCH,
+                        ignore: float = 0.3) -> dict:
+    """How far the per-shard token mean, averaged over ``shards`` equal cuts of the batch (2 DP
+    replicas x 2 micro-batches: each weighted by its share of the *samples*), is from one
+    process's mean over the counted tokens — in one process, no ranks. Returns relative errors
+    ``{"loss", "grads"}`` (unclipped gradients, model-wide). ``train_step`` refuses
+    ``loss_reduction="mean"`` where this is not zero (ignored targets over several shards)."""
+    import torch
+    import torch.nn.functional as F
+
+    from minidist.models.gpt import GPT
+
+    ids, targets = batch(n, cfg, ignore)
+    out = {}
+    for name in ("tokens", "samples"):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        logits, _ = model(ids)
+        ce = lambda lo, t: F.cross_entropy(lo.reshape(-1, cfg.vocab_size), t.reshape(-1))  # noqa: E731
+        loss = (ce(logits, targets) if name == "tokens" else
+                sum(ce(lo, t) for lo, t in zip(logits.tensor_split(shards),
+                                               targets.tensor_split(shards))) / shards)
+        loss.backward()
+        out[name] = (loss.item(), torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    (right, g_right), (wrong, g_wrong) = out["tokens"], out["samples"]
+    return {"loss": abs(wrong - right) / abs(right),
+            "grads": ((g_wrong - g_right).norm() / g_right.norm()).item()}
 
 
 def demo_rows(dims: tuple[int, int, int] = (2, 2, 2), timeout: float = 180) -> list[dict]:

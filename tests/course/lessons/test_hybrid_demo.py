@@ -39,9 +39,13 @@ def test_checker_sees_a_loss_weighted_by_samples_and_a_missing_tied_sum():
     right = H.compare(minidist.run(H.step_on_grid, 4, 2, 1, 2, timeout=150), ref)
     assert right["loss"] <= H.TOL and right["grads"] <= H.TOL and right["tied"] == 0.0
     assert right["missing"] == [] and right["replicas"] == 0.0
-    # "mean": each micro-batch's token mean weighted by its share of the samples
-    by_samples = H.compare(minidist.run(H.step_on_grid, 4, 2, 1, 2, "mean", timeout=150), ref)
+    # "mean": each micro-batch's token mean weighted by its share of the samples; far from one
+    # process with ignored targets, so train_step refuses it on every rank, naming the shards
+    by_samples = H.weighted_by_samples()
     assert by_samples["loss"] > 1000 * H.TOL and by_samples["grads"] > 1000 * H.TOL
+    with pytest.raises(minidist.RankError, match=r"loss_reduction='mean' with ignored targets "
+                                                 r"\(-100\) over 4 shards \(dp=2, microbatches=2\)"):
+        minidist.run(H.step_on_grid, 4, 2, 1, 2, "mean", timeout=150)
     untied = H.compare(minidist.run(H.step_on_grid, 4, 2, 1, 2, "per_token", 2, H.MAX_NORM, H.CFG,
                                     H.BATCH, 0.3, False, timeout=150), ref)
     assert untied["tied"] > 1e-4 and untied["grads"] > 1000 * H.TOL
