@@ -16,8 +16,8 @@ One recomputation per *backward call* (autograd's graph task): a graph walked by
 backwards — a zero-bubble pipeline's split backward (B with ``retain_graph=True``, then the weight
 pass W, :mod:`minidist.pipeline_parallel.split_backward`), or any ``retain_graph=True`` — is
 recomputed again in each, as torch's non-reentrant checkpoint does. Each ticket is a small holder
-object held by the graph; the recomputed tensors are kept by holder in a weak dictionary, so they
-die with the graph (or with the node that used them, in a backward that frees the graph).
+object held by the graph; the recomputed tensors are kept by holder in a weak dictionary, each
+handed over once, and what a backward did not ask for is dropped when that backward ends.
 
 Memory: for a chain of n blocks with activations A per block, saved activations go from n·A to
 n·(size of a block input) + A (one block recomputed at a time) for one extra forward of compute
@@ -100,6 +100,10 @@ def checkpoint(fn, *args, **kwargs):
             saved = _recompute(fn, args, kwargs, rng, len(frame.tickets))
             got = frame.recomputed[task] = weakref.WeakKeyDictionary(
                 {k: saved[k.index] for k in (r() for r in frame.tickets) if k is not None})
+            # what this backward did not ask for dies with it, not with the graph (B of a split
+            # backward asks for a part; W recomputes again: pytorch#136766's memory growth)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: frame.recomputed.pop(task, None))
         t = got.pop(ticket, None)
         if t is None:
             raise RuntimeError("checkpoint: a saved tensor was asked for twice in one backward")
@@ -112,12 +116,12 @@ def checkpoint(fn, *args, **kwargs):
 def _recompute(fn, args, kwargs, rng, expected: int) -> dict:
     saved = {}
 
-    def pack(t):
-        saved[len(saved)] = t
-        return t
+    def pack(t):   # the recomputed graph is never walked: it keeps nothing (a saved output
+        saved[len(saved)] = t.detach()   # holding its own grad_fn would keep both alive)
+        return None
 
-    def unpack(t):
-        return t
+    def unpack(_):
+        raise RuntimeError("checkpoint: the recomputation's own graph is not for backward")
 
     detached = [a.detach().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a
                 for a in args]

@@ -46,6 +46,9 @@ def describe_exception(e: BaseException, max_lines: int = 6) -> str:
         rank, summary, _ = e.failures[0]
         if summary.startswith("NotImplementedError"):
             return f"rank {rank} raised NotImplementedError: the exercise code is not written yet"
+        if " returned from the function after " in summary:   # uneven collectives: the launcher's
+            head = str(e).split("\n\n", 1)[0].splitlines()         # who returned, where the rest were
+            return "\n".join(head[:max_lines])[:700]
         text = f"rank {rank} raised {summary}"[:500]
         if "Connection closed" in summary or "Connection reset by peer" in summary:
             text += ("\n(a peer rank had already finished or died: did one rank return or skip a "

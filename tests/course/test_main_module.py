@@ -8,7 +8,7 @@ import pytest
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--help"], "usage: minidist {demo,bench,doctor,plan}"),
+    (["--help"], "usage: minidist {demo,bench,doctor,plan,matrix}"),
     (["plan", "--help"], "usage: minidist plan"),
 ])
 def test_python_m_minidist_help_exits_0(args, expected):

@@ -139,3 +139,55 @@ def test_works_under_bucketed_ddp_and_zero3_hooks(wrapper):
     for out in minidist.run(_both, 2, wrapper, timeout=120):
         assert max_abs_diff(out["minidist"], out["off"]) <= 1e-7
         assert max_abs_diff(out["off"], named_state(_model("off"))) > 1e-3
+
+
+def test_recomputed_tensors_a_backward_does_not_use_die_with_that_backward(monkeypatch):
+    """Field report (pytorch#136766): zero bubble with activation checkpointing kept what B
+    recomputed for W's nodes alive until W, and memory grew. Here every tensor B's recomputation
+    made is freed when B ends; W recomputes its own."""
+    import gc
+    import weakref
+
+    from minidist.pipeline_parallel.split_backward import backward_input, backward_weight
+    from minidist.sharding import recompute as R
+
+    made = []
+    original = R._recompute
+
+    def recording(*args):
+        saved = original(*args)
+        made.append([weakref.ref(t) for t in saved.values()])
+        return saved
+
+    monkeypatch.setattr(R, "_recompute", recording)
+    torch.manual_seed(0)
+    block = Checkpointed(_Scaled())
+    x = torch.randn(5, 6, requires_grad=True)
+    y = block(x, scale=2.0)
+    _, wg = backward_input(y, torch.ones_like(y), x, list(block.parameters()))
+    gc.collect()
+    assert len(made) == 1 and made[0] and all(r() is None for r in made[0])
+    backward_weight(wg)
+    assert len(made) > 1 and all(p.grad is not None for p in block.parameters())   # W: its own
+
+
+def test_a_plain_backward_leaves_no_recomputed_tensor_alive(monkeypatch):
+    """Regression: the recomputation's pack hook returned the tensor itself, so a saved output
+    (tanh's) held its own grad_fn: a reference cycle through autograd's C++ nodes that Python's
+    garbage collector cannot see, and every recomputed activation of every step stayed alive
+    (15 of 15 here). The recomputed graph now keeps nothing."""
+    import gc
+    import weakref
+
+    from minidist.sharding import recompute as R
+
+    made = []
+    original = R._recompute
+    monkeypatch.setattr(R, "_recompute", lambda *a: made.append(original(*a)) or made[-1])
+    block = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6))
+    for _ in range(3):
+        checkpoint(block, torch.randn(5, 6, requires_grad=True)).sum().backward()
+    refs = [weakref.ref(t) for saved in made for t in saved.values()]
+    made.clear()
+    gc.collect()
+    assert len(refs) == 15 and all(r() is None for r in refs)
