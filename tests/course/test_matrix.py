@@ -1,6 +1,7 @@
 """The composition matrix (``minidist matrix``): the covering array covers every pair, the checker
 rejects each plausible wrong result by name, and the configurations run as expected — the
-default tier a strength-1 subset (every value once, two launches), the integration tier all."""
+default tier runs the strength-1 subset (every value once) in chapter 12's section 4.5 under
+nbval; the integration tier runs it here and the whole array."""
 
 import pytest
 
@@ -75,6 +76,7 @@ def test_the_checker_rejects_each_wrong_result_by_name():
     assert "✗ schedule=1f1b" in table and "loss 1e-3" in table
 
 
+@pytest.mark.exhaustive   # the default tier runs the same subset in chapter 12 (section 4.5)
 @pytest.mark.timeout(300)
 def test_every_value_once_runs_as_expected():
     rows = run_matrix(strength_one(covering_array(0)), timeout=240)
