@@ -86,6 +86,7 @@ def test_every_value_once_runs_as_expected():
 
 
 @pytest.mark.exhaustive
+@pytest.mark.serial        # 47 launches of up to 8 ranks: beside other process trees, theirs starve
 @pytest.mark.timeout(900)
 def test_every_pair_runs_as_expected():
     rows = run_matrix(covering_array(0), timeout=600)
