@@ -41,6 +41,7 @@ import json
 import os
 import re
 import shutil
+import logging
 import warnings
 
 import torch
@@ -48,10 +49,12 @@ import torch.distributed as dist
 
 from .comm.p2p import group_rank_world
 
-__all__ = ["save_generation", "open_newest", "read_part", "check_tensors", "agree", "newest",
-           "generations", "signature", "tensor_shapes", "flatten", "MANIFEST", "FORMAT"]
+__all__ = ["save_generation", "open_generation", "list_generations", "verify", "read_part", "check_tensors", "agree", "newest",
+           "generations", "rank_name", "signature", "tensor_shapes", "flatten", "MANIFEST", "FORMAT"]
 
 FORMAT = "minidist-checkpoint/2"
+logger = logging.getLogger("minidist.checkpoint")
+logger.addHandler(logging.NullHandler())      # a library logs; the application decides where to
 MANIFEST = "manifest.json"
 _GEN = re.compile(r"^gen-(\d{6,})$")
 
@@ -81,6 +84,11 @@ def signature(state: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- listing
+def rank_name(rank: int) -> str:
+    """The name of rank ``rank``'s own file inside a generation folder."""
+    return f"rank{rank:05d}.pt"
+
+
 def generations(path) -> list[tuple[int, str, bool]]:
     """``(number, folder, complete)`` of every generation under ``path``, oldest first."""
     path = os.fspath(path)
@@ -250,17 +258,70 @@ def _write_manifest(folder: str, manifest: dict, where: str) -> None:
 
 
 # ----------------------------------------------------------------------------- reading
-def open_newest(path, where: str, kind: str, world_size: int | None = None) -> tuple[str, dict]:
-    """``(folder, manifest)`` of the newest complete generation under ``path``, checked for
-    ``kind`` and (if given) ``world_size``. Warns when a newer unfinished generation is skipped.
+def _read_manifest(folder: str, where: str) -> dict:
+    file = os.path.join(folder, MANIFEST)
+    try:
+        with open(file, "rb") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: {file} is unreadable ({e})") from e
 
-    Raises:
-        FileNotFoundError: no complete generation (nothing saved, or every save unfinished).
-        ValueError: an unreadable manifest, another kind or another world size.
-    """
-    path = os.fspath(path)
+
+def verify(folder: str, manifest: dict) -> str | None:
+    """None if every file the manifest lists has its recorded size and SHA-256, else what is
+    wrong with the first one that does not (missing, truncated, corrupted)."""
+    for name, record in sorted(manifest.get("files", {}).items()):
+        file = os.path.join(folder, name)
+        try:
+            with open(file, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            return f"{name}: cannot read ({e.strerror or e})"
+        if len(data) != record["bytes"]:
+            return f"{name}: {len(data)} bytes, the manifest says {record['bytes']} (truncated)"
+        if hashlib.sha256(data).hexdigest() != record["sha256"]:
+            return f"{name}: SHA-256 differs from the manifest's (corrupted)"
+    return None
+
+
+def list_generations(path, check: bool = True) -> list[dict]:
+    """Every generation under ``path``, oldest first: ``{"generation": n, "folder", "status",
+    "detail", "step"}`` with status ``"unfinished"`` (no manifest: a save that did not end),
+    ``"corrupt"`` (a file differs from the manifest; ``detail`` says which and how; only with
+    ``check``), ``"verified"`` (every file checked) or ``"complete"`` (``check=False``: manifest
+    present, files not read). ``step`` is the manifest's ``meta["step"]`` when it has one."""
+    out = []
+    for number, folder, complete in generations(path):
+        row = {"generation": number, "folder": folder, "status": "unfinished", "detail": "",
+               "step": None}
+        if complete:
+            try:
+                manifest = _read_manifest(folder, "list_generations")
+                row["step"] = manifest.get("meta", {}).get("step")
+                bad = verify(folder, manifest) if check else None
+                row["status"] = "corrupt" if bad else ("verified" if check else "complete")
+                row["detail"] = bad or ""
+            except ValueError as e:
+                row.update(status="corrupt", detail=str(e))
+        out.append(row)
+    return out
+
+
+def _pick(path: str, where: str, generation, fallback: bool) -> str:
+    """The folder to load (see :func:`open_generation`)."""
+    if _GEN.match(os.path.basename(os.path.normpath(path))):     # a generation's own folder
+        if not os.path.exists(os.path.join(path, MANIFEST)):
+            raise FileNotFoundError(f"{where}: {path!r} has no {MANIFEST}: a save that did not "
+                                    "finish; it cannot be loaded")
+        return path
     gens = generations(path)
     done = [g for g in gens if g[2]]
+    if generation is not None:
+        found = [f for n, f, c in done if n == generation]
+        if not found:
+            raise FileNotFoundError(f"{where}: no complete generation {generation} under "
+                                    f"{path!r} (complete: {[n for n, _, _ in done]})")
+        return found[0]
     if not done:
         unfinished = f" ({len(gens)} unfinished save(s) without {MANIFEST})" if gens else ""
         raise FileNotFoundError(f"{where}: no complete checkpoint under {path!r}{unfinished}")
@@ -268,13 +329,45 @@ def open_newest(path, where: str, kind: str, world_size: int | None = None) -> t
     skipped = [os.path.basename(f) for n, f, c in gens if n > number and not c]
     if skipped:
         warnings.warn(f"{where}: skipped {skipped} (no {MANIFEST}: a save that did not finish); "
-                      f"loading {os.path.basename(folder)}", stacklevel=3)
+                      f"loading {os.path.basename(folder)}", stacklevel=4)
+    if not fallback:
+        return folder
+    for number, folder, _ in reversed(done):
+        try:
+            bad = verify(folder, _read_manifest(folder, where))
+        except ValueError as e:
+            bad = str(e)
+        if bad is None:
+            return folder
+        message = (f"{where}: generation {number} ({folder}) is corrupt — {bad}; falling back "
+                   "to the next older generation (fallback=True)")
+        logger.warning(message)
+        warnings.warn(message, stacklevel=4)
+    raise ValueError(f"{where}: every complete generation under {path!r} is corrupt "
+                     f"({[n for n, _, _ in done]}); nothing to fall back to")
+
+
+def open_generation(path, where: str, kind: str, world_size: int | None = None,
+                    generation: int | None = None, fallback: bool = False) -> tuple[str, dict]:
+    """``(folder, manifest)`` of the generation to load, checked for ``kind`` and (if given)
+    ``world_size``.
+
+    ``path`` is a checkpoint location (its newest complete generation is taken; a newer
+    unfinished one is skipped with a warning) or one generation's own folder
+    (``path/gen-000003``). ``generation=n`` picks generation ``n`` of the location. With
+    ``fallback=True`` every file of the newest generation is verified first and, if one is
+    corrupt, the next older verified generation is taken — logged and warned, never silently.
+
+    Raises:
+        FileNotFoundError: no complete generation (nothing saved, every save unfinished, or no
+            generation ``n``).
+        ValueError: an unreadable manifest, another kind or another world size; with
+            ``fallback``, every generation corrupt.
+    """
+    path = os.fspath(path)
+    folder = _pick(path, where, generation, fallback)
+    manifest = _read_manifest(folder, where)
     file = os.path.join(folder, MANIFEST)
-    try:
-        with open(file, "rb") as f:
-            manifest = json.loads(f.read())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{where}: {file} is unreadable ({e})") from e
     if manifest.get("format") != FORMAT or manifest.get("kind") != kind:
         raise ValueError(f"{where}: {file} describes a {manifest.get('kind')!r} checkpoint "
                          f"(format {manifest.get('format')!r}), expected {kind!r} ({FORMAT})")
@@ -297,11 +390,19 @@ def read_part(folder: str, manifest: dict, name: str, where: str, map_location="
         raise OSError(e.errno, f"{where}: cannot read {file}: {e.strerror or e}", file) from e
     if len(data) != record["bytes"]:
         raise ValueError(f"{where}: {file} is truncated or was changed: {len(data)} bytes, the "
-                         f"manifest says {record['bytes']}")
+                         f"manifest says {record['bytes']}{_older(folder)}")
     if hashlib.sha256(data).hexdigest() != record["sha256"]:
         raise ValueError(f"{where}: {file} is corrupted: its SHA-256 differs from the manifest's "
-                         f"(same size, {len(data)} bytes, different content)")
+                         f"(same size, {len(data)} bytes, different content){_older(folder)}")
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+
+
+def _older(folder: str) -> str:
+    """A hint naming the older complete generations next to ``folder``, if any."""
+    older = [n for n, _, c in generations(os.path.dirname(os.path.normpath(folder)))
+             if c and f"gen-{n:06d}" != os.path.basename(os.path.normpath(folder))]
+    return (f"; older generations {older} are kept: list_generations(path) checks them, "
+            "generation=n or fallback=True loads one" if older else "")
 
 
 def check_tensors(where: str, file: str, found: dict, expected: dict, strict: bool = True) -> None:

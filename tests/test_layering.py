@@ -35,7 +35,8 @@ HOUSES = ("minidist", "minidist_course")
 FLOORS = {
     0: ("minidist.env", "minidist.netif", "minidist.comm", "minidist.trace", "minidist.chrome_trace",
         "minidist.grid", "minidist.models"),
-    1: ("minidist.collectives", "minidist.communicator", "minidist.launch", "minidist.checkpoint_io"),
+    1: ("minidist.collectives", "minidist.communicator", "minidist.launch", "minidist.checkpoint_io",
+        "minidist.state"),
     2: ("minidist.data_parallel", "minidist.tensor_parallel", "minidist.pipeline_parallel",
         "minidist.sharding", "minidist.hybrid", "minidist.expert_parallel", "minidist.context_parallel"),
     3.0: ("minidist_course.references", "minidist_course.planner", "minidist_course.diagrams",

@@ -16,31 +16,39 @@ or a device-bound tensor must not stop a resume).
   names and shapes against the model: a mismatch names the parameter, expected vs found); one
   rank's error is every rank's. A single ``torch.save`` file, even ``module.``-prefixed (saved
   from a wrapper by other code), is accepted too.
-* **Each rank's own random state:** ranks draw different dropout masks (and data augmentation), so
-  one rank's generator restored on every rank does not continue the run. Every rank's CPU
-  generator, CUDA generators (when CUDA is initialised), Python ``random`` state and, if given, its
-  sampler's ``state_dict()`` (epoch and position) are gathered into the file (``"ranks"``, one
-  entry per rank); ``load_checkpoint`` gives each rank back its own. Resuming is then bit-identical
-  to the run that never stopped (tested at W = 2 and 4 with dropout). Resuming on a different
-  number of ranks warns and leaves the random state as it is (it cannot be identical then); a
-  single process without a process group loading a W-rank checkpoint (to evaluate) is quiet.
+* **Each rank's own state:** ranks draw different dropout masks (and data augmentation), so
+  one rank's generator restored on every rank does not continue the run. Every rank writes its
+  own ``rank{r:05d}.pt``: its CPU generator, CUDA generators (when CUDA is initialised), Python
+  ``random`` and NumPy state, and the per-rank objects of ``states`` (sampler position, PowerSGD
+  or top-k error feedback, DiLoCo; :mod:`minidist.state`); ``load_checkpoint`` gives each rank
+  back its own. Resuming is then bit-identical to the run that never stopped (tested at W = 2 and
+  4 with dropout). Resuming on a different number of ranks warns and leaves the random state as
+  it is (it cannot be identical then), and refuses per-rank ``states``; a single process without
+  a process group loading a W-rank checkpoint (to evaluate) is quiet.
+* **Replicas that differ are refused, not half-saved:** rank 0 writes the model and optimizer,
+  so before anything is written every rank's digest of them is compared; a difference (DiLoCo
+  mid-round, an inner optimizer local to each rank, a replica never synchronised) is a
+  ``ValueError`` on every rank naming what differs — unless an object in ``states`` saves each
+  rank's replica (``DiLoCo`` does).
 """
 
 from __future__ import annotations
 
 import os
 import random
-import tempfile
+import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_io import agree, check_tensors, open_newest, read_part, save_generation
+from ..checkpoint_io import (agree, check_tensors, open_generation, rank_name, read_part,
+                             save_generation)
+from ..state import collect, restore, scope_of
 from .replicas import unwrap
 
 __all__ = ["save_checkpoint", "load_checkpoint", "strip_prefix", "rank_state",
-           "restore_rank_state", "atomic_save", "FILE"]
+           "restore_rank_state", "FILE"]
 
 FILE = "checkpoint.pt"   # rank 0's file in each generation folder
 
@@ -52,29 +60,40 @@ def strip_prefix(state: dict, prefix: str = "module.") -> dict:
     return state
 
 
-def rank_state(sampler=None) -> dict:
-    """This rank's random state (CPU, CUDA if initialised, Python ``random``) and sampler state."""
-    state = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+def rank_state() -> dict:
+    """This rank's random state: torch's CPU generator, the CUDA ones if initialised, Python's
+    ``random`` and NumPy's global generator when NumPy is loaded."""
+    state = {"cpu": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    if sampler is not None:
-        state["sampler"] = sampler.state_dict()
     return state
 
 
-def restore_rank_state(state: dict, sampler=None, rng: bool = True) -> None:
-    """Undo :func:`rank_state`: this rank's generators (and ``sampler``) continue where they were."""
-    if rng:
-        torch.set_rng_state(state["cpu"])
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-    if sampler is not None:
-        if "sampler" not in state:
-            raise KeyError("load_checkpoint: the checkpoint holds no sampler state (save it with "
-                           "save_checkpoint(..., sampler=sampler))")
-        sampler.load_state_dict(state["sampler"])
+def restore_rank_state(state: dict) -> None:
+    """Undo :func:`rank_state`: this rank's generators continue where they were."""
+    torch.set_rng_state(state["cpu"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    _restore_numpy(state.get("numpy"))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _numpy_state():
+    np = sys.modules.get("numpy")
+    if np is None:
+        return None
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+            "has_gauss": int(has_gauss), "gauss": float(gauss)}
+
+
+def _restore_numpy(state) -> None:
+    if state is None:
+        return
+    import numpy as np
+    np.random.set_state((state["kind"], state["keys"].numpy().astype(np.uint32), state["pos"],
+                         state["has_gauss"], state["gauss"]))
 
 
 def _sharded_model(model) -> bool:
@@ -84,85 +103,86 @@ def _sharded_model(model) -> bool:
     return any(getattr(m, "_fsdp", None) is not None for m in unwrap(model).modules())
 
 
-def atomic_save(obj, path: str | os.PathLike) -> None:
-    """``torch.save(obj)`` into a temporary file next to ``path``, fsync'ed, then ``os.replace``:
-    ``path`` holds the old file or the whole new one, never half of one (creates the folder).
-    One file, not a generation: :mod:`minidist.hybrid.reshard` writes its layout-free file so."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict | None = None,
-                    group=None, sampler=None, keep: int = 1) -> str:
-    """Save ``{"model", "optimizer", "extra", "ranks"}`` as a new generation of the checkpoint
-    folder ``path`` (see :mod:`minidist.checkpoint_io`); collective over ``group``: call it on
-    every rank. Rank 0 writes the file; ``"ranks"`` holds every rank's own random state and, when
-    ``sampler`` is given (anything with ``state_dict()``), its state (see the module notes).
-    Returns the new generation's folder; ``keep`` generations stay.
+                    group=None, keep: int = 1, states: dict | None = None) -> str:
+    """Save ``model``, ``optimizer``, ``extra`` and the stateful ``states`` as a new generation of
+    the checkpoint folder ``path`` (see :mod:`minidist.checkpoint_io`); collective over
+    ``group``: call it on every rank, with the same ``states`` names. Returns the new
+    generation's folder; the ``keep`` newest generations stay.
+
+    Rank 0 writes ``checkpoint.pt`` (model, optimizer, ``extra``, the replicated ``states``);
+    every rank writes ``rank{r:05d}.pt`` (its random generators and its per-rank ``states``:
+    sampler position, PowerSGD or top-k error feedback, DiLoCo; see :mod:`minidist.state`).
 
     ``optimizer`` may be a plain ``torch.optim`` optimizer or a ZeRO-1/2
     :class:`~minidist.sharding.zero.ShardedOptimizer` (whose consolidated ``state_dict`` is
     collective: every rank calls it here).
 
-    Raises (on every rank, the previous generation kept):
-        TypeError: a ``fully_shard`` (ZeRO-3) model: use
-            :func:`minidist.sharding.checkpoints.save_full_checkpoint` or ``save_sharded``.
+    Raises (on every rank, before anything is written; the previous generation kept):
+        TypeError: a ``fully_shard`` (ZeRO-3) model (use :mod:`minidist.sharding.checkpoints`),
+            or a ``states`` object that is not stateful or not plain data (named).
+        ValueError: the model or optimizer (or a replicated state) differs between ranks, so
+            rank 0's copy would not resume the others: names it and the ranks (DiLoCo
+            mid-round: pass the ``DiLoCo`` object, which saves each rank's replica; a local
+            inner optimizer: pass it in ``states``, which saves it per rank).
         OSError: a write failed on some rank (``ENOSPC``: the message names the file and says the
             disk is full); the other ranks raise ``RuntimeError`` quoting it.
     """
     path = os.fspath(path)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
+    where = f"save_checkpoint (rank {rank})"
     if _sharded_model(model):                     # every rank sees the same model: no hang
-        raise TypeError(f"save_checkpoint (rank {rank}): the model is sharded by fully_shard "
-                        "(ZeRO-3), so rank 0 does not hold it; use minidist.sharding.checkpoints."
-                        "save_full_checkpoint (gathers it) or save_sharded (one file per rank)")
-    mine = rank_state(sampler)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        ranks: list | None = [None] * dist.get_world_size(group) if rank == 0 else None
-        dist.gather_object(mine, ranks, dst=dist.get_global_rank(group, 0) if group else 0,
-                           group=group)
-    else:
-        ranks = [mine]
+        raise TypeError(f"{where}: the model is sharded by fully_shard (ZeRO-3), so rank 0 does "
+                        "not hold it; use minidist.sharding.checkpoints.save_full_checkpoint "
+                        "(gathers it) or save_sharded_checkpoint (one file per rank)")
     # every rank: a ZeRO optimizer's state_dict all-gathers its shards (rank 0 alone would hang)
     optim_state = optimizer.state_dict() if optimizer is not None else None
-    parts = {}
+    model_state = unwrap(model).state_dict()
+    replicas: dict = {"the model": dict(unwrap(model).named_parameters())}   # buffers may differ
+    if optim_state is not None:
+        replicas["the optimizer"] = optim_state
+    replicated, per_rank = collect(states, where, group, replicas=replicas)
+    parts: dict = {rank_name(rank): {"rng": rank_state(), "states": per_rank}}
     if rank == 0:
-        parts[FILE] = {"model": unwrap(model).state_dict(), "optimizer": optim_state,
-                       "extra": extra or {}, "ranks": ranks}
-    return save_generation(path, parts, where=f"save_checkpoint (rank {rank})", kind="replicated",
-                           meta={"optimizer": type(optimizer).__name__ if optimizer else None},
+        parts[FILE] = {"model": model_state, "optimizer": optim_state,
+                       "extra": extra or {}, "states": replicated}
+    return save_generation(path, parts, where=where, kind="replicated",
+                           meta={"optimizer": type(optimizer).__name__ if optimizer else None,
+                                 "states": {n: scope_of(o, n, where)
+                                            for n, o in (states or {}).items()},
+                                 **({"step": extra["step"]} if isinstance(extra, dict) and
+                                    isinstance(extra.get("step"), int) else {})},
                            group=group, keep=keep)
 
 
 def load_checkpoint(path: str | os.PathLike, model, optimizer=None, map_location="cpu",
-                    strict: bool = True, group=None, sampler=None, restore_rng: bool = True) -> dict:
-    """Load the newest complete generation of ``path`` into ``model`` (bare or wrapped) and
-    ``optimizer`` on this rank; returns ``extra``. Restores this rank's own random state
-    (``restore_rng``) and ``sampler``'s state. ``path`` may also be a single file written by
-    ``torch.save`` (a state dict, possibly ``module.``-prefixed, or this module's dict).
+                    strict: bool = True, group=None, states: dict | None = None,
+                    restore_rng: bool = True, generation: int | None = None,
+                    fallback: bool = False) -> dict:
+    """Load a generation of ``path`` into ``model`` (bare or wrapped), ``optimizer`` and every
+    object of ``states`` on this rank; returns ``extra``. Restores this rank's own random state
+    (``restore_rng``). ``path`` may also be one generation's folder (``path/gen-000003``) or a
+    single file written by ``torch.save`` (a state dict, possibly ``module.``-prefixed).
 
-    Collective when a process group is initialised (one all-gather of a status flag): an error on
-    one rank is an error on every rank. Raises ``FileNotFoundError`` naming the path and rank when
-    nothing complete is there; ``ValueError`` naming the file and the parameter when a file is
-    truncated, corrupted, or does not fit the model (expected vs found shape)."""
+    Which generation: the newest complete one; ``generation=n`` that one; ``fallback=True`` the
+    newest whose every file verifies (a corrupt newer one is logged and warned about, never
+    skipped silently). :func:`minidist.checkpoint_io.list_generations` lists them.
+
+    Collective when a process group is initialised: an error on one rank is an error on every
+    rank. Raises ``FileNotFoundError`` naming the path and rank when nothing complete is there;
+    ``ValueError`` naming the file and the parameter when a file is truncated, corrupted, or does
+    not fit the model (expected vs found shape), or when per-rank ``states`` were saved by
+    another number of ranks; ``KeyError`` naming a ``states`` object the checkpoint lacks.
+    Loading on another number of ranks warns that the random state is not restored."""
     path = os.fspath(path)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     where = f"load_checkpoint (rank {rank})"
-    multi = dist.is_initialized() and dist.get_world_size(group) > 1
+    multi = dist.is_initialized() and world > 1
     error: Exception | None = None
     state: dict = {}
+    mine: dict | None = None
+    saved_world = None
     file = path
     try:
         if os.path.isfile(path):                  # a plain torch.save file (other code wrote it)
@@ -170,15 +190,28 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, map_location
         else:
             if not os.path.exists(path):
                 raise FileNotFoundError(f"{where}: no checkpoint at {path!r}")
-            folder, manifest = open_newest(path, where, kind="replicated")
+            folder, manifest = open_generation(path, where, "replicated", generation=generation,
+                                               fallback=fallback)
             file = os.path.join(folder, FILE)
             state = read_part(folder, manifest, FILE, where, map_location)
+            saved_world = manifest["world_size"]
+            if saved_world == world and rank_name(rank) in manifest["files"]:
+                mine = read_part(folder, manifest, rank_name(rank), where, map_location)
         model_state = (state["model"] if "model" in state and isinstance(state["model"], dict)
                        else state)
         model_state = strip_prefix(model_state)
         check_tensors(where, file, model_state, unwrap(model).state_dict(), strict=strict)
         if optimizer is not None and state.get("optimizer") is None:
             raise KeyError(f"{where}: {file!r} holds no optimizer state")
+        saved = {**state.get("states", {}), **(mine or {}).get("states", {})}
+        missing = [n for n in (states or {}) if n not in saved]
+        if missing and mine is None and "states" in state:
+            raise ValueError(f"{where}: states {missing} are per rank, saved by "
+                             f"{saved_world} ranks; this run has {world}, so they "
+                             "cannot be restored (each rank's own state has no owner here)")
+        if missing:
+            raise KeyError(f"{where}: {file} holds no state for {missing} (it holds "
+                           f"{sorted(saved)}); save them with save_checkpoint(..., states=...)")
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         error = e
     if multi:
@@ -188,20 +221,21 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, map_location
     unwrap(model).load_state_dict(model_state, strict=strict)
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
-    ranks = state.get("ranks")
-    if (restore_rng or sampler is not None) and ranks:
-        rank = dist.get_rank(group) if dist.is_initialized() else 0
-        world = dist.get_world_size(group) if dist.is_initialized() else 1
-        if len(ranks) == world:
-            restore_rank_state(ranks[rank], sampler, rng=restore_rng)
-        elif dist.is_initialized():  # (a single process loading for evaluation: nothing to say)
-            warnings.warn(f"load_checkpoint (rank {rank}): {path!r} holds the random state of "
-                          f"{len(ranks)} ranks, this job has {world}: random state and sampler "
-                          "position not restored, so the run will not repeat the original one",
-                          stacklevel=2)
-    elif sampler is not None:
-        raise KeyError(f"load_checkpoint: {path!r} holds no sampler state (save it with "
-                       "save_checkpoint(..., sampler=sampler))")
+    try:                                          # after the model: DiLoCo's replica wins
+        restore(states, saved, where, file)
+        error = None
+    except (ValueError, KeyError, RuntimeError) as e:
+        error = e
+    if multi:
+        agree(where, error, group)
+    elif error is not None:
+        raise error
+    if restore_rng and mine is not None:
+        restore_rank_state(mine["rng"])
+    elif restore_rng and saved_world is not None and dist.is_initialized():
+        warnings.warn(f"{where}: {path!r} holds the random state of {saved_world} ranks, this "
+                      f"job has {world}: random state not restored, so the run will not repeat "
+                      "the original one", stacklevel=2)
     return state.get("extra", {})
 
 

@@ -57,6 +57,21 @@ class TopK:
         self.ratio, self.error_feedback = ratio, error_feedback
         self.errors: dict[int, torch.Tensor] = {}
 
+    checkpoint_scope = "per_rank"           # what this rank has not sent yet (minidist.state)
+
+    def state_dict(self) -> dict:
+        """This rank's error feedback per bucket (and the settings, checked on load)."""
+        return {"ratio": self.ratio, "error_feedback": self.error_feedback,
+                "errors": {b: e.clone() for b, e in self.errors.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; ``ValueError`` if it was saved with another ratio."""
+        if (state["ratio"], state["error_feedback"]) != (self.ratio, self.error_feedback):
+            raise ValueError(f"TopK.load_state_dict: saved with ratio={state['ratio']}, "
+                             f"error_feedback={state['error_feedback']}; this one has "
+                             f"ratio={self.ratio}, error_feedback={self.error_feedback}")
+        self.errors = {int(b): e.clone() for b, e in state["errors"].items()}
+
     @staticmethod
     def hook(state: "TopK", bucket, comm) -> None:
         buf = bucket.buffer

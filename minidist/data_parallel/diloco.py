@@ -77,6 +77,43 @@ class DiLoCo:
         self.rounds += 1
         return True
 
+    checkpoint_scope = "per_rank"           # mid-round, each rank's replica is its own
+
+    @property
+    def holds_replica(self) -> bool:
+        """True between synchronisations: the replicas differ, and :meth:`state_dict` holds this
+        rank's (so a checkpoint does not need the model replicas to be equal)."""
+        return self.inner_steps % self.sync_every != 0
+
+    def state_dict(self) -> dict:
+        """The anchor θ, the outer optimizer (momentum), the position in the round and —
+        mid-round — this rank's replica (torchft keeps the outer optimizer's state too)."""
+        return {"sync_every": self.sync_every, "inner_steps": self.inner_steps,
+                "rounds": self.rounds, "anchor": [a.detach().clone() for a in self.anchor],
+                "outer": self.outer.state_dict(),
+                "replica": ([p.detach().clone() for p in self.params] if self.holds_replica
+                            else None)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (call after the model's own state is loaded: a mid-round
+        replica overwrites it). ``ValueError`` when ``sync_every`` or the shapes differ."""
+        where = f"DiLoCo.load_state_dict (rank {self.comm.rank})"
+        if state["sync_every"] != self.sync_every:
+            raise ValueError(f"{where}: saved with sync_every={state['sync_every']}, this one "
+                             f"has {self.sync_every}")
+        shapes = [tuple(a.shape) for a in state["anchor"]]
+        if shapes != [tuple(a.shape) for a in self.anchor]:
+            raise ValueError(f"{where}: saved for parameters of shapes {shapes[:3]}..., this "
+                             "model's differ")
+        for a, s in zip(self.anchor, state["anchor"]):
+            a.copy_(s)
+        self.outer.load_state_dict(state["outer"])
+        self.inner_steps, self.rounds = int(state["inner_steps"]), int(state["rounds"])
+        if state["replica"] is not None:
+            for p, s in zip(self.params, state["replica"]):
+                p.copy_(s)
+
     def numel(self) -> int:
         """Parameters in one all-reduce of the round."""
         return sum(p.numel() for p in self.params)

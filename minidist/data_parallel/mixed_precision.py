@@ -75,6 +75,21 @@ class MixedPrecision:
         self.scaler.update()
         return self.scaler.get_scale() >= before
 
+    checkpoint_scope = "replicated"         # the same decisions on every rank (see above)
+
+    def state_dict(self) -> dict:
+        """The dtype and, with fp16, the loss scaler's scale and growth counter."""
+        return {"dtype": str(self.dtype), "scaler": (self.scaler.state_dict()
+                                                     if self.scaler is not None else None)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; ``ValueError`` when saved with another dtype."""
+        if state["dtype"] != str(self.dtype):
+            raise ValueError(f"MixedPrecision.load_state_dict: saved with dtype {state['dtype']}, "
+                             f"this one computes in {self.dtype}")
+        if self.scaler is not None and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+
     @property
     def scale(self) -> float:
         return self.scaler.get_scale() if self.scaler is not None else 1.0

@@ -94,6 +94,37 @@ class PowerSGD:
         self.qs: dict[int, list[torch.Tensor]] = {}
         self.sent_numel: dict[int, int] = {}  # per bucket: numbers one rank all-reduced last step
 
+    checkpoint_scope = "per_rank"           # error feedback differs by rank (minidist.state)
+    _SETTINGS = ("rank", "start_iter", "min_compression_rate", "error_feedback", "warm_start",
+                 "epsilon")
+
+    def state_dict(self) -> dict:
+        """Everything a resume needs, as plain data (torch's ``PowerSGDState.__getstate__``
+        keeps the same: step, Q, error feedback, the NumPy generator): this rank's error
+        feedback ``e`` per bucket, the warm-start Q's, the step counter and the random state."""
+        kind, keys, pos, has_gauss, gauss = self.rng.get_state(legacy=True)
+        assert isinstance(keys, np.ndarray)
+        return {"settings": {k: getattr(self, k) for k in self._SETTINGS}, "iter": self.iter,
+                "rng": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "gauss": float(gauss)},
+                "errors": {b: e.clone() for b, e in self.errors.items()},
+                "qs": {b: [q.clone() for q in qs] for b, qs in self.qs.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where :meth:`state_dict` was taken. Raises ``ValueError`` naming the
+        setting when the saved PowerSGD was configured otherwise (its Q's would not fit)."""
+        differ = {k: (v, getattr(self, k)) for k, v in state["settings"].items()
+                  if getattr(self, k) != v}
+        if differ:
+            raise ValueError("PowerSGD.load_state_dict: saved with other settings "
+                             + ", ".join(f"{k}={a!r} (this one {b!r})" for k, (a, b) in differ.items()))
+        rng = state["rng"]
+        self.rng.set_state(("MT19937", rng["keys"].numpy().astype(np.uint32), rng["pos"],
+                            rng["has_gauss"], rng["gauss"]))
+        self.iter = int(state["iter"])
+        self.errors = {int(b): e.clone() for b, e in state["errors"].items()}
+        self.qs = {int(b): [q.clone() for q in qs] for b, qs in state["qs"].items()}
+
     def _plan(self, bucket):
         """Per parameter of ``bucket``: its n × m view and its rank, or None (sent uncompressed)."""
         plan = []

@@ -63,6 +63,8 @@ class DistributedSampler(Sampler[int]):
             self._skip = 0
         self.epoch = epoch
 
+    checkpoint_scope = "per_rank"           # each rank its own position (minidist.state)
+
     def state_dict(self) -> dict:
         """Epoch, seed and position in the epoch: a checkpoint resumes mid-epoch with it.
 

@@ -61,7 +61,7 @@ def _rng_state(args):
     devices = sorted({a.device for a in args if torch.is_tensor(a) and a.device.type == "cuda"},
                      key=str)
     return (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices},
-            get_rng_tracker().get_states())
+            get_rng_tracker().state_dict())
 
 
 def _set_rng_state(state) -> None:
@@ -70,7 +70,7 @@ def _set_rng_state(state) -> None:
     torch.set_rng_state(cpu)
     for d, s in devs.items():
         torch.cuda.set_rng_state(s, d)
-    get_rng_tracker().set_states(tracker)
+    get_rng_tracker().load_state_dict(tracker)
 
 
 def checkpoint(fn, *args, **kwargs):

@@ -317,6 +317,8 @@ class ShardedOptimizer:
             self.worker.close()
 
     # ------------------------------------------------------------------ state dicts
+    checkpoint_scope = "replicated"         # state_dict() is the consolidated state (minidist.state)
+
     def state_dict(self) -> dict:
         """The full (consolidated) optimizer state in torch's format, on every rank.
 

@@ -29,9 +29,9 @@ follow Megatron-LM's ``_set_random_seed`` (``megatron/training/initialize.py``):
 The offsets are Megatron's and so are their limits: 10·dp_rank meets 100·pp_rank at dp_rank 10,
 and base + 100·27 comes near base + 2718; a grid that large needs a different scheme.
 
-The tracker's generator states can be saved and restored (:meth:`RNGTracker.get_states` /
-:meth:`RNGTracker.set_states`, Megatron's names) so that a resumed run continues the same masks,
-and :func:`record_masks` lists the masks drawn while it is active (for tests and the lesson).
+The tracker's generator states can be saved and restored (:meth:`RNGTracker.state_dict` /
+:meth:`RNGTracker.load_state_dict`, the library's state protocol; Megatron calls them
+``get_states`` / ``set_states``) so that a resumed run continues the same masks, and :func:`record_masks` lists the masks drawn while it is active (for tests and the lesson).
 """
 
 from __future__ import annotations
@@ -76,14 +76,16 @@ class RNGTracker:
             self._gens[key] = torch.Generator(device=device).manual_seed(self.seeds[name])
         return self._gens[key]
 
-    def get_states(self) -> dict:
+    checkpoint_scope = "per_rank"           # ranks draw different masks (minidist.state)
+
+    def state_dict(self) -> dict:
         """``{"seeds": {name: int}, "generators": {"name|device": ByteTensor}}``: a copy of the
         seeds and of every generator's state (what a checkpoint saves)."""
         return {"seeds": dict(self.seeds),
                 "generators": {f"{n}|{d}": g.get_state() for (n, d), g in self._gens.items()}}
 
-    def set_states(self, states: dict) -> None:
-        """Undo :meth:`get_states`: the generators continue exactly where they were saved."""
+    def load_state_dict(self, states: dict) -> None:
+        """Undo :meth:`state_dict`: the generators continue exactly where they were saved."""
         self.seeds = {k: int(v) for k, v in states["seeds"].items()}
         self._gens = {}
         for key, state in states["generators"].items():

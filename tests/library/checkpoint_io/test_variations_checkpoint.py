@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import minidist
 from minidist.data_parallel import BucketedDDP
-from minidist.checkpoint_io import newest
-from minidist.data_parallel.checkpoint import FILE, load_checkpoint, save_checkpoint
+from minidist.checkpoint_io import newest, rank_name
+from minidist.data_parallel.checkpoint import load_checkpoint, save_checkpoint
 from minidist.data_parallel.sampler import DistributedSampler
 
 N, BATCH, TOTAL_STEPS = 96, 8, 10
@@ -34,7 +34,7 @@ def _fit(rank, world, ckpt, stop_at=None, resume=False, with_sampler=False):
     sampler = DistributedSampler(N, seed=3)
     step = epoch = 0
     if resume:
-        extra = load_checkpoint(ckpt, ddp, opt, **({"sampler": sampler} if with_sampler else {}))
+        extra = load_checkpoint(ckpt, ddp, opt, **({"states": {"sampler": sampler}} if with_sampler else {}))
         step, epoch = extra["step"], extra["epoch"]
     while step < TOTAL_STEPS:
         sampler.set_epoch(epoch)
@@ -50,7 +50,7 @@ def _fit(rank, world, ckpt, stop_at=None, resume=False, with_sampler=False):
             if step == stop_at:
                 done = step % (N // world // BATCH) == 0  # the epoch's last step
                 save_checkpoint(ckpt, ddp, opt, extra={"step": step, "epoch": epoch + done},
-                                **({"sampler": sampler} if with_sampler else {}))
+                                **({"states": {"sampler": sampler}} if with_sampler else {}))
                 ddp.close()
                 return None
         epoch += 1
@@ -72,9 +72,9 @@ def test_resume_with_dropout_is_bit_identical(world, where, tmp_path):
     for rank in range(world):
         for a, b in zip(straight[rank], resumed[rank]):
             assert torch.equal(a, b), f"rank {rank}: resumed run differs by {(a - b).abs().max()}"
-    state = torch.load(os.path.join(newest(ckpt), FILE), weights_only=True)
-    assert len(state["ranks"]) == world
-    assert not torch.equal(state["ranks"][0]["cpu"], state["ranks"][1]["cpu"])
+    gen = newest(ckpt)
+    ranks = [torch.load(os.path.join(gen, rank_name(r)), weights_only=True) for r in range(world)]
+    assert not torch.equal(ranks[0]["rng"]["cpu"], ranks[1]["rng"]["cpu"])   # each rank its own
 
 
 def _other_world(rank, world, ckpt):

@@ -104,15 +104,15 @@ def test_stage_seed_is_megatrons_formula():
 
 
 def test_tracker_states_round_trip():
-    """get_states / set_states: a restored tracker draws exactly the masks the saved one would."""
+    """state_dict / load_state_dict: a restored tracker draws exactly the masks the saved one would."""
     from minidist.tensor_parallel.random import RNGTracker, dropout
     tracker = model_parallel_seed(5, tracker=RNGTracker(), pp_rank=1)
     x = torch.ones(4, 16)
     dropout(x, P, tracker=tracker, region="model-parallel")
-    saved = tracker.get_states()
+    saved = tracker.state_dict()
     expected = [dropout(x, P, tracker=tracker, region=r) for r in ("replicated", "model-parallel")]
     fresh = RNGTracker()
-    fresh.set_states(saved)
+    fresh.load_state_dict(saved)
     again = [dropout(x, P, tracker=fresh, region=r) for r in ("replicated", "model-parallel")]
     assert all(torch.equal(a, b) for a, b in zip(expected, again))
     assert fresh.seeds == {"replicated": 105, "model-parallel": 105 + 2718}

@@ -1,0 +1,200 @@
+"""The state protocol: every object that carries training state is saved and restored one way.
+
+An object is **stateful** when it has ``state_dict()`` and ``load_state_dict(state)``, as
+``torch.optim.Optimizer`` and ``nn.Module`` do, and its state is *plain*: tensors, numbers,
+strings, ``None`` and lists/tuples/dicts of them, so that ``torch.load(weights_only=True)`` reads
+it back (no pickled classes: a checkpoint is data, not code). Its class attribute
+``checkpoint_scope`` says where the state lives:
+
+* ``"replicated"`` — the same on every rank of the group; saved once (rank 0's file). Before
+  anything is written, every rank's digest of it is compared, and replicas that differ are
+  refused on every rank, naming the object and the ranks.
+* ``"per_rank"`` (the default for an object that does not say) — each rank its own; saved in
+  that rank's file and given back to the same rank. It cannot be restored on another world size.
+
+The library's stateful objects and their scope:
+
+====================================================  ===========  ===============================
+object                                                scope        state
+====================================================  ===========  ===============================
+``DistributedSampler``                                per_rank     epoch, position
+``PowerSGD``                                          per_rank     step, Q, error feedback, RNG
+``TopK``                                              per_rank     error feedback
+``DiLoCo``                                            per_rank     anchor, outer optimizer, step in
+                                                                   the round; mid-round also this
+                                                                   rank's replica
+``MixedPrecision``                                    replicated   dtype, loss scale and its counter
+``ShardedOptimizer`` (ZeRO-1/2; consolidated)         replicated   the optimizer's full state
+``RNGTracker`` (TP dropout)                           per_rank     each named generator
+====================================================  ===========  ===============================
+
+Every rank's own random generators (CPU, CUDA, Python) are saved in its file without being
+named. An object whose state holds each rank's *model replica* (DiLoCo mid-round) says so with a
+true ``holds_replica``; otherwise a save whose model replicas differ is refused (see
+:func:`replica_digest`). The same split — replicated state once, per-rank state per rank, plain
+data only — is torch.distributed.checkpoint's ``Stateful`` protocol and torchft's per-replica
+state (``torchft/checkpointing``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+
+import torch
+import torch.distributed as dist
+
+from .comm.p2p import group_rank_world
+
+__all__ = ["SCOPES", "scope_of", "check_plain", "digest", "collect", "restore", "replica_digest",
+           "holds_replica"]
+
+SCOPES = ("replicated", "per_rank")
+
+
+def scope_of(obj, name: str, where: str) -> str:
+    """``obj``'s ``checkpoint_scope`` ("per_rank" when it does not say). Raises ``TypeError``
+    naming ``name`` when ``obj`` has no ``state_dict``/``load_state_dict``, ``ValueError`` for an
+    unknown scope."""
+    if not (callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))):
+        raise TypeError(f"{where}: states[{name!r}] is a {type(obj).__name__}, which has no "
+                        "state_dict()/load_state_dict(): it cannot be saved and restored")
+    scope = getattr(obj, "checkpoint_scope", "per_rank")
+    if scope not in SCOPES:
+        raise ValueError(f"{where}: states[{name!r}].checkpoint_scope is {scope!r}, expected one "
+                         f"of {SCOPES}")
+    return scope
+
+
+def check_plain(value, path: str, where: str) -> None:
+    """Raise ``TypeError`` naming ``path`` if ``value`` holds anything but tensors, numbers,
+    strings, ``None`` and lists/tuples/dicts of them (what ``weights_only=True`` loads)."""
+    if value is None or isinstance(value, (str, bool, numbers.Number, torch.Tensor,
+                                           torch.dtype, torch.device)):
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"{where}: {path} has a key of type {type(k).__name__}; a "
+                                "checkpoint's keys are str or int")
+            check_plain(v, f"{path}[{k!r}]", where)
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_plain(v, f"{path}[{i}]", where)
+        return
+    raise TypeError(f"{where}: {path} is a {type(value).__name__}; a checkpoint holds only "
+                    "tensors, numbers, strings and lists/dicts of them (loadable with "
+                    "weights_only=True)")
+
+
+def _feed(h, value) -> None:
+    if torch.is_tensor(value):
+        t = value.detach().reshape(-1).contiguous().cpu()
+        h.update(f"T{t.dtype}{tuple(value.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(value, dict):
+        for k in sorted(value, key=repr):
+            h.update(repr(k).encode())
+            _feed(h, value[k])
+    elif isinstance(value, (list, tuple)):
+        h.update(f"L{len(value)}".encode())
+        for v in value:
+            _feed(h, v)
+    else:
+        h.update(repr(value).encode())
+
+
+def digest(state) -> str:
+    """SHA-256 of a plain state (tensors by their bytes, dtype and shape): equal iff bitwise equal."""
+    h = hashlib.sha256()
+    _feed(h, state)
+    return h.hexdigest()
+
+
+def replica_digest(module) -> str:
+    """:func:`digest` of a module's parameters and buffers (its replica)."""
+    return digest(dict(module.state_dict()))
+
+
+def holds_replica(states: dict | None) -> bool:
+    """Whether some object in ``states`` saves each rank's model replica (DiLoCo mid-round)."""
+    return any(getattr(obj, "holds_replica", False) for obj in (states or {}).values())
+
+
+def _gather(obj, group) -> list:
+    _, world = group_rank_world(group)
+    if world == 1 or not dist.is_initialized():
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+_HINTS = {
+    "the model": " (DiLoCo between synchronisations, a replica that was never synchronised, or "
+                 "a model whose ranks hold different parts, as expert parallelism's): pass the "
+                 "object that keeps the replicas apart in states=, or save right after a "
+                 "synchronisation",
+    "the optimizer": " (an optimizer local to each rank, as DiLoCo's inner one): pass it in "
+                     "states= instead, which saves it per rank",
+}
+
+
+def collect(states: dict | None, where: str, group=None, replicas: dict | None = None,
+            check_replicated: bool = True) -> tuple[dict, dict]:
+    """``(replicated, per_rank)`` state dicts of ``states`` (``{name: stateful object}``), each
+    checked plain; collective over ``group`` (call it on every rank with the same names).
+
+    With ``check_replicated``, every replicated object's digest, and every entry of ``replicas``
+    (``{"the model": state dict, "the optimizer": state dict}``: what rank 0 alone will save), is
+    compared across ranks — except the model when an object :func:`holds_replica`. A difference
+    is a ``ValueError`` on every rank naming the object and the ranks that differ from rank 0.
+    Any error on one rank (not stateful, not plain) is raised on every rank, before anything is
+    written.
+    """
+    replicated, per_rank, error = {}, {}, None
+    digests: dict = {}
+    try:
+        for name, obj in (states or {}).items():
+            scope = scope_of(obj, name, where)
+            sd = obj.state_dict()            # every rank: a ZeRO state_dict is collective
+            check_plain(sd, f"states[{name!r}].state_dict()", where)
+            (replicated if scope == "replicated" else per_rank)[name] = sd
+            if scope == "replicated" and check_replicated:
+                digests[repr(name)] = digest(sd)
+        if check_replicated:
+            for name, sd in (replicas or {}).items():
+                if not (name == "the model" and holds_replica(states)):
+                    digests[name] = digest(sd)
+    except (TypeError, ValueError) as e:
+        error = e
+    outcomes = _gather((None if error is None else f"{type(error).__name__}: {error}", digests),
+                       group)
+    if error is not None:
+        raise error
+    failed = [(r, msg) for r, (msg, _) in enumerate(outcomes) if msg]
+    if failed:
+        raise RuntimeError(f"{where}: rank(s) {[r for r, _ in failed]} cannot save their state "
+                           f"({'; '.join(f'rank {r}: {m}' for r, m in failed)}); nothing written")
+    for name in digests:
+        differ = [r for r, (_, d) in enumerate(outcomes) if d.get(name) != outcomes[0][1].get(name)]
+        if differ:
+            hint = _HINTS.get(name, ": a replicated object must be equal on every rank; set its "
+                                    "checkpoint_scope to 'per_rank' if it is not")
+            raise ValueError(f"{where}: {name} differs between ranks — rank(s) {differ} hold "
+                             "other values than rank 0, whose copy alone would be saved, so the "
+                             f"resume would not continue every rank{hint}; nothing written")
+    return replicated, per_rank
+
+
+def restore(states: dict | None, saved: dict, where: str, file: str) -> None:
+    """Load each object of ``states`` from ``saved`` (``{name: state dict}``, both scopes merged).
+    Raises ``KeyError`` naming the object and ``file`` when the checkpoint does not hold it."""
+    missing = [name for name in (states or {}) if name not in saved]
+    if missing:
+        raise KeyError(f"{where}: {file} holds no state for {missing} (it holds "
+                       f"{sorted(saved)}); save them with save_*(..., states={{...}})")
+    for name, obj in (states or {}).items():
+        obj.load_state_dict(saved[name])
