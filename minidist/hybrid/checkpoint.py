@@ -10,10 +10,11 @@ model-parallel rank, ``mp_rank_XX_YYY/model_optim_rng.pt``, with the RNG states 
   moments, as Megatron-LM's distributed optimizer does, instead of gathering them all;
 * **random state**: torch's CPU generator, the CUDA generators when CUDA is initialised, Python's
   ``random``, NumPy's global generator when NumPy is loaded, and the dropout tracker's generators
-  (:meth:`~minidist.tensor_parallel.random.RNGTracker.get_states`) — every rank its own, since
+  (:meth:`~minidist.tensor_parallel.random.RNGTracker.state_dict`) — every rank its own, since
   ranks draw different dropout masks;
-* **data position**: ``step`` and, if given, ``sampler.state_dict()`` (anything with
-  ``state_dict``/``load_state_dict``: epoch and position, or a data generator's state);
+* **data position and other state**: ``step`` and the objects of ``states`` (the library's
+  state protocol, :mod:`minidist.state`: a sampler's epoch and position, a data generator, a
+  loss scaler...), each rank its own;
 * **who wrote it**: the grid ``(dp, pp, tp)`` and ``cp``, model chunks, sequence parallelism and
   the model config, checked on load.
 
@@ -38,24 +39,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 
-import torch
-
-from ..checkpoint_io import (agree, check_tensors, flatten, newest, open_newest, read_part,
-                             save_generation)
+from ..checkpoint_io import (agree, check_tensors, flatten, newest, open_generation,
+                             rank_name, read_part, save_generation)
 from ..data_parallel.checkpoint import rank_state, restore_rank_state
 from ..sharding.zero import ShardedOptimizer
+from ..state import collect, restore
 from ..tensor_parallel.random import RNGTracker, get_rng_tracker
 
 __all__ = ["save_hybrid_checkpoint", "load_hybrid_checkpoint", "rank_file", "rank_name", "FORMAT"]
 
 FORMAT = "minidist-hybrid-checkpoint/2"
-
-
-def rank_name(rank: int) -> str:
-    """The name of global rank ``rank``'s file inside a generation folder."""
-    return f"rank{rank:05d}.pt"
 
 
 def rank_file(folder: str | os.PathLike, rank: int) -> str:
@@ -83,49 +77,35 @@ def _describe(layout: dict) -> str:
             f"sequence_parallel={layout['sequence_parallel']}")
 
 
-def _numpy_state():
-    np = sys.modules.get("numpy")
-    if np is None:
-        return None
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-            "has_gauss": int(has_gauss), "gauss": float(gauss)}
-
-
-def _restore_numpy(state) -> None:
-    if state is None:
-        return
-    import numpy as np
-    np.random.set_state((state["kind"], state["keys"].numpy().astype(np.uint32), state["pos"],
-                         state["has_gauss"], state["gauss"]))
-
-
 def save_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, step: int = 0,
-                           sampler=None, extra: dict | None = None,
-                           tracker: RNGTracker | None = None, keep: int = 1) -> str:
+                           extra: dict | None = None, tracker: RNGTracker | None = None,
+                           keep: int = 1, states: dict | None = None) -> str:
     """Every rank writes its own file of ``model`` (a :class:`~.stages.HybridGPT`: ``stages``,
-    ``grid``, ``cfg``), ``optimizer``, random state, ``step``, ``sampler`` state and ``extra``
-    (a small dict, e.g. the losses so far) into ``folder``; then all ranks wait; then rank 0
-    writes the manifest (see the module notes); returns the new generation's folder. Collective
-    over the world: call it on every rank, between steps (gradients are not saved). A failed
-    write on any rank (``OSError``; ``ENOSPC`` says the disk is full) raises on every rank and
-    keeps the previous generation."""
+    ``grid``, ``cfg``), ``optimizer``, random state, ``step``, ``extra`` (a small dict, e.g. the
+    losses so far) and the stateful ``states`` (``{name: object}``, e.g. the sampler or data
+    position: :mod:`minidist.state`) into ``folder``; then all ranks wait; then rank 0 writes the
+    manifest (see the module notes); returns the new generation's folder. Collective over the
+    world: call it on every rank, between steps (gradients are not saved). A ``states`` object
+    that is not stateful or not plain data is refused on every rank before anything is written;
+    a failed write on any rank (``OSError``; ``ENOSPC`` says the disk is full) raises on every
+    rank and keeps the previous generation."""
     if not all(hasattr(model, a) for a in ("stages", "grid", "cfg")):
         raise TypeError("save_hybrid_checkpoint: model must be a HybridGPT (stages, grid, cfg), "
                         f"got {type(model).__name__}; use minidist.data_parallel.save_checkpoint "
                         "or minidist.sharding.checkpoints for other models")
     grid = model.grid
+    where = f"save_hybrid_checkpoint (rank {grid.rank})"
+    replicated, per_rank = collect(states, where, check_replicated=False)
     state = {
         "format": FORMAT, "rank": grid.rank, "step": int(step), "layout": _layout(model),
         "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank, grid.cp_rank),
         "model": {int(s): m.state_dict() for s, m in sorted(model.stages.items())},
         "optimizer": _optimizer_state(optimizer),
-        "rng": {**rank_state(sampler), "numpy": _numpy_state(),
-                "tracker": (tracker or get_rng_tracker()).get_states()},
+        "rng": {**rank_state(), "tracker": (tracker or get_rng_tracker()).state_dict()},
+        "states": {**replicated, **per_rank},
         "extra": extra or {},
     }
-    return save_generation(folder, {rank_name(grid.rank): state},
-                           where=f"save_hybrid_checkpoint (rank {grid.rank})", kind="hybrid",
+    return save_generation(folder, {rank_name(grid.rank): state}, where=where, kind="hybrid",
                            meta={"format": FORMAT, "step": int(step), "layout": state["layout"]},
                            keep=keep)
 
@@ -139,13 +119,17 @@ def _optimizer_state(optimizer):
     return {"kind": "plain", "state": optimizer.state_dict()}
 
 
-def load_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, sampler=None,
-                           restore_rng: bool = True, tracker: RNGTracker | None = None) -> dict:
-    """Load this rank's file from ``folder`` into ``model``'s stages, ``optimizer`` and (with
-    ``restore_rng``) every generator and the dropout tracker; ``sampler`` gets its state back
-    whatever ``restore_rng`` says. Returns ``{"step": int, "extra": dict}``; continue with step
-    ``step`` (the number of steps done). Collective (one all-reduce over the world, so that if any
-    rank cannot load, every rank raises instead of the others hanging later).
+def load_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None,
+                           restore_rng: bool = True, tracker: RNGTracker | None = None,
+                           states: dict | None = None, generation: int | None = None,
+                           fallback: bool = False) -> dict:
+    """Load this rank's file into ``model``'s stages, ``optimizer``, every object of ``states``
+    and (with ``restore_rng``) every generator and the dropout tracker. Returns ``{"step": int,
+    "extra": dict, "generation": folder}``; continue with step ``step`` (the number of steps
+    done). ``folder``, ``generation`` and ``fallback`` pick the generation as
+    :func:`minidist.checkpoint_io.open_generation` says (newest complete; a number; the newest
+    that verifies). Collective (one all-gather over the world, so that if any rank cannot load,
+    every rank raises instead of the others hanging later).
 
     Raises:
         FileNotFoundError: no complete generation (nothing saved there, or only saves that did
@@ -155,31 +139,43 @@ def load_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, sam
             truncated, corrupted or from another save (its size or SHA-256 differ from the
             manifest's), a parameter of another shape (named, expected vs found), or an
             optimizer of another kind or shard size.
+        KeyError: a ``states`` object the checkpoint does not hold (named).
         RuntimeError: on the other ranks, when some rank raised one of the above.
     """
     folder = os.fspath(folder)
     grid = model.grid
     where = f"load_hybrid_checkpoint (rank {grid.rank}, {folder!r})"
+    gen, state = "", {}
+    failed: Exception | None = None
     try:
-        state = _read_and_check(folder, model, optimizer, where)
-        failed = None
+        gen, state = _read_and_check(folder, model, optimizer, where, generation, fallback)
+        missing = [n for n in (states or {}) if n not in state["states"]]
+        if missing:
+            raise KeyError(f"{where}: the checkpoint holds no state for {missing} (it holds "
+                           f"{sorted(state['states'])})")
     except (OSError, ValueError, KeyError) as e:
-        state, failed = None, e
+        failed = e
     agree(where, failed)                          # every rank loads, or none does
     for s, stage in model.stages.items():
         stage.load_state_dict(state["model"][s])   # copies in place: ZeRO's flat views stay
     _load_optimizer(optimizer, state["optimizer"])
-    rng = state["rng"]
-    restore_rank_state(rng, sampler, rng=restore_rng)
+    try:
+        restore(states, state["states"], where, gen)
+        failed = None
+    except (ValueError, KeyError, RuntimeError) as e:
+        failed = e
+    agree(where, failed)
     if restore_rng:
-        _restore_numpy(rng.get("numpy"))
-        (tracker or get_rng_tracker()).set_states(rng["tracker"])
-    return {"step": state["step"], "extra": state["extra"], "generation": newest(folder)}
+        restore_rank_state(state["rng"])
+        (tracker or get_rng_tracker()).load_state_dict(state["rng"]["tracker"])
+    return {"step": state["step"], "extra": state["extra"], "generation": gen}
 
 
-def _read_and_check(folder: str, model, optimizer, where: str) -> dict:
+def _read_and_check(folder: str, model, optimizer, where: str, generation,
+                    fallback: bool) -> tuple[str, dict]:
     grid = model.grid
-    gen, manifest = open_newest(folder, where, kind="hybrid", world_size=grid.world_size)
+    gen, manifest = open_generation(folder, where, "hybrid", world_size=grid.world_size,
+                                    generation=generation, fallback=fallback)
     mine = json.loads(json.dumps(_layout(model)))     # as the manifest stores it (lists, str keys)
     saved = manifest["meta"]["layout"]
     if saved != mine:
@@ -199,7 +195,7 @@ def _read_and_check(folder: str, model, optimizer, where: str) -> dict:
     check_tensors(where, file, flatten(state["model"]),
                   flatten({s: m.state_dict() for s, m in model.stages.items()}))
     _check_optimizer(where, optimizer, state["optimizer"])
-    return state
+    return gen, state
 
 
 def _cfg_note(saved: dict, mine: dict) -> str:

@@ -32,13 +32,14 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..data_parallel.checkpoint import atomic_save
+from ..checkpoint_io import agree, open_generation, read_part, save_generation
 from ..sharding.zero import ShardedOptimizer
 from ..tensor_parallel.sharding import gather_tensor, shard_state_dict, shard_tensor
 
 __all__ = ["save_layout_free", "load_layout_free", "NOT_CARRIED", "FORMAT"]
 
 FORMAT = "minidist-layout-free-checkpoint/1"
+FILE = "layout_free.pt"   # rank 0's one file in each generation
 NOT_CARRIED = ("random states (torch generators, dropout tracker): dropout restarts from the seeds",
                "data sampler position: rebuild it for the returned step",
                "gradients (save between steps)")
@@ -88,10 +89,13 @@ def _optimizer_states(model, optimizer) -> tuple[dict, dict]:
     return states, hyper
 
 
-def save_layout_free(path: str | os.PathLike, model, optimizer=None, step: int = 0) -> None:
+def save_layout_free(path: str | os.PathLike, model, optimizer=None, step: int = 0,
+                     keep: int = 1) -> str:
     """Write the layout-free checkpoint of ``model`` (a :class:`~.stages.HybridGPT`) and
-    ``optimizer`` (plain ``torch.optim`` or :class:`~.dp.ZeRO1Optimizer`) to ``path`` (rank 0
-    writes). Collective over the world: call on every rank, between steps."""
+    ``optimizer`` (plain ``torch.optim`` or :class:`~.dp.ZeRO1Optimizer`) as a new generation of
+    the checkpoint folder ``path`` (:mod:`minidist.checkpoint_io`: rank 0 writes, checked,
+    checksummed, the ``keep`` newest kept); returns the generation's folder. Collective over the
+    world: call on every rank, between steps."""
     grid = model.grid
     weights = {}
     for s in sorted(model.stages):
@@ -105,6 +109,7 @@ def save_layout_free(path: str | os.PathLike, model, optimizer=None, step: int =
         dist.all_gather_object(every, mine)
     else:
         every = [mine]
+    parts = {}
     if grid.rank == 0:
         full_w: dict = {}
         full_s: dict = {}
@@ -112,28 +117,39 @@ def save_layout_free(path: str | os.PathLike, model, optimizer=None, step: int =
             if part is not None:
                 full_w.update(part[0])
                 full_s.update(part[1])
-        atomic_save({"format": FORMAT, "step": int(step), "cfg": _cfg(model),
-                     "layout": {"dp": grid.dp_size, "pp": grid.pp_size, "tp": grid.tp_size},
-                     "model": full_w, "optimizer": full_s, "hyper": hyper,
-                     "optimizer_kind": None if optimizer is None else type(optimizer).__name__,
-                     "not_carried": list(NOT_CARRIED)}, os.fspath(path))
-    if dist.is_initialized():
-        dist.barrier()
+        parts[FILE] = {"format": FORMAT, "step": int(step), "cfg": _cfg(model),
+                       "layout": {"dp": grid.dp_size, "pp": grid.pp_size, "tp": grid.tp_size},
+                       "model": full_w, "optimizer": full_s, "hyper": hyper,
+                       "optimizer_kind": None if optimizer is None else type(optimizer).__name__,
+                       "not_carried": list(NOT_CARRIED)}
+    return save_generation(path, parts, where=f"save_layout_free (rank {grid.rank})",
+                           kind="layout-free", meta={"step": int(step)}, keep=keep)
 
 
-def load_layout_free(path: str | os.PathLike, model, optimizer=None) -> dict:
-    """Load :func:`save_layout_free`'s file into ``model`` and ``optimizer`` on *any* grid.
-    Returns ``{"step", "saved_layout", "not_carried"}``. Raises ``ValueError`` (naming the rank)
-    for another model config or an optimizer given but none saved. No communication."""
+def load_layout_free(path: str | os.PathLike, model, optimizer=None,
+                     generation: int | None = None, fallback: bool = False) -> dict:
+    """Load a generation of :func:`save_layout_free` (``generation``/``fallback``: see
+    :func:`minidist.checkpoint_io.open_generation`; sizes and checksums verified) into ``model``
+    and ``optimizer`` on *any* grid. Returns ``{"step", "saved_layout", "not_carried"}``.
+    Raises ``ValueError`` (naming the rank) for another model config, a corrupted file, or an
+    optimizer given but none saved — on every rank (one all-gather of the outcome)."""
     grid = model.grid
     where = f"load_layout_free (rank {grid.rank}, {os.fspath(path)!r})"
-    blob = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
-    if blob.get("format") != FORMAT:
-        raise ValueError(f"{where}: not a layout-free checkpoint (format {blob.get('format')!r})")
-    diff = sorted(k for k in set(blob["cfg"]) | set(_cfg(model))
-                  if blob["cfg"].get(k) != _cfg(model).get(k))
-    if diff:
-        raise ValueError(f"{where}: saved for another model config (differs in {diff})")
+    blob: dict = {}
+    error: Exception | None = None
+    try:
+        folder, manifest = open_generation(path, where, "layout-free", generation=generation,
+                                           fallback=fallback)
+        blob = read_part(folder, manifest, FILE, where)
+        diff = sorted(k for k in set(blob["cfg"]) | set(_cfg(model))
+                      if blob["cfg"].get(k) != _cfg(model).get(k))
+        if diff:
+            raise ValueError(f"{where}: saved for another model config (differs in {diff})")
+        if optimizer is not None and not blob["optimizer"] and blob["optimizer_kind"] is None:
+            raise ValueError(f"{where}: the checkpoint holds no optimizer state")
+    except (OSError, ValueError, KeyError) as e:
+        error = e
+    agree(where, error)
     tp = grid.tp_group
     with torch.no_grad():
         for s in sorted(model.stages):
@@ -142,8 +158,6 @@ def load_layout_free(path: str | os.PathLike, model, optimizer=None) -> dict:
             stage.load_state_dict({k: v.to(dev) for k, v in
                                    shard_state_dict(blob["model"], stage, tp).items()})
     if optimizer is not None:
-        if not blob["optimizer"] and blob["optimizer_kind"] is None:
-            raise ValueError(f"{where}: the checkpoint holds no optimizer state")
         _load_optimizer(optimizer, model, blob, tp)
     return {"step": blob["step"], "saved_layout": blob["layout"],
             "not_carried": blob["not_carried"]}

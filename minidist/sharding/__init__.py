@@ -22,8 +22,7 @@ from .fsdp import (FlatParamUnit, MixedPrecisionPolicy, fully_shard,
                    set_requires_gradient_sync, units)
 from .fsdp_param import ParamShardUnit
 from .fsdp_state import (clip_grad_norm_, full_optim_state_dict, full_state_dict,
-                         load_full_optim_state_dict, load_full_state_dict, load_sharded,
-                         save_sharded)
+                         load_full_optim_state_dict, load_full_state_dict)
 from .recompute import Checkpointed, checkpoint
 from .memory import ActivationMeter, account, zero_formula
 
@@ -31,5 +30,5 @@ __all__ = ["FlatBuffer", "padded_numel", "plan_buckets", "ShardedOptimizer", "Fl
            "ParamShardUnit", "MixedPrecisionPolicy", "fully_shard", "set_requires_gradient_sync",
            "units",
            "clip_grad_norm_", "full_optim_state_dict", "full_state_dict",
-           "load_full_optim_state_dict", "load_full_state_dict", "load_sharded", "save_sharded",
+           "load_full_optim_state_dict", "load_full_state_dict",
            "Checkpointed", "checkpoint", "ActivationMeter", "account", "zero_formula"]

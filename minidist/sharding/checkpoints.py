@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import os
 
-from ..checkpoint_io import agree, check_tensors, open_newest, read_part, save_generation
+from ..checkpoint_io import (agree, check_tensors, open_generation, rank_name, read_part,
+                             save_generation)
 from ..comm.p2p import group_rank_world
-from ..data_parallel.checkpoint import FILE, _sharded_model, load_checkpoint, save_checkpoint
+from ..data_parallel.checkpoint import (FILE, _sharded_model, load_checkpoint, rank_state,
+                                        restore_rank_state, save_checkpoint)
+from ..state import collect, restore
 from ..data_parallel.replicas import unwrap
 from . import fsdp_state
 from .zero import ShardedOptimizer
@@ -44,43 +47,70 @@ def shard_name(rank: int) -> str:
 
 
 def save_full_checkpoint(path, model, optimizer=None, extra: dict | None = None, group=None,
-                         keep: int = 1) -> str:
-    """One file with the unsharded model and optimizer state (rank 0 writes); collective."""
+                         keep: int = 1, states: dict | None = None) -> str:
+    """One file with the unsharded model and optimizer state (rank 0 writes) and every rank's
+    own file (its random state and per-rank ``states``, :mod:`minidist.state`); collective."""
     if not _sharded_model(model):                 # ZeRO-1/2 or plain: data parallel's save
-        return save_checkpoint(path, model, optimizer, extra=extra, group=group, keep=keep)
+        return save_checkpoint(path, model, optimizer, extra=extra, group=group, keep=keep,
+                               states=states)
     rank, _ = group_rank_world(group)
+    where = f"save_full_checkpoint (rank {rank})"
+    replicated, per_rank = collect(states, where, group)
     state = {"model": fsdp_state.full_state_dict(model),
              "optimizer": (fsdp_state.full_optim_state_dict(model, optimizer)
-                           if optimizer is not None else None), "extra": extra or {}}
-    return save_generation(path, {FILE: state} if rank == 0 else {},
-                           where=f"save_full_checkpoint (rank {rank})", kind="full-zero3",
-                           group=group, keep=keep)
+                           if optimizer is not None else None), "extra": extra or {},
+             "states": replicated}
+    parts: dict = {rank_name(rank): {"rng": rank_state(), "states": per_rank}}
+    if rank == 0:
+        parts[FILE] = state
+    return save_generation(path, parts, where=where, kind="full-zero3", group=group, keep=keep)
 
 
-def load_full_checkpoint(path, model, optimizer=None, group=None) -> dict:
-    """Load :func:`save_full_checkpoint`'s newest generation at any world size; returns ``extra``.
-    Collective: an error (missing, truncated, corrupted, a parameter of another shape) on one
-    rank is an error on every rank."""
+def load_full_checkpoint(path, model, optimizer=None, group=None, states: dict | None = None,
+                         generation: int | None = None, fallback: bool = False) -> dict:
+    """Load a generation of :func:`save_full_checkpoint` (``generation``/``fallback``: see
+    :func:`minidist.checkpoint_io.open_generation`) at any world size; returns ``extra``. The
+    random state and per-rank ``states`` come back only at the world size that saved them.
+    Collective: an error (missing, truncated, corrupted, a parameter of another shape, a state
+    the checkpoint lacks) on one rank is an error on every rank."""
     if not _sharded_model(model):
-        return load_checkpoint(path, model, optimizer, group=group, restore_rng=False)
-    rank, _ = group_rank_world(group)
+        return load_checkpoint(path, model, optimizer, group=group, restore_rng=False,
+                               states=states, generation=generation, fallback=fallback)
+    rank, world = group_rank_world(group)
     where = f"load_full_checkpoint (rank {rank})"
     expected = fsdp_state.full_state_dict(model)  # collective, before any rank can fail
     error: Exception | None = None
     state: dict = {}
+    saved: dict = {}
     try:
-        folder, manifest = open_newest(path, where, kind="full-zero3")
+        folder, manifest = open_generation(path, where, "full-zero3", generation=generation,
+                                           fallback=fallback)
         state = read_part(folder, manifest, FILE, where)
         check_tensors(where, os.path.join(folder, FILE), state["model"], expected)
         if optimizer is not None and state["optimizer"] is None:
             raise KeyError(f"{where}: {folder} holds no optimizer state")
+        saved = dict(state["states"])
+        if manifest["world_size"] == world:
+            saved.update(read_part(folder, manifest, rank_name(rank), where)["states"])
+        _require(states, saved, where, folder, manifest["world_size"], world)
     except (OSError, ValueError, KeyError) as e:
         error = e
     agree(where, error, group)
     fsdp_state.load_full_state_dict(model, state["model"])
     if optimizer is not None:
         fsdp_state.load_full_optim_state_dict(model, optimizer, state["optimizer"])
+    restore(states, saved, where, folder)
     return state["extra"]
+
+
+def _require(states, saved: dict, where: str, folder: str, saved_world: int, world: int) -> None:
+    missing = [n for n in (states or {}) if n not in saved]
+    if missing and saved_world != world:
+        raise ValueError(f"{where}: states {missing} are per rank, saved by {saved_world} ranks; "
+                         f"this run has {world}, so they cannot be restored")
+    if missing:
+        raise KeyError(f"{where}: {folder} holds no state for {missing} (it holds "
+                       f"{sorted(saved)})")
 
 
 def _sharded_parts(model, optimizer, where: str, rank: int) -> dict:
@@ -97,19 +127,25 @@ def _sharded_parts(model, optimizer, where: str, rank: int) -> dict:
 
 
 def save_sharded_checkpoint(path, model, optimizer=None, extra: dict | None = None, group=None,
-                            keep: int = 1) -> str:
-    """Every rank writes only what it owns (see the table); collective. Returns the folder."""
+                            keep: int = 1, states: dict | None = None) -> str:
+    """Every rank writes only what it owns (see the table), its random state and the objects of
+    ``states`` (:mod:`minidist.state`); collective. Returns the generation's folder."""
     rank, world = group_rank_world(group)
     where = f"save_sharded_checkpoint (rank {rank})"
-    part = {**_sharded_parts(model, optimizer, where, rank), "extra": extra or {}}
+    replicated, per_rank = collect(states, where, group, check_replicated=False)
+    part = {**_sharded_parts(model, optimizer, where, rank), "extra": extra or {},
+            "rng": rank_state(), "states": {**replicated, **per_rank}}
     kind = "sharded-zero3" if _sharded_model(model) else "sharded-zero12"
     return save_generation(path, {shard_name(rank): part}, where=where, kind=kind, group=group,
                            keep=keep)
 
 
-def load_sharded_checkpoint(path, model, optimizer=None, group=None) -> dict:
-    """Load :func:`save_sharded_checkpoint`'s newest generation (same world size); returns
-    ``extra``. Collective: one rank's error is every rank's."""
+def load_sharded_checkpoint(path, model, optimizer=None, group=None, states: dict | None = None,
+                            restore_rng: bool = True, generation: int | None = None,
+                            fallback: bool = False) -> dict:
+    """Load a generation of :func:`save_sharded_checkpoint` (same world size; ``generation`` and
+    ``fallback``: see :func:`minidist.checkpoint_io.open_generation`) with this rank's random
+    state and ``states``; returns ``extra``. Collective: one rank's error is every rank's."""
     rank, world = group_rank_world(group)
     where = f"load_sharded_checkpoint (rank {rank})"
     zero3 = _sharded_model(model)
@@ -119,9 +155,11 @@ def load_sharded_checkpoint(path, model, optimizer=None, group=None) -> dict:
     try:
         if not zero3 and not isinstance(optimizer, ShardedOptimizer):
             _sharded_parts(model, optimizer, where, rank)   # the same TypeError as the save
-        folder, manifest = open_newest(path, where, kind="sharded-zero3" if zero3 else
-                                       "sharded-zero12", world_size=world)
+        folder, manifest = open_generation(path, where, "sharded-zero3" if zero3 else
+                                           "sharded-zero12", world_size=world,
+                                           generation=generation, fallback=fallback)
         state = read_part(folder, manifest, shard_name(rank), where)
+        _require(states, state["states"], where, folder, world, world)
         model_state = state["model"] if zero3 else (
             state["model"] if rank == 0 else read_part(folder, manifest, shard_name(0),
                                                        where)["model"])
@@ -150,4 +188,7 @@ def load_sharded_checkpoint(path, model, optimizer=None, group=None) -> dict:
         optimizer.optim.load_state_dict(state["optimizer"]["state"])
     elif optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
+    restore(states, state["states"], where, folder)
+    if restore_rng:
+        restore_rank_state(state["rng"])
     return state["extra"]

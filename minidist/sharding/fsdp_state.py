@@ -7,10 +7,8 @@
   a dict at *any* world size and keeps this rank's slices.
 * :func:`full_optim_state_dict` / :func:`load_full_optim_state_dict` — the same for an optimizer
   built on the shards, keyed by parameter name (so it reloads at another world size).
-* :func:`save_sharded` / :func:`load_sharded` — one file per rank with its slices only (no
-  communication); reloads at the same world size only (else ``ValueError``). For checkpoints that
-  survive a crash or a full disk (generations, checksums, every rank's outcome agreed) use
-  :func:`minidist.sharding.checkpoints.save_sharded_checkpoint`, built on this module's functions.
+* one file per rank with its slices only: :func:`minidist.sharding.checkpoints.save_sharded_checkpoint`
+  (generations, checksums, every rank's outcome agreed; built on the module's ``state_dict``).
 * :func:`clip_grad_norm_` — the global p-norm of all gradients is (all-reduce of every rank's
   sum of |g|^p over its slices)^(1/p), the max over ranks for p = inf (the zero padding adds
   nothing); every rank scales its slices by ``min(1, max_norm / (norm + 1e-6))``, as
@@ -22,15 +20,13 @@ the unsharded model either way.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from .fsdp import units
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_optim_state_dict",
-           "load_full_optim_state_dict", "save_sharded", "load_sharded", "clip_grad_norm_",
+           "load_full_optim_state_dict", "clip_grad_norm_",
            "check_covered"]
 
 
@@ -200,37 +196,6 @@ def load_full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimiz
                 else:
                     new[key] = val.clone() if torch.is_tensor(val) else val
             optimizer.state[u.params[i]] = new
-
-
-def _path(prefix: str, rank: int) -> str:
-    return f"{prefix}.rank{rank}.pt"
-
-
-def save_sharded(module: nn.Module, prefix: str, optimizer=None) -> str:
-    """Write this rank's slices (and optimizer state) to ``{prefix}.rank{r}.pt``; returns it."""
-    us = units(module)
-    rank, world = us[0].rank, us[0].world_size
-    blob = {"world_size": world, "model": {k: v.detach().clone()
-                                          for k, v in module.state_dict().items()}}
-    if optimizer is not None:
-        blob["optim"] = optimizer.state_dict()
-    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    torch.save(blob, _path(prefix, rank))
-    return _path(prefix, rank)
-
-
-def load_sharded(module: nn.Module, prefix: str, optimizer=None) -> None:
-    """Read ``{prefix}.rank{r}.pt``. Raises ``ValueError`` if saved at another world size."""
-    us = units(module)
-    rank, world = us[0].rank, us[0].world_size
-    blob = torch.load(_path(prefix, rank), weights_only=False)
-    if blob["world_size"] != world:
-        raise ValueError(f"load_sharded (rank {rank}): checkpoint was written by "
-                         f"{blob['world_size']} ranks, this run has {world}; a sharded checkpoint "
-                         "reloads at the same world size (use full_state_dict to change it)")
-    module.load_state_dict(blob["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(blob["optim"])
 
 
 @torch.no_grad()

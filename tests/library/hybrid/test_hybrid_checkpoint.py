@@ -71,19 +71,19 @@ def _params(model):
 def _straight(rank, world, dims, dp_mode, folder, layout):
     grid, model, modules, opt, data = _setup(dims, dp_mode, **layout)
     losses = _steps(model, modules, opt, data, K, dp_mode)
-    save_hybrid_checkpoint(folder, model, opt, step=K, sampler=data, extra={"losses": losses})
+    save_hybrid_checkpoint(folder, model, opt, step=K, states={"data": data}, extra={"losses": losses})
     losses += _steps(model, modules, opt, data, N - K, dp_mode)    # saving changes nothing
     return {"losses": losses, "params": _params(model)}
 
 
 def _resumed(rank, world, dims, dp_mode, folder, layout):
     grid, model, modules, opt, data = _setup(dims, dp_mode, **layout)
-    info = load_hybrid_checkpoint(folder, model, opt, sampler=data)
+    info = load_hybrid_checkpoint(folder, model, opt, states={"data": data})
     losses = info["extra"]["losses"] + _steps(model, modules, opt, data, N - info["step"], dp_mode)
     out = {"losses": losses, "params": _params(model), "step": info["step"],
            "served": data.served}
     grid_seed(SEED, grid)                         # a naive resume: data and weights, fresh masks
-    load_hybrid_checkpoint(folder, model, opt, sampler=data, restore_rng=False)
+    load_hybrid_checkpoint(folder, model, opt, states={"data": data}, restore_rng=False)
     out["naive"] = info["extra"]["losses"] + _steps(model, modules, opt, data, N - K, dp_mode)
     return out
 
@@ -114,14 +114,14 @@ def test_resume_is_bit_identical(tmp_path, dims, dp_mode, layout):
 
 def _save_only(rank, world, dims, folder, step):
     grid, model, modules, opt, data = _setup(dims, "flat")
-    save_hybrid_checkpoint(folder, model, opt, step=step, sampler=data)
+    save_hybrid_checkpoint(folder, model, opt, step=step, states={"data": data})
 
 
 def _load_only(rank, world, dims, folder):
     """Each rank's error as (type name, message): every rank's, whatever the timing."""
     grid, model, modules, opt, data = _setup(dims, "flat")
     try:
-        return load_hybrid_checkpoint(folder, model, opt, sampler=data)["step"]
+        return load_hybrid_checkpoint(folder, model, opt, states={"data": data})["step"]
     except Exception as e:
         return type(e).__name__, str(e)
 

@@ -12,7 +12,8 @@ import torch
 import minidist
 from minidist.grid import ProcessGrid
 from minidist.hybrid import HybridGPT, make_optimizer, train_step, wrap_stages
-from minidist.hybrid.reshard import load_layout_free, save_layout_free
+from minidist.checkpoint_io import open_generation, read_part
+from minidist.hybrid.reshard import FILE, load_layout_free, save_layout_free
 from minidist.models.gpt import GPTConfig
 
 CFG = GPTConfig(vocab_size=93, block_size=16, n_layer=2, n_head=4, n_embd=32, tie_embeddings=True,
@@ -56,7 +57,7 @@ def test_resume_at_another_layout_carries_weights_and_adamw_moments(tmp_path):
     info = _go((1, 1, 2), "flat", 0, start=2, load=a, save=again)   # B: tp=2, plain AdamW
     assert info["step"] == 2 and info["saved_layout"] == {"dp": 2, "pp": 2, "tp": 1}
     assert any("random states" in n for n in info["not_carried"])
-    saved, back = torch.load(a, weights_only=True), torch.load(again, weights_only=True)
+    saved, back = _blob(a), _blob(again)
     assert sorted(saved["model"]) == sorted(back["model"])
     for k in saved["model"]:
         assert torch.equal(saved["model"][k], back["model"][k]), k
@@ -68,16 +69,22 @@ def test_resume_at_another_layout_carries_weights_and_adamw_moments(tmp_path):
     # continue two steps at B (and at dp=2 x tp=2, ZeRO-1) = the unbroken run at A
     _go((2, 2, 1), "zero1", 4, save=unbroken)
     _go((1, 1, 2), "flat", 2, start=2, load=a, save=b)
-    want, got = torch.load(unbroken, weights_only=True)["model"], \
-        torch.load(b, weights_only=True)["model"]
+    want, got = _blob(unbroken)["model"], \
+        _blob(b)["model"]
     moved = max((want[k] - saved["model"][k]).norm() / want[k].norm() for k in want
                 if want[k].norm() > 0)
     assert moved > 1e-3                                       # the two steps changed something
     _go((1, 1, 2), "flat", 4, save=again)                    # the unbroken run at B: the noise
-    noise = torch.load(again, weights_only=True)["model"]
+    noise = _blob(again)["model"]
     _close(got, want, noise)
     _go((2, 1, 2), "zero1", 2, start=2, load=a, save=b)
-    _close(torch.load(b, weights_only=True)["model"], want, noise)
+    _close(_blob(b)["model"], want, noise)
+
+
+def _blob(path):
+    """The newest generation's layout-free file (its checksum checked)."""
+    folder, manifest = open_generation(path, "test", "layout-free")
+    return read_part(folder, manifest, FILE, "test")
 
 
 def _close(got, want, noise):

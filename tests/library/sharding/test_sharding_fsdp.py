@@ -12,6 +12,7 @@ import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import
 
 import minidist
 from minidist.sharding import fsdp, fsdp_param, fsdp_state
+from minidist.sharding.checkpoints import load_sharded_checkpoint, save_sharded_checkpoint
 from minidist_course.references.sharding import (OPTIMIZERS, Block, global_batch, local_batch,
     loss_fn, make_model, max_abs_diff, named_state, train_single)
 
@@ -162,7 +163,7 @@ def _save_w2(rank, world, path, name):
     assert (max_abs_diff(only0, sd) == 0.0) if rank == 0 else only0 == {}
     if rank == 0:
         torch.save((sd, osd), path)
-    fsdp_state.save_sharded(model, path + ".sharded", opt)
+    save_sharded_checkpoint(path + ".sharded", model, opt)
     _steps(model, opt, rank, world, 1, start=3)
     return fsdp_state.full_state_dict(model)
 
@@ -172,7 +173,7 @@ def _load(rank, world, path, name, sharded):
     model = fsdp.fully_shard(make_model(seed=1), auto_wrap=(Block,))
     opt = cls(model.parameters(), **hyper)
     if sharded:
-        fsdp_state.load_sharded(model, path + ".sharded", opt)
+        load_sharded_checkpoint(path + ".sharded", model, opt, restore_rng=False)
     else:
         sd, osd = torch.load(path, weights_only=False)
         fsdp_state.load_full_state_dict(model, sd)
