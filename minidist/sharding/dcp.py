@@ -1,0 +1,161 @@
+"""A bridge to torch's own checkpoints: a ZeRO-3 model saved and loaded through
+``torch.distributed.checkpoint`` (DCP), in the layout torch FSDP2 and torchtitan use.
+
+minidist's per-parameter ZeRO-3 (:mod:`.fsdp_param`) cuts parameter ``p`` [d0, *rest] on dim 0
+into ``c = ceil(d0 / W)`` rows per rank, rank r holding rows ``[r·c, (r+1)·c)`` (zero padding past
+d0). That is exactly ``torch.chunk``'s split, which is what a DTensor with placement ``Shard(0)``
+means, and what FSDP2 stores (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``). So each
+shard is described, without a copy, as ``DTensor.from_local(p[:real rows], mesh, [Shard(0)],
+shape=the full shape)``, and DCP does the rest: every rank writes its rows, the ``.metadata``
+file records the global shapes, and a load at any world size or sharding (FSDP2's, one process)
+reads the rows it needs.
+
+* :func:`dcp_state_dict` — ``{"model": {name: DTensor}, "optimizer": {"state": {name: {...}},
+  "param_groups": [...]}}``, the format of torch's ``get_model_state_dict`` /
+  ``get_optimizer_state_dict`` (names of the unsharded model; the optimizer keyed by them), whose
+  tensors *are* this rank's shards: ``dcp.load`` into it loads the model in place.
+* :func:`save_dcp` / :func:`load_dcp` — ``dcp.save`` / ``dcp.load`` of that dict (collective).
+
+Buffers are saved as plain tensors (replicated: DCP keeps rank 0's). Units of the flat layout
+(``per_parameter=False``, FSDP1's FlatParameter) have no per-parameter dim-0 shards: refused
+(``TypeError``; export those through :func:`.fsdp_state.full_state_dict`). DCP is torch's: it
+writes per-rank files and a metadata file, without minidist's generations and checksums.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from .fsdp import units
+from .fsdp_state import _prefix, check_covered
+
+__all__ = ["dcp_state_dict", "save_dcp", "load_dcp"]
+
+
+def _mesh(group):
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    import torch.distributed as dist
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else "cpu"
+    if group is None:
+        return init_device_mesh(device, (dist.get_world_size(),))
+    return DeviceMesh.from_group(group, device)
+
+
+def _sharded(u, i: int, p: torch.Tensor, mesh) -> torch.Tensor:
+    """``p`` (rank r's [c, *rest] shard of parameter i) as a DTensor of the full shape."""
+    from torch.distributed.tensor import DTensor, Shard
+    shape = u.layout.shapes[i]
+    c = u.layout.rows[i]
+    real = max(0, min(c, shape[0] - u.rank * c))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(p.detach()[:real], mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state with a step of zero gradients at lr 0 (what torch's
+    ``_init_optim_state`` does before loading into an optimizer that has not stepped)."""
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    for p in params:
+        p.grad = None
+
+
+def dcp_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                   group=None) -> dict:
+    """The DCP view of a per-parameter ZeRO-3 ``module`` (and ``optimizer``, built on its shards):
+    see the module notes. ``group``: the group the model is sharded over (default the world).
+
+    Raises ``TypeError`` for a unit of the flat layout, ``ValueError`` (via
+    :func:`.fsdp_state.check_covered`) for trainable parameters no unit owns."""
+    us = check_covered(module, "dcp_state_dict")
+    flat = [type(u.module).__name__ for u in us if u.layout is not None and not hasattr(u, "params")]
+    if flat:
+        raise TypeError(f"dcp_state_dict: units {flat} use the flat layout (per_parameter=False), "
+                        "which has no dim-0 shard per parameter; use fully_shard's default "
+                        "per-parameter layout, or export fsdp_state.full_state_dict")
+    mesh = _mesh(group)
+    prefix = _prefix(module)
+    model, names_of = {}, {}
+    for u in us:
+        if u.layout is None:
+            continue
+        for _, _, i, fq in u.slots:
+            name = prefix[id(u.module)] + fq
+            model[name] = _sharded(u, i, u.params[i], mesh)
+            names_of.setdefault(id(u.params[i]), (name, u, i))
+    for name, t in module.state_dict().items():       # buffers, and parameters of no unit
+        if name not in model:
+            model[name] = t
+    out: dict = {"model": model}
+    if optimizer is not None:
+        _init_state(optimizer)
+        state, groups = {}, []
+        for g in optimizer.param_groups:
+            names = []
+            for p in g["params"]:
+                if id(p) not in names_of:
+                    raise ValueError("dcp_state_dict: the optimizer holds a parameter that is not "
+                                     "a ZeRO-3 shard of this module")
+                name, u, i = names_of[id(p)]
+                names.append(name)
+                state[name] = {k: (_sharded(u, i, v, mesh) if torch.is_tensor(v) and
+                                   v.shape == p.shape and v.dim() > 0 else v)
+                               for k, v in optimizer.state.get(p, {}).items()}
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        out["optimizer"] = {"state": state, "param_groups": groups}
+    return out
+
+
+def save_dcp(path: str | os.PathLike, module: nn.Module, optimizer=None, group=None) -> None:
+    """``dcp.save`` this rank's shards (and the optimizer's) to ``path``; collective. FSDP2 loads
+    it with ``dcp.load`` into ``get_model_state_dict`` / ``get_optimizer_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    dcp.save(dcp_state_dict(module, optimizer, group), checkpoint_id=os.fspath(path))
+
+
+@torch.no_grad()
+def load_dcp(path: str | os.PathLike, module: nn.Module, optimizer=None, group=None) -> None:
+    """``dcp.load`` a DCP checkpoint (minidist's :func:`save_dcp`, or FSDP2's / torchtitan's
+    ``{"model": ..., "optimizer": ...}``, at any world size) into this rank's shards, in place;
+    collective. Raises DCP's ``CheckpointException`` when a name or shape is missing."""
+    import torch.distributed.checkpoint as dcp
+    state = dcp_state_dict(module, optimizer, group)
+    dcp.load(state, checkpoint_id=os.fspath(path))
+    buffers = dict(module.named_buffers())
+    for name, t in state["model"].items():            # plain tensors: loaded into copies
+        if name in buffers and t is not buffers[name]:
+            buffers[name].copy_(t)
+    if optimizer is not None:
+        for g, saved in zip(optimizer.param_groups, state["optimizer"]["param_groups"]):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        for p, name in _params_by_name(optimizer, state).items():
+            for k, v in state["optimizer"]["state"][name].items():
+                if not hasattr(v, "to_local"):
+                    optimizer.state[p][k] = v
+    for u in units(module):                           # zero padding rows stay zero
+        if u.layout is not None and hasattr(u, "params"):
+            for i, p in enumerate(u.params):
+                c, d0 = u.layout.rows[i], u.layout.shapes[i][0]
+                real = max(0, min(c, d0 - u.rank * c))
+                p[real:].zero_()
+
+
+def _params_by_name(optimizer, state) -> dict:
+    out = {}
+    for g, saved in zip(optimizer.param_groups, state["optimizer"]["param_groups"]):
+        for p, name in zip(g["params"], saved["params"]):
+            out[p] = name
+    return out
