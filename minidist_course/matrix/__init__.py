@@ -14,6 +14,7 @@ import sys
 import time
 
 from .covering import DIMENSIONS, covering_array, strength_one
+from .resume import STEPS, SAVE_AT, run_resume
 from .run import run_matrix, summarise
 
 __all__ = ["main", "format_table"]
@@ -60,6 +61,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="only enough configurations for every "
                    "value to appear once (seconds, not minutes)")
     p.add_argument("--list", action="store_true", help="print the configurations, run nothing")
+    p.add_argument("--resume", action="store_true", help="the resume matrix instead: each "
+                   f"configuration trains {STEPS} steps, saved after step {SAVE_AT}, and is "
+                   "resumed in a new launch; it must equal the run that never stopped, bitwise")
     a = p.parse_args(argv)
     configs = covering_array(a.seed)
     if a.quick:
@@ -68,6 +72,8 @@ def main(argv=None) -> int:
         for c in configs:
             print(_config(c))
         return 0
+    if a.resume:
+        return _resume(configs, a.seed)
     print(f"composition matrix: {len(configs)} configurations (seed {a.seed}) of "
           f"{' · '.join(str(len(v)) for v in DIMENSIONS.values())} values; one step each, "
           "against one process on the global batch", flush=True)
@@ -77,6 +83,23 @@ def main(argv=None) -> int:
     bad = [r for r in rows if r["status"] == "✗"]
     print(f"\n{len(rows) - len(bad)} of {len(rows)} configurations as expected in "
           f"{time.perf_counter() - start:.0f} s")
+    return 1 if bad else 0
+
+
+def _resume(configs: list[dict], seed: int) -> int:
+    import tempfile
+    print(f"resume matrix: the configurations of the composition matrix (seed {seed}) that are not "
+          f"refused; save after step {SAVE_AT} of {STEPS}, a new launch loads and continues",
+          flush=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="minidist-resume-") as root:
+        rows = run_resume(configs, root, progress=lambda t: print("  " + t, flush=True))
+    for r in rows:
+        if r["status"] != "✓":
+            print(f"✗ {_config(r)} (W={r['world']}): {r['detail']}")
+    bad = sum(r["status"] != "✓" for r in rows)
+    print(f"{len(rows) - bad} of {len(rows)} resumed bitwise equal to the run that never stopped, "
+          f"in {time.perf_counter() - start:.0f} s")
     return 1 if bad else 0
 
 

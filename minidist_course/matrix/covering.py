@@ -152,8 +152,10 @@ def strength_one(array: list[dict]) -> list[dict]:
     chosen: list[dict] = []
     seen: set = set()
     rest = list(array)
+    def gain(c: dict) -> float:
+        return len({(d, c[d]) for d in DIMENSIONS} - seen) / world_size(c)
+
     while True:
-        gain = lambda c: len({(d, c[d]) for d in DIMENSIONS} - seen) / world_size(c)  # noqa: E731
         best = max(rest, key=gain, default=None)
         if best is None or gain(best) == 0:
             return chosen

@@ -10,6 +10,7 @@ from minidist_course.matrix import format_table
 from minidist_course.matrix.covering import (DIMENSIONS, MAX_WORLD, covering_array,
                                              pair_refused, pairs_of, refusal, strength_one,
                                              world_size)
+from minidist_course.matrix.resume import run_resume
 from minidist_course.matrix.run import check, run_matrix
 from minidist_course.references import hybrid as ref_hybrid
 
@@ -95,3 +96,22 @@ def test_every_pair_runs_as_expected():
     assert not [r for r in rows if r["status"] == "✗"], table
     all_row = next(line for line in table.splitlines() if line.startswith("all "))
     assert all_row.split()[-2:] == ["0", "0"], all_row     # no ✗, nothing not run
+
+
+@pytest.mark.timeout(300)
+def test_resume_matrix_on_four_ranks_is_bitwise(tmp_path):
+    """The default tier's share of the resume matrix: the every-value-once configurations of 4
+    ranks (schedules, DP modes, recomputation, CP methods, TP with SP), stopped after step 2,
+    resumed in a new launch from another seed, bitwise equal (dropout on: the generators too)."""
+    configs = [c for c in strength_one(covering_array(0)) if world_size(c) == 4]
+    rows = run_resume(configs, str(tmp_path), timeout=240)
+    assert len(rows) >= 4 and all(r["status"] == "✓" for r in rows), rows
+
+
+@pytest.mark.exhaustive
+@pytest.mark.serial        # twice the launches of the composition matrix
+@pytest.mark.timeout(1500)
+def test_every_configuration_resumes_bitwise(tmp_path):
+    rows = run_resume(covering_array(0), str(tmp_path), timeout=600)
+    bad = [r for r in rows if r["status"] != "✓"]
+    assert len(rows) > 30 and not bad, bad
