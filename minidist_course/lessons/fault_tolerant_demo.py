@@ -20,6 +20,11 @@ returns plain numbers, so the chapter and the tests compute and assert the same 
   written to a file first, so the caller can measure the time to detect).
 - :func:`communication_curves`: the same model, data and steps with plain DDP, PowerSGD (rank r)
   and DiLoCo (H inner steps): the loss every step and the bytes each rank sent.
+- :func:`dcp_bridge`: a minidist ZeRO-3 model saved through ``torch.distributed.checkpoint``
+  and loaded by torch FSDP2 (and back): the way from the course to torchtitan.
+- :func:`resume_compressed`: PowerSGD and DiLoCo stopped mid-run, saved with their state
+  (``save_checkpoint(states=...)``), resumed in a new launch: the final parameters, to compare
+  with a run that never stopped, and with a resume that forgets their state.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["async_save_overlap", "async_save_trap", "dcp_replicated_trap", "killed_mid_step",
-           "communication_curves", "digits_mlp"]
+           "communication_curves", "resume_compressed", "dcp_bridge", "digits_mlp"]
 
 
 def digits_mlp() -> torch.nn.Module:
@@ -217,3 +222,108 @@ def communication_curves(rank: int, world: int, steps: int = 60, batch: int = 32
         if ddp is not None:
             ddp.close()
     return out
+
+
+def _compressed(method: str, lr: float):
+    """``(model, net to call, inner optimizer, DiLoCo or None, {name: stateful})``."""
+    from minidist.data_parallel import BucketedDDP, DiLoCo, PowerSGD
+    model = digits_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    if method == "diloco":
+        dl = DiLoCo(model, sync_every=10)
+        return model, model, opt, dl, {"diloco": dl, "inner": opt}   # AdamW is local: per rank
+    ddp = BucketedDDP(model)
+    ps = PowerSGD(rank=2, start_iter=5)
+    ddp.register_comm_hook(ps, PowerSGD.hook)
+    return model, ddp, opt, None, {"powersgd": ps, "optimizer": opt}
+
+
+def resume_compressed(rank: int, world: int, path: str, mode: str, steps: int = 30,
+                      stop: int = 15, lr: float = 3e-3) -> dict:
+    """PowerSGD (rank 2, from step 5) and DiLoCo (H = 10) on :func:`digits_mlp`, per-rank batches
+    of the digits. ``mode``:
+
+    * ``"straight"`` — ``steps`` steps; returns ``{method: final parameters}``;
+    * ``"save"`` — ``stop`` steps, then first a save of the model alone (DiLoCo: refused, the
+      replicas differ mid-round; the message is returned under ``"refused"``), then
+      ``save_checkpoint(path/method, ..., states=...)``;
+    * ``"resume"`` / ``"forget"`` — a new model (another seed), ``load_checkpoint`` with its
+      states (or only the model and the optimizer: ``"forget"``), the remaining steps; returns
+      the parameters.
+    """
+    from minidist.data_parallel import load_checkpoint, save_checkpoint
+    from ..data import load_digits
+    x_all, y_all = load_digits()[0].tensors
+    out: dict = {}
+    for method in ("powersgd", "diloco"):
+        if mode in ("resume", "forget"):
+            torch.manual_seed(1)                          # nothing of the first run survives
+        model, net, opt, dl, states = _compressed(method, lr)
+        folder = os.path.join(path, method)
+        start, end = 0, steps if mode == "straight" else stop
+        if mode in ("resume", "forget"):
+            keep = states if mode == "resume" else {      # "forget": the optimizer only
+                k: v for k, v in states.items() if k in ("optimizer", "inner")}
+            load_checkpoint(folder, model, states=keep)
+            start, end = stop, steps
+        for s in range(start, end):
+            g = torch.Generator().manual_seed(1000 * rank + s)
+            idx = torch.randint(0, len(y_all), (32,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(net(x_all[idx]), y_all[idx]).backward()
+            opt.step()
+            if dl is not None:
+                dl.step()
+        if mode == "save":
+            try:
+                save_checkpoint(folder, model)
+            except ValueError as e:
+                out["refused"] = str(e)
+            save_checkpoint(folder, model, states=states)
+        if net is not model:
+            net.close()
+        out[method] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def dcp_bridge(rank: int, world: int, path: str, side: str) -> dict:
+    """``side="minidist"``: :func:`digits_mlp` sharded by minidist's ZeRO-3, two AdamW steps,
+    saved with :func:`minidist.sharding.dcp.save_dcp` to ``path``; ``side="fsdp2"``: the same
+    model (another seed) sharded by torch's ``fully_shard``, loaded from ``path`` the way
+    torchtitan loads (``get_model_state_dict`` / ``get_optimizer_state_dict``, ``dcp.load``,
+    ``set_*``). Returns the full weights and AdamW step per parameter name."""
+    import torch.distributed.checkpoint as dcp
+    from minidist.sharding import fsdp, fsdp_state
+    from minidist.sharding.dcp import save_dcp
+    torch.manual_seed(0 if side == "minidist" else 1)
+    from minidist.models import MLP
+    model = MLP(64, (64,), 10)
+    if side == "minidist":
+        fsdp.fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for s in range(2):
+            g = torch.Generator().manual_seed(100 * rank + s)
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(16, 64, generator=g)),
+                            torch.randint(0, 10, (16,), generator=g)).backward()
+            opt.step()
+        save_dcp(path, model, opt)
+        osd = fsdp_state.full_optim_state_dict(model, opt)["state"]
+        return {"weights": fsdp_state.full_state_dict(model),
+                "step": {k: float(v["step"]) for k, v in osd.items()}}
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optimizer"])
+    full = StateDictOptions(full_state_dict=True)
+    weights = {k: v.detach().clone() for k, v in get_model_state_dict(model, options=full).items()}
+    osd = get_optimizer_state_dict(model, opt, options=full)["state"]
+    return {"weights": weights, "step": {k: float(v["step"]) for k, v in osd.items()}}
