@@ -6,6 +6,7 @@ unmodified exercise fails, without a notebook kernel per case."""
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,11 +61,15 @@ def grading_cells(name, folder="solutions"):
     return [meta["grade_id"] for meta, _ in _cells(name, folder) if meta.get("grade")]
 
 
-def grade(name, grade_id, ns, folder="solutions"):
+def grade(name, grade_id, ns, folder="solutions", timeout: int | None = None):
     """Run grading cell ``grade_id`` in ``ns``; return (printed text, AssertionError or None).
-    Any other exception (a NameError, a typo in the grading cell) propagates."""
+    Any other exception (a NameError, a typo in the grading cell) propagates. ``timeout``: the
+    cell's ``timeout=`` arguments replaced by this many seconds (a deadlock found sooner)."""
     for meta, src in _cells(name, folder):
         if meta.get("grade_id") == grade_id:
+            if timeout is not None:
+                assert "timeout=" in src, f"{grade_id} passes no timeout to replace"
+                src = re.sub(r"timeout=\d+", f"timeout={timeout}", src)
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
                 try:

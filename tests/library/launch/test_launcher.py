@@ -163,17 +163,17 @@ _SCRIPT = textwrap.dedent("""
             dist.all_reduce(t)
             t /= t[0] / (rank + 1)
         return t.sum().item()
-    print(minidist.run(f, 3, timeout=60))
+    print(minidist.run(f, 2, timeout=60))
 """)
 
 
 def test_two_launches_at_the_same_moment_do_not_collide():
     procs = [subprocess.Popen([sys.executable, "-c", _SCRIPT], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
-        assert out.strip() == "[1000.0, 2000.0, 3000.0]"
+        assert out.strip() == "[1000.0, 2000.0]"
 
 
 _NOTEBOOK_CELLS = [
