@@ -96,3 +96,23 @@ def test_an_unfinished_generation_folder_cannot_be_loaded(tmp_path):
     os.makedirs(tmp_path / "gen-000009")
     with pytest.raises(FileNotFoundError, match="no manifest.json: a save that did not finish"):
         load_checkpoint(tmp_path / "gen-000009", torch.nn.Linear(3, 2))
+
+
+def test_the_loss_scaler_resumes_its_scale_and_counter(tmp_path):
+    """MixedPrecision (fp16: dynamic loss scaling) is a replicated stateful object: after an
+    overflow halves the scale, a save and a load into a fresh one continue with the same scale."""
+    from minidist.data_parallel import MixedPrecision
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = MixedPrecision(device="cpu", dtype=torch.float16, init_scale=2.0**10)
+    mp.backward(model(torch.ones(1, 3)).sum() * float("inf"))   # an overflow: step skipped
+    assert not mp.step(opt) and mp.scale == 2.0**9
+    save_checkpoint(tmp_path, model, states={"amp": mp})
+    fresh = MixedPrecision(device="cpu", dtype=torch.float16)
+    assert fresh.scale == 2.0**16
+    load_checkpoint(tmp_path, model, states={"amp": fresh})
+    assert fresh.scale == 2.0**9
+    assert fresh.scaler.state_dict() == mp.scaler.state_dict()
+    with pytest.raises(ValueError, match="saved with dtype torch.float16"):
+        load_checkpoint(tmp_path, model, states={"amp": MixedPrecision(device="cpu",
+                                                                        dtype=torch.bfloat16)})

@@ -190,7 +190,8 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     straight = minidist.run(_train, 2, path, 5, timeout=30)
     minidist.run(_train, 2, path, 5, 2, timeout=30)
     assert os.listdir(path) == ["gen-000001"], os.listdir(path)   # one complete generation
-    assert sorted(os.listdir(newest(path))) == ["checkpoint.pt", "manifest.json"]
+    assert sorted(os.listdir(newest(path))) == ["checkpoint.pt", "manifest.json", "rank00000.pt",
+                                                 "rank00001.pt"]      # each rank's generators
     state = torch.load(os.path.join(newest(path), FILE), weights_only=True)
     assert not any(k.startswith("module.") for k in state["model"])  # saved unwrapped
     resumed = minidist.run(_train, 2, path, 5, None, True, timeout=30)
