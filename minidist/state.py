@@ -31,9 +31,9 @@ object                                                scope        state
 Every rank's own random generators (CPU, CUDA, Python) are saved in its file without being
 named. An object whose state holds each rank's *model replica* (DiLoCo mid-round) says so with a
 true ``holds_replica``; otherwise a save whose model replicas differ is refused (see
-:func:`replica_digest`). The same split — replicated state once, per-rank state per rank, plain
-data only — is torch.distributed.checkpoint's ``Stateful`` protocol and torchft's per-replica
-state (``torchft/checkpointing``).
+:func:`replica_digest`). The two methods are ``torch.distributed.checkpoint``'s ``Stateful``
+protocol (``torch/distributed/checkpoint/stateful.py``); the scope is minidist's: DCP, for
+comparison, saves a plain tensor once (it takes it to be replicated) and a DTensor per shard.
 """
 
 from __future__ import annotations

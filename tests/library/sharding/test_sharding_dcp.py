@@ -6,8 +6,9 @@ on, saves with ``dcp.save``; minidist at W = 2 loads that. One process loads the
 into the plain model with ``no_dist=True``. Every hand-over is compared bitwise: weights and the
 AdamW moments and step, by parameter name. The model is the sharding tests' ``TiedLM``: a tied
 embedding, a frozen parameter, a buffer, and no size divisible by 2 or 3 (so shards are uneven
-and the last rank's may be empty) — the cases DCP resharding reports are about (pytorch#115591,
-#121940: optimizer state of tied or frozen parameters on load).
+and a rank's may be empty) — the cases field reports are about: loading another framework's
+optimizer state into FSDP2 (pytorch/torchtitan#765, "shard index out of range"), and ranks whose
+local shard is empty (NVIDIA/Megatron-LM PR #6215, DCP for Megatron-FSDP's optimizer).
 """
 
 from __future__ import annotations
