@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .fsdp import units
+from .fsdp_param import ParamLayout, ParamShardUnit
 from .fsdp_state import _prefix, check_covered
 
 __all__ = ["dcp_state_dict", "save_dcp", "load_dcp"]
@@ -88,7 +89,8 @@ def dcp_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None = 
                         "per-parameter layout, or export fsdp_state.full_state_dict")
     mesh = _mesh(group)
     prefix = _prefix(module)
-    model, names_of = {}, {}
+    model: dict = {}
+    names_of: dict = {}
     for u in us:
         if u.layout is None:
             continue
@@ -146,9 +148,10 @@ def load_dcp(path: str | os.PathLike, module: nn.Module, optimizer=None, group=N
                 if not hasattr(v, "to_local"):
                     optimizer.state[p][k] = v
     for u in units(module):                           # zero padding rows stay zero
-        if u.layout is not None and hasattr(u, "params"):
+        layout = u.layout
+        if isinstance(u, ParamShardUnit) and isinstance(layout, ParamLayout):
             for i, p in enumerate(u.params):
-                c, d0 = u.layout.rows[i], u.layout.shapes[i][0]
+                c, d0 = layout.rows[i], layout.shapes[i][0]
                 real = max(0, min(c, d0 - u.rank * c))
                 p[real:].zero_()
 
