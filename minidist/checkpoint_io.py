@@ -18,7 +18,8 @@ A save (:func:`save_generation`, collective over ``group``) goes
    folder) with the format, kind, world size, the caller's metadata and, per file, its size,
    SHA-256, model-structure signature and parameter shapes; its outcome is broadcast, so a failed
    manifest also fails the save on every rank;
-5. only then rank 0 retires the older generations (``keep`` newest are kept).
+5. only then rank 0 retires the older generations: the ``keep`` newest that verify are kept (a
+   corrupt one is not counted, so it never pushes out the last good one).
 
 A rank killed anywhere in 1-4 leaves a folder without a manifest: invisible to loading and
 cleared by the next save. Loading (:func:`open_newest`, :func:`read_part`) takes the newest
@@ -244,9 +245,26 @@ def save_generation(path, parts: dict, *, where: str, kind: str, meta: dict | No
         raise RuntimeError(f"{where}: rank 0 could not write {MANIFEST}, so nothing was saved "
                            f"({status})")
     if rank == 0:
-        for n, old, _ in generations(path)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _retire(path, folder, keep)
     return folder
+
+
+def _retire(path: str, new: str, keep: int) -> None:
+    """Keep ``new`` and the ``keep - 1`` newest older generations that verify; remove the older
+    ones. A corrupt generation does not count (it would push out a good one) and is removed once
+    it is older than the last good one kept."""
+    good = 1
+    for _, folder, complete in reversed(generations(path)):
+        if folder == new:
+            continue
+        if good >= keep:
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        try:
+            ok = complete and verify(folder, _read_manifest(folder, "save")) is None
+        except ValueError:
+            ok = False
+        good += ok
 
 
 def _write_manifest(folder: str, manifest: dict, where: str) -> None:

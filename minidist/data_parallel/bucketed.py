@@ -71,6 +71,11 @@ class BucketedDDP(DataParallelBase):
     ``first_bucket_cap_mb`` (cap of bucket 0 only, default: the same; torch's DDP
     uses 1 MiB so that the first all-reduce starts early), ``timeline`` (a :class:`minidist.trace.Timeline` that records, per bucket,
     when it became ready and its all-reduce on the "comm" lane, and the final "wait" on "main").
+
+    Gradient compression replaces the bucket average with :meth:`register_comm_hook`:
+    ``ddp.register_comm_hook(PowerSGD(rank=2), PowerSGD.hook)`` (or ``TopK``,
+    ``fp16_compress_hook``); a hook's state is checkpointed with ``save_checkpoint(...,
+    states={"powersgd": state})``.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None,

@@ -116,3 +116,17 @@ def test_the_loss_scaler_resumes_its_scale_and_counter(tmp_path):
     with pytest.raises(ValueError, match="saved with dtype torch.float16"):
         load_checkpoint(tmp_path, model, states={"amp": MixedPrecision(device="cpu",
                                                                         dtype=torch.bfloat16)})
+
+
+def test_a_corrupt_generation_never_pushes_out_the_last_good_one(tmp_path):
+    """A learner's report: with keep=2, a fallback resume and a new save deleted the only other
+    good generation and kept the corrupt one. The corrupt one is not counted now."""
+    model = _saved(tmp_path)                                  # generations 2 and 3, keep=2
+    _corrupt(newest(tmp_path))
+    load_checkpoint(tmp_path, model, generation=2)
+    save_checkpoint(tmp_path, model, extra={"step": 3}, keep=2)             # generation 4
+    assert [(r["generation"], r["status"]) for r in list_generations(tmp_path)] == [
+        (2, "verified"), (3, "corrupt"), (4, "verified")]
+    save_checkpoint(tmp_path, model, extra={"step": 4}, keep=2)             # generation 5
+    assert [(r["generation"], r["status"]) for r in list_generations(tmp_path)] == [
+        (4, "verified"), (5, "verified")]
