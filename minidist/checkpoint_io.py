@@ -22,9 +22,11 @@ A save (:func:`save_generation`, collective over ``group``) goes
    corrupt one is not counted, so it never pushes out the last good one).
 
 A rank killed anywhere in 1-4 leaves a folder without a manifest: invisible to loading and
-cleared by the next save. Loading (:func:`open_newest`, :func:`read_part`) takes the newest
-generation *with* a manifest, says which (and warns when it skipped an unfinished newer one), and
-checks the size and SHA-256 of every file before unpickling it; :func:`check_tensors` names the
+cleared by the next save. Loading (:func:`open_generation`, :func:`read_part`) takes the newest
+generation *with* a manifest, says which (and warns when it skipped an unfinished newer one), or
+the one asked for (``generation=``, or with ``fallback=True`` the newest that verifies;
+:func:`list_generations` shows them all), and checks the size and SHA-256 of every file before
+unpickling it; :func:`check_tensors` names the
 parameter, the expected and the found shape/dtype; :func:`agree` makes one rank's load error an
 error on every rank (no rank resumes while another waits for it forever).
 
@@ -50,8 +52,9 @@ import torch.distributed as dist
 
 from .comm.p2p import group_rank_world
 
-__all__ = ["save_generation", "open_generation", "list_generations", "verify", "read_part", "check_tensors", "agree", "newest",
-           "generations", "rank_name", "signature", "tensor_shapes", "flatten", "MANIFEST", "FORMAT"]
+__all__ = ["save_generation", "open_generation", "list_generations", "verify", "read_part",
+           "check_tensors", "agree", "newest", "generations", "rank_name", "signature",
+           "tensor_shapes", "flatten", "MANIFEST", "FORMAT"]
 
 FORMAT = "minidist-checkpoint/2"
 logger = logging.getLogger("minidist.checkpoint")
@@ -260,11 +263,7 @@ def _retire(path: str, new: str, keep: int) -> None:
         if good >= keep:
             shutil.rmtree(folder, ignore_errors=True)
             continue
-        try:
-            ok = complete and verify(folder, _read_manifest(folder, "save")) is None
-        except ValueError:
-            ok = False
-        good += ok
+        good += complete and _problem(folder, "save") is None
 
 
 def _write_manifest(folder: str, manifest: dict, where: str) -> None:
@@ -300,6 +299,14 @@ def verify(folder: str, manifest: dict) -> str | None:
         if hashlib.sha256(data).hexdigest() != record["sha256"]:
             return f"{name}: SHA-256 differs from the manifest's (corrupted)"
     return None
+
+
+def _problem(folder: str, where: str) -> str | None:
+    """None if a complete generation's manifest reads and every file verifies, else what is wrong."""
+    try:
+        return verify(folder, _read_manifest(folder, where))
+    except ValueError as e:
+        return str(e)
 
 
 def list_generations(path, check: bool = True) -> list[dict]:
@@ -351,10 +358,7 @@ def _pick(path: str, where: str, generation, fallback: bool) -> str:
     if not fallback:
         return folder
     for number, folder, _ in reversed(done):
-        try:
-            bad = verify(folder, _read_manifest(folder, where))
-        except ValueError as e:
-            bad = str(e)
+        bad = _problem(folder, where)
         if bad is None:
             return folder
         message = (f"{where}: generation {number} ({folder}) is corrupt — {bad}; falling back "

@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from .comm.p2p import group_rank_world
 
-__all__ = ["SCOPES", "scope_of", "check_plain", "digest", "collect", "restore", "replica_digest",
-           "holds_replica"]
+__all__ = ["SCOPES", "scope_of", "check_plain", "digest", "collect", "require", "restore",
+           "replica_digest", "holds_replica", "numpy_rng_state", "load_numpy_rng_state"]
 
 SCOPES = ("replicated", "per_rank")
 
@@ -189,12 +189,37 @@ def collect(states: dict | None, where: str, group=None, replicas: dict | None =
     return replicated, per_rank
 
 
-def restore(states: dict | None, saved: dict, where: str, file: str) -> None:
-    """Load each object of ``states`` from ``saved`` (``{name: state dict}``, both scopes merged).
-    Raises ``KeyError`` naming the object and ``file`` when the checkpoint does not hold it."""
+def require(states: dict | None, saved: dict, where: str, file: str,
+            saved_world: int | None = None, world: int | None = None) -> None:
+    """Check, before anything is loaded, that ``saved`` (``{name: state dict}``, both scopes
+    merged, as read by this rank) holds every object of ``states``. Raises ``ValueError`` when
+    the missing ones are per rank and ``saved_world`` ranks wrote them (this run has ``world``),
+    else ``KeyError`` naming them and ``file``."""
     missing = [name for name in (states or {}) if name not in saved]
+    if missing and saved_world is not None and saved_world != world:
+        raise ValueError(f"{where}: states {missing} are per rank, saved by {saved_world} ranks; "
+                         f"this run has {world}, so they cannot be restored (each rank's own "
+                         "state has no owner here)")
     if missing:
         raise KeyError(f"{where}: {file} holds no state for {missing} (it holds "
                        f"{sorted(saved)}); save them with save_*(..., states={{...}})")
+
+
+def restore(states: dict | None, saved: dict) -> None:
+    """Load each object of ``states`` from ``saved`` (checked by :func:`require` first)."""
     for name, obj in (states or {}).items():
         obj.load_state_dict(saved[name])
+
+
+def numpy_rng_state(rng) -> dict:
+    """A NumPy ``RandomState`` (or the ``numpy.random`` module's global one) as plain data."""
+    kind, keys, pos, has_gauss, gauss = rng.get_state()
+    return {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+            "has_gauss": int(has_gauss), "gauss": float(gauss)}
+
+
+def load_numpy_rng_state(rng, state: dict) -> None:
+    """Undo :func:`numpy_rng_state` on ``rng``."""
+    import numpy as np
+    rng.set_state((state["kind"], state["keys"].numpy().astype(np.uint32), state["pos"],
+                   state["has_gauss"], state["gauss"]))

@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 from ..checkpoint_io import (agree, check_tensors, open_generation, rank_name, read_part,
                              save_generation)
-from ..state import collect, restore, scope_of
+from ..state import (collect, load_numpy_rng_state, numpy_rng_state, require, restore,
+                     scope_of)
 from .replicas import unwrap
 
 __all__ = ["save_checkpoint", "load_checkpoint", "strip_prefix", "rank_state",
@@ -80,20 +81,14 @@ def restore_rank_state(state: dict) -> None:
 
 
 def _numpy_state():
-    np = sys.modules.get("numpy")
-    if np is None:
-        return None
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-            "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    np = sys.modules.get("numpy")               # only when something loaded NumPy
+    return None if np is None else numpy_rng_state(np.random)
 
 
 def _restore_numpy(state) -> None:
-    if state is None:
-        return
-    import numpy as np
-    np.random.set_state((state["kind"], state["keys"].numpy().astype(np.uint32), state["pos"],
-                         state["has_gauss"], state["gauss"]))
+    if state is not None:
+        import numpy as np
+        load_numpy_rng_state(np.random, state)
 
 
 def _sharded_model(model) -> bool:
@@ -204,14 +199,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, map_location
         if optimizer is not None and state.get("optimizer") is None:
             raise KeyError(f"{where}: {file!r} holds no optimizer state")
         saved = {**state.get("states", {}), **(mine or {}).get("states", {})}
-        missing = [n for n in (states or {}) if n not in saved]
-        if missing and mine is None and "states" in state:
-            raise ValueError(f"{where}: states {missing} are per rank, saved by "
-                             f"{saved_world} ranks; this run has {world}, so they "
-                             "cannot be restored (each rank's own state has no owner here)")
-        if missing:
-            raise KeyError(f"{where}: {file} holds no state for {missing} (it holds "
-                           f"{sorted(saved)}); save them with save_checkpoint(..., states=...)")
+        require(states, saved, where, file, saved_world, world)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         error = e
     if multi:
@@ -222,7 +210,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, map_location
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     try:                                          # after the model: DiLoCo's replica wins
-        restore(states, saved, where, file)
+        restore(states, saved)
         error = None
     except (ValueError, KeyError, RuntimeError) as e:
         error = e

@@ -39,6 +39,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from ..state import load_numpy_rng_state, numpy_rng_state
 from .compression import ring_allreduce_bytes
 
 __all__ = ["PowerSGD", "orthogonalize_"]
@@ -102,11 +103,8 @@ class PowerSGD:
         """Everything a resume needs, as plain data (torch's ``PowerSGDState.__getstate__``
         keeps the same: step, Q, error feedback, the NumPy generator): this rank's error
         feedback ``e`` per bucket, the warm-start Q's, the step counter and the random state."""
-        kind, keys, pos, has_gauss, gauss = self.rng.get_state(legacy=True)
-        assert isinstance(keys, np.ndarray)
         return {"settings": {k: getattr(self, k) for k in self._SETTINGS}, "iter": self.iter,
-                "rng": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                        "has_gauss": int(has_gauss), "gauss": float(gauss)},
+                "rng": numpy_rng_state(self.rng),
                 "errors": {b: e.clone() for b, e in self.errors.items()},
                 "qs": {b: [q.clone() for q in qs] for b, qs in self.qs.items()}}
 
@@ -118,9 +116,7 @@ class PowerSGD:
         if differ:
             raise ValueError("PowerSGD.load_state_dict: saved with other settings "
                              + ", ".join(f"{k}={a!r} (this one {b!r})" for k, (a, b) in differ.items()))
-        rng = state["rng"]
-        self.rng.set_state(("MT19937", rng["keys"].numpy().astype(np.uint32), rng["pos"],
-                            rng["has_gauss"], rng["gauss"]))
+        load_numpy_rng_state(self.rng, state["rng"])
         self.iter = int(state["iter"])
         self.errors = {int(b): e.clone() for b, e in state["errors"].items()}
         self.qs = {int(b): [q.clone() for q in qs] for b, qs in state["qs"].items()}

@@ -44,7 +44,7 @@ from ..checkpoint_io import (agree, check_tensors, flatten, newest, open_generat
                              rank_name, read_part, save_generation)
 from ..data_parallel.checkpoint import rank_state, restore_rank_state
 from ..sharding.zero import ShardedOptimizer
-from ..state import collect, restore
+from ..state import collect, require, restore
 from ..tensor_parallel.random import RNGTracker, get_rng_tracker
 
 __all__ = ["save_hybrid_checkpoint", "load_hybrid_checkpoint", "rank_file", "rank_name", "FORMAT"]
@@ -149,10 +149,7 @@ def load_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None,
     failed: Exception | None = None
     try:
         gen, state = _read_and_check(folder, model, optimizer, where, generation, fallback)
-        missing = [n for n in (states or {}) if n not in state["states"]]
-        if missing:
-            raise KeyError(f"{where}: the checkpoint holds no state for {missing} (it holds "
-                           f"{sorted(state['states'])})")
+        require(states, state["states"], where, gen)
     except (OSError, ValueError, KeyError) as e:
         failed = e
     agree(where, failed)                          # every rank loads, or none does
@@ -160,7 +157,7 @@ def load_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None,
         stage.load_state_dict(state["model"][s])   # copies in place: ZeRO's flat views stay
     _load_optimizer(optimizer, state["optimizer"])
     try:
-        restore(states, state["states"], where, gen)
+        restore(states, state["states"])
         failed = None
     except (ValueError, KeyError, RuntimeError) as e:
         failed = e

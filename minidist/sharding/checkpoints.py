@@ -32,7 +32,7 @@ from ..checkpoint_io import (agree, check_tensors, open_generation, rank_name, r
 from ..comm.p2p import group_rank_world
 from ..data_parallel.checkpoint import (FILE, _sharded_model, load_checkpoint, rank_state,
                                         restore_rank_state, save_checkpoint)
-from ..state import collect, restore
+from ..state import collect, require, restore
 from ..data_parallel.replicas import unwrap
 from . import fsdp_state
 from .zero import ShardedOptimizer
@@ -92,25 +92,15 @@ def load_full_checkpoint(path, model, optimizer=None, group=None, states: dict |
         saved = dict(state["states"])
         if manifest["world_size"] == world:
             saved.update(read_part(folder, manifest, rank_name(rank), where)["states"])
-        _require(states, saved, where, folder, manifest["world_size"], world)
+        require(states, saved, where, folder, manifest["world_size"], world)
     except (OSError, ValueError, KeyError) as e:
         error = e
     agree(where, error, group)
     fsdp_state.load_full_state_dict(model, state["model"])
     if optimizer is not None:
         fsdp_state.load_full_optim_state_dict(model, optimizer, state["optimizer"])
-    restore(states, saved, where, folder)
+    restore(states, saved)
     return state["extra"]
-
-
-def _require(states, saved: dict, where: str, folder: str, saved_world: int, world: int) -> None:
-    missing = [n for n in (states or {}) if n not in saved]
-    if missing and saved_world != world:
-        raise ValueError(f"{where}: states {missing} are per rank, saved by {saved_world} ranks; "
-                         f"this run has {world}, so they cannot be restored")
-    if missing:
-        raise KeyError(f"{where}: {folder} holds no state for {missing} (it holds "
-                       f"{sorted(saved)})")
 
 
 def _sharded_parts(model, optimizer, where: str, rank: int) -> dict:
@@ -159,7 +149,7 @@ def load_sharded_checkpoint(path, model, optimizer=None, group=None, states: dic
                                            "sharded-zero12", world_size=world,
                                            generation=generation, fallback=fallback)
         state = read_part(folder, manifest, shard_name(rank), where)
-        _require(states, state["states"], where, folder, world, world)
+        require(states, state["states"], where, folder)
         model_state = state["model"] if zero3 else (
             state["model"] if rank == 0 else read_part(folder, manifest, shard_name(0),
                                                        where)["model"])
@@ -188,7 +178,7 @@ def load_sharded_checkpoint(path, model, optimizer=None, group=None, states: dic
         optimizer.optim.load_state_dict(state["optimizer"]["state"])
     elif optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
-    restore(states, state["states"], where, folder)
+    restore(states, state["states"])
     if restore_rng:
         restore_rank_state(state["rng"])
     return state["extra"]

@@ -14,21 +14,19 @@ matrix, one launch per world size runs all of its configurations (two launches p
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
 import torch
 
 import minidist
-from minidist.grid import ProcessGrid
-from minidist.hybrid import HybridGPT, make_optimizer, train_step, wrap_stages
+from minidist.hybrid import make_optimizer, train_step, wrap_stages
 from minidist.hybrid.checkpoint import load_hybrid_checkpoint, save_hybrid_checkpoint
 from minidist.tensor_parallel.random import grid_seed
 
 from ..references import hybrid as ref_hybrid
-from .covering import PP, cp_size, refusal, world_size
-from .run import BATCH, MICROBATCHES, _cfg, _ignore
+from .covering import refusal, world_size
+from .run import BATCH, MICROBATCHES, _cfg, _ignore, build
 
 __all__ = ["STEPS", "SAVE_AT", "run_resume", "Batches"]
 
@@ -58,17 +56,8 @@ class Batches:
 
 
 def _build(config: dict, seed: int):
-    tp = 1 if config["tp"] == "1" else 2
-    chunks = 2 if config["schedule"] in ("interleaved", "zb-v", "dualpipe-v") else 1
-    attention, _, split = config["cp"].partition("/")
-    grid = ProcessGrid(config["dp"], PP, tp, cp=cp_size(config), ep=config["ep"])
-    cfg = dataclasses.replace(_cfg(config), dropout=DROPOUT)
-    model = HybridGPT(cfg, grid, chunks=chunks, sequence_parallel=config["tp"] == "2+sp",
-                      seed=seed, placement="v" if config["schedule"] in ("zb-v", "dualpipe-v")
-                      else "loop", recompute=config["recompute"],
-                      cp_attention="ulysses" if attention == "ulysses" else "ring",
-                      cp_split=split or "zigzag")
-    grid_seed(1234 + seed, grid)
+    model = build(config, seed=seed, dropout=DROPOUT)
+    grid_seed(1234 + seed, model.grid)
     modules = wrap_stages(model, config["dp_mode"])
     opt = make_optimizer(model, config["dp_mode"], torch.optim.AdamW, lr=1e-2)
     return model, modules, opt

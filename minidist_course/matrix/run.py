@@ -19,6 +19,7 @@ one process, measured up to 1e-6 relative (as the 3-D tests).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -31,7 +32,7 @@ from minidist.models.gpt import GPTConfig
 from ..references import hybrid as ref_hybrid
 from .covering import DIMENSIONS, PP, cp_size, pairs_of, refusal, world_size
 
-__all__ = ["TOL", "MICROBATCHES", "run_matrix", "check", "summarise"]
+__all__ = ["TOL", "MICROBATCHES", "build", "run_matrix", "check", "summarise"]
 
 TOL = 1e-6
 MICROBATCHES = 4       # dualpipe-v needs 2·pp; interleaved a multiple of pp
@@ -46,18 +47,26 @@ def _ignore(config) -> float:
     return 0.3 if config["loss"] == "per_token" else 0.0   # "mean" over shards needs none ignored
 
 
-def _one(config) -> dict:
-    """This rank's part of one configuration (runs on every rank of a launch of its world size)."""
+def build(config, seed: int = 0, dropout: float = 0.0) -> HybridGPT:
+    """The tiny GPT of one configuration on its grid (this rank's stages); raises the library's
+    ``ValueError`` for a refused one."""
     tp = 1 if config["tp"] == "1" else 2
     chunks = 2 if config["schedule"] in ("interleaved", "zb-v", "dualpipe-v") else 1
     placement = "v" if config["schedule"] in ("zb-v", "dualpipe-v") else "loop"
     attention, _, split = config["cp"].partition("/")   # "ring/zigzag", "ulysses" (zigzag)
+    grid = ProcessGrid(config["dp"], PP, tp, cp=cp_size(config), ep=config["ep"])
+    cfg = dataclasses.replace(_cfg(config), dropout=dropout)
+    return HybridGPT(cfg, grid, chunks=chunks, sequence_parallel=config["tp"] == "2+sp",
+                     seed=seed, placement=placement, recompute=config["recompute"],
+                     cp_attention="ulysses" if attention == "ulysses" else "ring",
+                     cp_split=split or "zigzag")
+
+
+def _one(config) -> dict:
+    """This rank's part of one configuration (runs on every rank of a launch of its world size)."""
     try:
-        grid = ProcessGrid(config["dp"], PP, tp, cp=cp_size(config), ep=config["ep"])
-        model = HybridGPT(_cfg(config), grid, chunks=chunks, sequence_parallel=config["tp"] == "2+sp",
-                          seed=0, placement=placement, recompute=config["recompute"],
-                          cp_attention="ulysses" if attention == "ulysses" else "ring",
-                          cp_split=split or "zigzag")
+        model = build(config)
+        grid = model.grid
         modules = wrap_stages(model, config["dp_mode"])
         opt = (make_optimizer(model, "zero1", torch.optim.SGD, lr=0.0)
                if config["dp_mode"] == "zero1" else None)
