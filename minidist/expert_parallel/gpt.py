@@ -77,6 +77,8 @@ class MoEGPT(nn.Module):
             for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:  # one parameter, as GPT's (drawn after the head's: same RNG calls)
+            self.head.weight = self.tok_emb.weight
         self.aux_loss = None
 
     def __getstate__(self):   # as MoE's: the last forward's aux loss is not copied

@@ -31,6 +31,14 @@ Parameters: ``router`` (``[E, h]``, fp32, no bias) is replicated over the EP gro
 only this rank's experts (``expert_ids``), initialised from the same RNG draws as a one-process
 layer with all E experts (all are drawn, the others dropped), so EP and one process start equal.
 
+Inside a pipeline stage the aux losses cannot be added to the loss (the loss is on the last
+stage): set ``aux_scale`` to ``f(b) -> float`` (``b`` the micro-batch's samples) and the layer
+attaches its aux loss to its output with :class:`AuxLossAutoScaler` — the output is unchanged, and
+the backward that reaches it also gives the aux loss the gradient ``f(b)``, as if ``f(b) · aux``
+had been added to the loss (Megatron-LM's ``MoEAuxLossAutoScaler``, moe_utils.py). ``f`` depends
+on the micro-batch size only, so a recomputed forward attaches the same weight.
+:func:`minidist.hybrid.train_step` sets it to the weight the step's loss reduction gives.
+
 After each forward ``self.stats`` holds :class:`~.stats.MoEStats` for that forward — overwritten,
 never accumulated, so activation recomputation (which runs the forward again) cannot count the
 same tokens twice; a training loop reads it once per step.
@@ -48,7 +56,24 @@ from .dispatch import dispatch_combine, local_experts
 from .router import DROP_POLICIES, expert_capacity, keep_mask, load_balancing_loss, route, z_loss
 from .stats import MoEStats
 
-__all__ = ["MoE"]
+__all__ = ["MoE", "AuxLossAutoScaler"]
+
+
+class AuxLossAutoScaler(torch.autograd.Function):
+    """``y = AuxLossAutoScaler.apply(x, aux, weight)``: ``y`` is ``x``; backward passes the
+    gradient to ``x`` unchanged and gives ``aux`` (a 0-dim tensor with a graph) the gradient
+    ``weight``: the aux loss is backpropagated as part of ``weight · aux`` with no loss term on
+    this stage (Megatron-LM, ``megatron/core/transformer/moe/moe_utils.py``)."""
+
+    @staticmethod
+    def forward(ctx, x, aux, weight: float):
+        ctx.weight, ctx.aux_meta = weight, (aux.shape, aux.dtype, aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
 
 
 def _group_info(group):
@@ -100,6 +125,7 @@ class MoE(nn.Module):
         for p in self.experts.parameters():
             p.expert_parallel = True   # marks the parameters replicated only over the expert-DP group
         self.aux_loss = None
+        self.aux_scale = None     # f(micro-batch samples) -> weight: attach aux to the output
         self.stats = None
 
     def __getstate__(self):
@@ -150,4 +176,7 @@ class MoE(nn.Module):
                               received=moved.recv_counts.sum(0), capacity=capacity,
                               send_splits=moved.send_splits, recv_splits=moved.recv_splits,
                               a2a_bytes_sent=moved.a2a_bytes_sent, expert_ids=list(self.expert_ids))
-        return out.view(b, s, h)
+        out = out.view(b, s, h)
+        if self.aux_scale is not None and aux.requires_grad:
+            out = AuxLossAutoScaler.apply(out, aux, float(self.aux_scale(b)))
+        return out

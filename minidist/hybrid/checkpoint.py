@@ -63,18 +63,18 @@ def rank_file(folder: str | os.PathLike, rank: int) -> str:
 def _layout(model) -> dict:
     g = model.grid
     cfg = model.cfg
-    return {"dp": g.dp_size, "pp": g.pp_size, "tp": g.tp_size, "cp": getattr(g, "cp_size", 1),
-            "world": g.world_size,
-            "chunks": getattr(model, "chunks", 1),
-            "sequence_parallel": bool(getattr(model, "sequence_parallel", False)),
+    return {"dp": g.dp_size, "pp": g.pp_size, "tp": g.tp_size, "cp": g.cp_size, "ep": g.ep_size,
+            "world": g.world_size, "chunks": model.chunks,
+            "sequence_parallel": bool(model.sequence_parallel), "moe": model.moe,
             "cfg": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))}
 
 
 def _describe(layout: dict) -> str:
-    cp = layout.get("cp", 1)
+    cp, ep, moe = layout.get("cp", 1), layout.get("ep", 1), layout.get("moe")
     return (f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']}"
-            f"{f' cp={cp}' if cp != 1 else ''} chunks={layout['chunks']} "
-            f"sequence_parallel={layout['sequence_parallel']}")
+            + (f" cp={cp}" if cp != 1 else "") + (f" ep={ep}" if ep != 1 else "")
+            + f" chunks={layout['chunks']} sequence_parallel={layout['sequence_parallel']}"
+            + (f" moe={moe}" if moe else ""))
 
 
 def save_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, step: int = 0,

@@ -11,7 +11,9 @@ parameter once, then multiplies every gradient by ``min(1, max_norm / (‖g‖ +
 * a TP-replicated parameter (LayerNorm, row-parallel bias, position embedding) counts on TP rank
   0 only (after sequence-parallel finishing, its gradient is the same on every TP rank);
 * the last stage's copy of a tied embedding does not count (the first stage's does);
-* DP replicas hold the same averaged gradient: not summed over the DP group.
+* DP replicas hold the same averaged gradient: not summed over the DP group;
+* an expert (mixture of experts, :mod:`.moe`) lives on one rank of its EP group: its squares are
+  summed over the EP group (not over its expert-DP replicas).
 
 The squared sums are added over the TP group, then over the pipeline group: every rank of a
 replica gets the same norm (and each replica the same one). Call it after the DP sync, the
@@ -43,17 +45,23 @@ def global_grad_norm(model, norm_type: float = 2.0) -> float:
 
 def _local_sum_sq(model) -> torch.Tensor:
     """This rank's share of the squared norm: each parameter once (the tied copy and a replicated
-    parameter's copies on TP ranks > 0 skipped), in fp64."""
+    parameter's copies on TP ranks > 0 skipped), in fp64. Experts (sharded over the EP group,
+    each on one rank of it) are summed over the EP group here: a collective over it when
+    ``ep > 1``."""
     grid, params = model.grid, model.parameters()
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=device)
+    experts = torch.zeros(1, dtype=torch.float64, device=device)
     for p in params:
         if p.grad is None or model.is_tied_copy(p):
             continue
         if not getattr(p, "tensor_model_parallel", False) and grid.tp_rank != 0:
             continue
-        total += p.grad.detach().double().pow(2).sum()
-    return total
+        (experts if getattr(p, "expert_parallel", False) else total).add_(
+            p.grad.detach().double().pow(2).sum())
+    if grid.ep_size > 1:
+        C.all_reduce(experts, "sum", group=grid.ep_group)
+    return total + experts
 
 
 def _reduce_tp_pp(grid, dp: bool = False):

@@ -32,6 +32,7 @@ from ..data_parallel.bucketed import BucketedDDP
 from ..data_parallel.clip import clip_by_global_norm_
 from ..sharding.zero import ShardedOptimizer
 from .clip import _reduce_tp_pp
+from .moe import refuse_expert_dp_mode
 
 __all__ = ["DP_MODES", "PipelineBucketedDDP", "ZeRO1Optimizer", "make_optimizer"]
 
@@ -147,5 +148,6 @@ def make_optimizer(model, dp_mode: str, optimizer_class=torch.optim.AdamW, **def
         raise ValueError(f"make_optimizer (rank {model.grid.rank}): dp_mode must be one of "
                          f"{DP_MODES}, got {dp_mode!r}")
     if dp_mode == "zero1":
+        refuse_expert_dp_mode(model, dp_mode, "make_optimizer")
         return ZeRO1Optimizer(model, optimizer_class, **defaults)
     return optimizer_class(model.parameters(), **defaults)

@@ -24,6 +24,7 @@ may come before or after that average.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,30 +36,34 @@ from ..data_parallel.flat import average_flat
 from ..pipeline_parallel.engine import StepResult, pipeline_step, scale_gradients
 from ..trace import Event
 
-__all__ = ["dp_pipeline_step", "sync_gradients"]
+__all__ = ["dp_pipeline_step", "sync_gradients", "average_params"]
 
 
 def sync_gradients(modules: dict[int, nn.Module], dp_group) -> None:
     """Average every parameter gradient of ``modules`` over ``dp_group``, as one flat buffer
-    (:func:`minidist.data_parallel.flat.average_flat`, as FlatDDP does).
+    (:func:`minidist.data_parallel.flat.average_flat`, as FlatDDP does): :func:`average_params`
+    of the stages' parameters."""
+    average_params([p for s in sorted(modules) for p in modules[s].parameters()], dp_group)
 
-    A parameter with no gradient counts as zero (so replicas stay in step); one that no replica
-    used keeps ``grad=None``, as in one process (a zero gradient would still move it under
-    momentum or weight decay). The usage mask travels in the same buffer: no extra collective.
-    """
-    params = [p for s in sorted(modules) for p in modules[s].parameters() if p.requires_grad]
-    if not params or dist.get_world_size(dp_group) == 1:
+
+def average_params(params: list[nn.Parameter], group) -> None:
+    """Average the gradients of ``params`` (those that require one) over ``group`` as one flat
+    buffer. A parameter with no gradient counts as zero (so replicas stay in step); one that no
+    replica used keeps ``grad=None``, as in one process (a zero gradient would still move it under
+    momentum or weight decay). The usage mask travels in the same buffer: no extra collective."""
+    params = [p for p in params if p.requires_grad]
+    if not params or dist.get_world_size(group) == 1:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-    *averaged, anywhere = average_flat(grads + [used], Communicator("hand-built", dp_group))
+    *averaged, anywhere = average_flat(grads + [used], Communicator("hand-built", group))
     for p, avg, a in zip(params, averaged, anywhere.tolist()):
         if a > 0:
             p.grad = avg.clone()
 
 
 def dp_pipeline_step(schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
-                     pp_group, dp_group, loss_reduction: str = "mean", average: bool = True,
+                     pp_group, dp_group, loss_reduction: str = "mean", average: bool | Callable[[], None] = True,
                      record: bool = False, device=None, prefetch: bool | None = None,
                      backward_context=None) -> StepResult:
     """One pipeline step on this replica's shard ``inputs``/``targets`` (``[N/D, ...]``), composed
@@ -66,7 +71,8 @@ def dp_pipeline_step(schedule, modules: dict[int, nn.Module], inputs, targets, l
 
     Arguments as :func:`~minidist.pipeline_parallel.engine.pipeline_step` (``pp_group`` is its
     ``group``), plus ``dp_group`` (the replicas of this pipeline rank) and ``average`` (False when
-    a DDP wrapper or ZeRO averages the gradients). Returns the engine's :class:`StepResult`; for
+    a DDP wrapper or ZeRO averages the gradients; a function of no argument to average them
+    another way: experts over their own group, :func:`minidist.hybrid.moe.average_gradients`). Returns the engine's :class:`StepResult`; for
     ``"sum"``/``"per_token"`` its ``global_loss`` is the global batch's loss on every rank and
     ``tokens`` (``"per_token"``) the global count. With ``record``, the average is a
     ``"dp_sync"`` Event on the timeline.
@@ -92,7 +98,10 @@ def dp_pipeline_step(schedule, modules: dict[int, nn.Module], inputs, targets, l
         _over_replicas(result, modules, pp_group, dp_group, loss_reduction, sum(counts), device)
     if average:
         start = time.perf_counter()
-        sync_gradients(modules, dp_group)
+        if callable(average):
+            average()
+        else:
+            sync_gradients(modules, dp_group)
         if record:
             result.events.append(Event("dp_sync", start - result.t0, time.perf_counter() - result.t0,
                                        rank=dist.get_rank(pp_group)))

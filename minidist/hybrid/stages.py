@@ -37,7 +37,7 @@ dropout with CP.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 
 import torch
 import torch.utils.checkpoint
@@ -48,18 +48,53 @@ from ..comm.p2p import group_rank_world
 from ..context_parallel.attention import ContextParallelSelfAttention
 from ..context_parallel.sharding import SPLITS as CP_SPLITS
 from ..context_parallel.sharding import positions as cp_positions
+from ..expert_parallel.dispatch import local_experts
 from ..models.gpt import GPT, GPTConfig
 from ..pipeline_parallel.partition import balanced_bounds
 from ..sharding.recompute import checkpoint
 from ..tensor_parallel.gpt import GPTStage
+from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.sequence import allreduce_sequence_parallel_grads
 from ..tensor_parallel.sharding import gather_state_dict, shard_state_dict
+from .moe import check_moe, global_names, install_experts, local_full_state
 
 __all__ = ["GPTStage", "CPGPTStage", "HybridGPT", "stage_bounds", "check_grid", "RECOMPUTE"]
 
+
+
+def torch_checkpoint(fn, *args):
+    """torch's non-reentrant checkpoint, as minidist's own checkpoint behaves: without early stop
+    (every rank recomputes the whole block, so the collectives inside it — TP's all-reduces, MoE's
+    all-to-alls — match across ranks) and with the tensor-parallel dropout tracker's generators
+    replayed (torch restores its own generators only: the recomputed dropout masks would differ,
+    and with experts so would the routing; Megatron-LM's ``checkpoint`` replays the tracker too)."""
+    state = get_rng_tracker().state_dict()
+
+    def contexts():
+        return contextlib.nullcontext(), _TrackerReplayed(state)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
+                                                 context_fn=contexts)
+
+
+class _TrackerReplayed:
+    """The tracker at ``state`` inside the block (the recomputation), as it was outside after.
+    Reusable: a split backward recomputes a block twice with the same context."""
+
+    def __init__(self, state: dict):
+        self.state, self.outside = state, []
+
+    def __enter__(self):
+        tracker = get_rng_tracker()
+        self.outside.append(tracker.state_dict())
+        tracker.load_state_dict(self.state)
+
+    def __exit__(self, *exc):
+        get_rng_tracker().load_state_dict(self.outside.pop())
+
+
 # how a stage runs each block: as is, or recomputed in backward (minidist's or torch's checkpoint)
-RECOMPUTE = {"none": None, "minidist": checkpoint,
-             "torch": functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)}
+RECOMPUTE = {"none": None, "minidist": checkpoint, "torch": torch_checkpoint}
 
 
 def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
@@ -152,23 +187,25 @@ class HybridGPT:
     block keeps its input and runs again in backward (in each backward: twice under a
     zero-bubble split); ``cp_attention``: ``"ring"`` or ``"ulysses"`` and ``cp_split``:
     ``"zigzag"``, ``"contiguous"`` or ``"striped"`` — how the sequence is cut over the CP ranks
-    and how their attention meets (:mod:`minidist.context_parallel`; used when ``cp > 1``).
+    and how their attention meets (:mod:`minidist.context_parallel`; used when ``cp > 1``);
+    ``moe``: None (dense MLPs) or the options of a mixture of experts in every block
+    (``num_experts`` and :class:`~minidist.expert_parallel.layer.MoE`'s ``top_k``,
+    ``capacity_factor``, ``drop_policy``, ``normalize_topk``, ``aux_loss_coeff``,
+    ``z_loss_coeff``), its experts sharded over the grid's EP group (:mod:`.moe`).
 
     Attributes: ``stages`` {stage index: :class:`GPTStage`, a :class:`CPGPTStage` with cp > 1}
     (this rank's), ``n_stages`` = pp·v,
-    ``bounds`` (block ranges per stage), ``tied`` (tied embeddings held as two copies).
+    ``bounds`` (block ranges per stage), ``tied`` (tied embeddings held as two copies),
+    ``moe_layers`` (this rank's MoE layers, stage order; empty when dense).
 
-    Raises ``ValueError`` from :func:`check_grid`.
+    Raises ``ValueError`` from :func:`check_grid` and :func:`.moe.check_moe`.
     """
 
     def __init__(self, cfg: GPTConfig, grid, chunks: int = 1, sequence_parallel: bool = False,
                  seed: int = 0, placement: str = "loop", recompute: str = "none",
-                 cp_attention: str = "ring", cp_split: str = "zigzag"):
+                 cp_attention: str = "ring", cp_split: str = "zigzag", moe: dict | None = None):
         cp = grid.cp_size
-        if grid.ep_size > 1:
-            raise ValueError(f"HybridGPT (rank {grid.rank}): the grid has ep={grid.ep_size}, but "
-                             "this GPT's MLPs are dense (no experts to shard); use ep=1, or "
-                             "MoEGPT for expert parallelism with data parallelism")
+        check_moe(moe, grid, sequence_parallel, f"HybridGPT (rank {grid.rank})")
         if cp_attention not in ("ring", "ulysses") or cp_split not in CP_SPLITS:
             raise ValueError(f"HybridGPT (rank {grid.rank}): cp_attention must be 'ring' or "
                              f"'ulysses' and cp_split one of {CP_SPLITS}, got {cp_attention!r}, "
@@ -183,8 +220,12 @@ class HybridGPT:
         self.cp_attention, self.cp_split = cp_attention, cp_split
         self.n_stages = grid.pp_size * chunks
         self.bounds = stage_bounds(cfg.n_layer, self.n_stages)
-        torch.manual_seed(seed)
-        full = GPT(cfg).state_dict()
+        self.moe, self.moe_layers = moe, []
+        if moe is None:
+            torch.manual_seed(seed)
+            full = GPT(cfg).state_dict()
+        else:   # the one-process MoEGPT, with this rank's experts renumbered as the stages hold them
+            full = local_full_state(cfg, moe, seed, self.expert_ids)
         self.stages = {}
         P, r = grid.pp_size, grid.pp_rank
         for c in range(chunks):
@@ -193,6 +234,8 @@ class HybridGPT:
             stage = (CPGPTStage(cfg, s, self.n_stages, layers, grid.tp_group, sequence_parallel,
                                 grid.cp_group, cp_split, cp_attention) if cp > 1 else
                      GPTStage(cfg, s, self.n_stages, layers, grid.tp_group, sequence_parallel))
+            if moe is not None:
+                self.moe_layers += install_experts(stage, moe, grid)
             stage.load_state_dict(shard_state_dict(full, stage, grid.tp_group))
             stage.run_block = RECOMPUTE[recompute]
             self.stages[s] = stage
@@ -213,6 +256,11 @@ class HybridGPT:
                     seen.add(id(p))
                     out.append(p)
         return out
+
+    @property
+    def expert_ids(self) -> list[int]:
+        """The experts (one-process indices) this rank holds in every MoE layer."""
+        return local_experts(self.moe["num_experts"], self.grid.ep_size, self.grid.ep_rank)
 
     def is_tied_copy(self, p: nn.Parameter) -> bool:
         """True for the last stage's copy of a tied embedding (count it once: in the embedding)."""
@@ -249,11 +297,12 @@ class HybridGPT:
     # ------------------------------------------------------------------ inspection
     def gather(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full (unpadded) parameters or gradients of this rank's stages, by GPT name; the tied
-        copy is returned as ``head.weight``. A collective over the TP group."""
+        copy is returned as ``head.weight``; experts by their one-process index (this rank's
+        experts only). A collective over the TP group."""
         out = {}
         for s in sorted(self.stages):
             out.update(gather_state_dict(self.stages[s], self.grid.tp_group, grads=grads))
-        return out
+        return out if self.moe is None else global_names(out, self.expert_ids)
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:

@@ -47,6 +47,7 @@ from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from .clip import clip_grad_norm_
 from .dp import DP_MODES, PipelineBucketedDDP
 from .dp_pipeline import dp_pipeline_step
+from .moe import average_gradients, aux_weight, refuse_expert_dp_mode
 from .stages import check_grid
 
 __all__ = ["StepOutput", "train_step", "wrap_stages", "make_loss_fn"]
@@ -54,13 +55,16 @@ __all__ = ["StepOutput", "train_step", "wrap_stages", "make_loss_fn"]
 
 @dataclass
 class StepOutput:
-    """``loss``: the global batch's loss (every rank); ``grad_norm``: the global gradient norm
-    before clipping (None without ``max_norm``); ``result``: the engine's :class:`StepResult`
-    (timeline, peak activations)."""
+    """``loss``: the global batch's loss (every rank; with experts, the cross-entropy plus
+    ``aux_loss``); ``grad_norm``: the global gradient norm before clipping (None without
+    ``max_norm``); ``result``: the engine's :class:`StepResult` (timeline, peak activations);
+    ``aux_loss``: with experts, ``Σ_m w_m·aux(m)`` summed over the layers (:mod:`.moe`), else
+    None."""
 
     loss: float
     grad_norm: float | None
     result: StepResult
+    aux_loss: float | None = None
 
 
 def make_loss_fn(model, loss_reduction: str = "mean", ignore_index: int = -100):
@@ -87,6 +91,7 @@ def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> d
     if dp_mode not in DP_MODES:
         raise ValueError(f"wrap_stages (rank {model.grid.rank}): dp_mode must be one of "
                          f"{DP_MODES}, got {dp_mode!r}")
+    refuse_expert_dp_mode(model, dp_mode, "wrap_stages")
     if dp_mode != "bucketed":
         return dict(model.stages)
     return {s: PipelineBucketedDDP(m, group=model.grid.dp_cp_group, bucket_cap_mb=bucket_cap_mb)
@@ -130,6 +135,7 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     if any(wrapped) != (dp_mode == "bucketed") or len(set(wrapped)) > 1:
         raise ValueError(f"train_step (rank {grid.rank}): modules do not match dp_mode="
                          f"{dp_mode!r}; build them with wrap_stages(model, {dp_mode!r})")
+    refuse_expert_dp_mode(model, dp_mode, "train_step")
     cp = grid.cp_size
     check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, model.chunks,
                model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches, cp,
@@ -153,10 +159,19 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
         x, y = (shard(t, model.cp_split, cp, grid.cp_rank, dim=1) for t in (x, y))
     bucketed, zero1 = dp_mode == "bucketed", dp_mode == "zero1" and optimizer is not None
     ctx = (lambda s, m, last: modules[s].backward_sync(last)) if bucketed else None
-    result = dp_pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),
-                              grid.pp_group, grid.dp_cp_group, loss_reduction=loss_reduction,
-                              average=not (bucketed or zero1), record=record,
-                              backward_context=ctx, device=_device(model))
+    average = not (bucketed or zero1)
+    if model.moe_layers:   # experts: their aux losses' weights, their own gradient average
+        tokens = int((targets != -100).sum())
+        weight = aux_weight(loss_reduction, x.shape[0], len(grid.dp_cp_ranks), tokens)
+        for layer in model.moe_layers:
+            layer.aux_scale = weight
+        if average:
+            average = lambda: average_gradients(model.parameters(), grid)   # noqa: E731
+    with _AuxMeter(model, x.shape[0]) as aux:
+        result = dp_pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),
+                                  grid.pp_group, grid.dp_cp_group, loss_reduction=loss_reduction,
+                                  average=average, record=record, backward_context=ctx,
+                                  device=_device(model))
     with _timed(result, record, "sp grads", grid.pp_rank, model.sequence_parallel):
         model.finish_sequence_parallel_grads()
     with _timed(result, record, "tied grads", grid.pp_rank, grid.embedding_group is not None
@@ -173,7 +188,42 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     with _timed(result, record, "optimizer", grid.pp_rank, step):
         if step:
             optimizer.step()
-    return StepOutput(_global_loss(model, result, loss_reduction), norm, result)
+    loss = _global_loss(model, result, loss_reduction)
+    aux_loss = aux.global_value() if model.moe_layers else None
+    return StepOutput(loss + (aux_loss or 0.0), norm, result, aux_loss)
+
+
+class _AuxMeter:
+    """Sums this rank's aux losses over the step's micro-batches, each weighted ``b / samples``
+    (a forward hook on every stage: a stage's forward runs once per micro-batch, while a
+    recomputed block runs again in backward). :meth:`global_value`: summed over the pipeline,
+    averaged over DP×CP (the TP ranks hold the same)."""
+
+    def __init__(self, model, samples: int):
+        self.model, self.samples, self.total, self.handles = model, samples, 0.0, []
+
+    def _hook(self, stage, args, out):
+        layers = [b.mlp for b in stage.blocks]
+        b = args[0].shape[0]
+        self.total += b / self.samples * sum(float(m.aux_loss.detach()) for m in layers)
+
+    def __enter__(self):
+        if self.model.moe_layers:
+            self.handles = [s.register_forward_hook(self._hook) for s in self.model.stages.values()]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def global_value(self) -> float:
+        grid = self.model.grid
+        t = torch.tensor([self.total], dtype=torch.float64, device=_device(self.model))
+        if grid.pp_size > 1:
+            C.all_reduce(t, "sum", group=grid.pp_group)
+        if len(grid.dp_cp_ranks) > 1:
+            C.all_reduce(t, "avg", group=grid.dp_cp_group)
+        return float(t)
 
 
 def _reduction(grid, targets: torch.Tensor, microbatches: int, loss_reduction, cp: int) -> str:

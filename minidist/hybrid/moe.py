@@ -1,0 +1,156 @@
+"""Mixture-of-experts blocks inside the pipeline stages of the hybrid GPT: expert parallelism as the
+fifth axis of 3-D training.
+
+``HybridGPT(cfg, grid, moe=dict(num_experts=E, top_k=k, ...))`` replaces every block's MLP by a
+:class:`~minidist.expert_parallel.layer.MoE` whose experts are sharded over ``grid.ep_group`` (EP
+folded over the DP×CP ranks of the same pipeline stage and TP rank, as Megatron-core folds it).
+What composing with the other axes takes, each decided here:
+
+* **Weights** — every rank builds the one-process :class:`~minidist.expert_parallel.gpt.MoEGPT`
+  after the same seed and keeps its experts (:func:`local_full_state`): expert ``g`` of the full
+  model is local expert ``j`` where ``expert_ids[j] == g``; :func:`global_names` maps back, so the
+  gathered gradients carry the one-process names.
+* **Tensor parallelism** — the MoE layer is replicated over the TP group (every TP rank routes the
+  same tokens and runs the same experts; its parameters count once, on TP rank 0, in the norm).
+  Their dropout draws from the tensor-parallel tracker's replicated generator, so the TP ranks'
+  copies draw the same masks. Experts sharded by TP as well (Megatron's expert-tensor-parallelism)
+  are not built. Sequence
+  parallelism is refused: each TP rank would hold other tokens and the experts' gradients would
+  need summing over TP.
+* **The aux loss in a pipeline** — the load-balancing and z losses arise on every stage, the loss
+  on the last one. Each layer attaches its aux loss to its output
+  (:class:`~minidist.expert_parallel.layer.AuxLossAutoScaler`) with the weight :func:`aux_weight`
+  gives, so that after the step's DP×CP reduction the gradient is that of one process whose loss
+  is the cross-entropy plus ``Σ_m w_m·aux(m)``: ``aux(m)`` the aux loss on micro-batch ``m`` of
+  every replica together (the statistics ``f_i`` all-reduced over the DP×CP group, the stats
+  group), ``w_m`` its share of the samples (``1/M`` with equal micro-batches). That is the
+  one-process model with gradient accumulation over the same micro-batches
+  (:mod:`minidist_course.references.hybrid`'s MoE reference), the definition Megatron-LM's
+  per-micro-batch aux loss follows.
+* **Capacity (token drops)** — each rank applies the capacity rule to its own tokens of each
+  micro-batch: one process applies it to the ``dp`` replicas' slices of micro-batch ``m`` in turn
+  (``drop_chunks=dp``). With context parallelism a rank's tokens are scattered positions of the
+  samples, so the drops differ from any one-process rule: refused.
+* **Gradients** — non-expert parameters are averaged over the DP×CP group; expert parameters over
+  the expert-DP group and divided by ``ep``, because backward's all-to-all already summed the
+  ``ep`` ranks' contributions (:func:`average_gradients`; :mod:`minidist.expert_parallel.gpt`).
+  Bucketed DDP and ZeRO-1 average every parameter over DP×CP, where ranks hold other experts:
+  refused with ``ep > 1`` (with ``ep = 1`` the experts are replicated and they run).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ..expert_parallel.gpt import MoEGPT, is_expert
+from ..expert_parallel.layer import MoE
+from ..tensor_parallel.gpt import use_tracker_dropout
+from .dp_pipeline import average_params
+
+__all__ = ["MOE_OPTIONS", "check_moe", "install_experts", "local_full_state", "global_names",
+           "aux_weight", "average_gradients", "refuse_expert_dp_mode"]
+
+MOE_OPTIONS = ("num_experts", "top_k", "capacity_factor", "drop_policy", "normalize_topk",
+               "aux_loss_coeff", "z_loss_coeff")
+_EXPERT = re.compile(r"^(blocks\.\d+\.mlp\.experts\.)(\d+)(\..*)$")
+
+
+def check_moe(moe: dict | None, grid, sequence_parallel: bool, who: str) -> None:
+    """Raise ``ValueError`` (every rank, before any communication) for an unknown option, EP
+    without experts, sequence parallelism with experts, capacity with context parallelism."""
+    if moe is None:
+        if grid.ep_size > 1:
+            raise ValueError(f"{who}: the grid has ep={grid.ep_size}, but the GPT's MLPs are dense "
+                             "(no experts to shard); pass moe=dict(num_experts=...) or use ep=1")
+        return
+    unknown = sorted(set(moe) - set(MOE_OPTIONS))
+    if unknown or "num_experts" not in moe:
+        raise ValueError(f"{who}: moe takes {MOE_OPTIONS} (num_experts required), got "
+                         f"{sorted(moe)}")
+    if sequence_parallel:
+        raise ValueError(f"{who}: mixture of experts (moe=...) and sequence parallelism together "
+                         "are not supported: each TP rank would route other tokens and the "
+                         "experts' gradients would need summing over TP; turn sequence_parallel "
+                         "off (the experts are then replicated over the TP group)")
+    if moe.get("capacity_factor") is not None and grid.cp_size > 1:
+        raise ValueError(f"{who}: an expert capacity (capacity_factor="
+                         f"{moe['capacity_factor']}, token drops) with context parallelism "
+                         f"(cp={grid.cp_size}) is not supported: each rank would drop among its "
+                         "own scattered positions, which no one-process rule reproduces; use "
+                         "capacity_factor=None (dropless) or cp=1")
+
+
+def install_experts(stage: nn.Module, moe: dict, grid) -> list[MoE]:
+    """Replace the MLP of every block of ``stage`` by an EP-sharded :class:`MoE` (in place);
+    return the layers. Their weights come from :func:`local_full_state` afterwards."""
+    dp_cp = grid.dp_cp_group if len(grid.dp_cp_ranks) > 1 else None
+    layers = []
+    for block in stage.blocks:
+        block.mlp = MoE(stage.cfg, ep_group=grid.ep_group if grid.ep_size > 1 else None,
+                        stats_group=dp_cp, **moe)
+        use_tracker_dropout(block.mlp)   # the TP ranks' copies of an expert draw the same masks
+        layers.append(block.mlp)
+    return layers
+
+
+def local_full_state(cfg, moe: dict, seed: int, expert_ids: list[int]) -> dict:
+    """The one-process :class:`MoEGPT`'s state dict (built after ``torch.manual_seed(seed)``) with
+    only this rank's experts, renumbered as the stage holds them (``expert_ids[j]`` → ``j``)."""
+    torch.manual_seed(seed)
+    full = MoEGPT(cfg, **moe).state_dict()
+    local = {g: j for j, g in enumerate(expert_ids)}
+    out = {}
+    for k, v in full.items():
+        m = _EXPERT.match(k)
+        if m is None:
+            out[k] = v
+        elif int(m.group(2)) in local:
+            out[f"{m.group(1)}{local[int(m.group(2))]}{m.group(3)}"] = v
+    return out
+
+
+def global_names(state: dict, expert_ids: list[int]) -> dict:
+    """``state`` with local expert ``j`` renamed to the one-process index ``expert_ids[j]``."""
+    out = {}
+    for k, v in state.items():
+        m = _EXPERT.match(k)
+        out[k if m is None else f"{m.group(1)}{expert_ids[int(m.group(2))]}{m.group(3)}"] = v
+    return out
+
+
+def aux_weight(loss_reduction: str, replica_samples: int, dp_cp: int, tokens: int):
+    """``f(b)``: the weight of a micro-batch of ``b`` samples' aux loss on one rank, such that after
+    the step's reduction (module text) the aux part of the gradient is ``Σ_m w_m·∇aux(m)``,
+    ``w_m = b / replica_samples``. ``"mean"``: the DP×CP average divides by ``dp_cp`` already;
+    ``"sum"``: the gradients are summed over the ``dp_cp`` ranks; ``"per_token"``: summed and
+    divided by the ``tokens`` counted in the global batch."""
+    factor = {"mean": 1.0, "sum": 1.0 / dp_cp, "per_token": tokens / dp_cp}[loss_reduction]
+    return lambda b: b / replica_samples * factor
+
+
+def average_gradients(params: list[nn.Parameter], grid) -> None:
+    """The DP×CP average of a model with experts: non-expert parameters averaged over the DP×CP
+    group, expert ones over the expert-DP group and divided by ``ep`` (module text)."""
+    params = [p for p in params if p.requires_grad]
+    average_params([p for p in params if not is_expert(p)], grid.dp_cp_group)
+    experts = [p for p in params if is_expert(p)]
+    average_params(experts, grid.expert_dp_group)
+    if grid.ep_size > 1:
+        for p in experts:
+            if p.grad is not None:
+                p.grad.div_(grid.ep_size)
+
+
+def refuse_expert_dp_mode(model, dp_mode: str, who: str) -> None:
+    """``ValueError`` (every rank, before any communication) for bucketed DDP or ZeRO-1 with
+    experts sharded over EP: both average every parameter over the DP×CP group, whose ranks hold
+    other experts."""
+    if dp_mode in ("bucketed", "zero1") and model.moe_layers and model.grid.ep_size > 1:
+        raise ValueError(f"{who} (rank {model.grid.rank}): dp_mode={dp_mode!r} with expert "
+                         f"parallelism (ep={model.grid.ep_size}) is not supported: it averages "
+                         "every parameter over the DP×CP ranks, which hold other experts (each "
+                         "expert is replicated over its expert-DP group only); use "
+                         "dp_mode='flat', or ep=1")
