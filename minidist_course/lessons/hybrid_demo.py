@@ -17,10 +17,10 @@ lives in :mod:`minidist_course.references.hybrid` and is imported here for the c
 from __future__ import annotations
 
 from minidist.models.gpt import GPTConfig
-from ..references.hybrid import BATCH, CFG, MAX_NORM, TOL, batch, compare, reference
+from ..references.hybrid import BATCH, CFG, MAX_NORM, TOL, batch, compare, moe_reference, reference
 
-__all__ = ["CFG", "BATCH", "MAX_NORM", "TOL", "batch", "step_on_grid", "reference", "compare",
-           "demo_rows", "weighted_by_samples"]
+__all__ = ["CFG", "BATCH", "MAX_NORM", "TOL", "MOE", "batch", "step_on_grid", "five_axes_step",
+           "reference", "moe_reference", "compare", "demo_rows", "weighted_by_samples"]
 
 
 def step_on_grid(rank: int, world: int, dp: int, tp: int, pp: int,
@@ -100,3 +100,29 @@ def demo_rows(dims: tuple[int, int, int] = (2, 2, 2), timeout: float = 180) -> l
     for r in rows:
         r.update(section="3-D", world_size=world)
     return rows
+
+
+# the experts of chapter 12's five-axis run: top-2 of 4, both aux losses on
+MOE = dict(num_experts=4, top_k=2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
+
+
+def five_axes_step(rank: int, world: int, dp: int, pp: int, cp: int, tp: int, ep: int,
+                   schedule: str = "zb-v", microbatches: int = 4) -> dict:
+    """Run inside ``minidist.run(five_axes_step, dp·pp·cp·tp, dp, pp, cp, tp, ep)``: one
+    ``train_step`` of the tiny GPT with mixture-of-experts blocks (:data:`MOE`) on the
+    five-axis grid, recomputation on, without the optimizer step. Returns what
+    :func:`step_on_grid` returns (coordinates ``(dp·cp index, pp_rank, tp_rank)``), plus
+    ``"aux_loss"`` and ``"ep_group"``; compare with
+    :func:`minidist_course.references.hybrid.moe_reference`."""
+    from minidist.grid import ProcessGrid
+    from minidist.hybrid import HybridGPT, train_step, wrap_stages
+
+    grid = ProcessGrid(dp, pp, tp, cp=cp, ep=ep)
+    model = HybridGPT(CFG, grid, chunks=2, placement="v", recompute="minidist", moe=MOE)
+    ids, targets = batch(BATCH, CFG)
+    out = train_step(model, None, wrap_stages(model, "flat"), ids, targets, microbatches,
+                     schedule=schedule, loss_reduction="per_token", max_norm=MAX_NORM,
+                     step=False)
+    return {"coords": (grid.dp_rank * cp + grid.cp_rank, grid.pp_rank, grid.tp_rank),
+            "loss": out.loss, "aux_loss": out.aux_loss, "grad_norm": out.grad_norm,
+            "grads": model.gather(grads=True), "ep_group": grid.ep_ranks}

@@ -4,8 +4,10 @@ A *configuration* picks one value per dimension of :func:`minidist.hybrid.train_
 pipeline schedule, the data-parallel mode, recomputation, context parallelism (ring attention
 with each of the three splits, or Ulysses), tensor parallelism
 (with or without sequence parallelism), the loss reduction, the data-parallel size, the tied
-embedding and expert parallelism. Testing every configuration is a product of all the value
-counts (6·3·3·5·3·3·2·2·2 = 19,440 here); testing every *pair* of values of every two dimensions
+embedding and the MLPs: dense, or mixture-of-experts blocks (top-2 of 4 experts, aux and z
+losses) with the experts replicated (``ep1``), sharded over two EP ranks (``ep2``), or sharded
+and dropping tokens over a capacity (``ep2/drop``). Testing every configuration is a product of
+all the value counts (6·3·3·5·3·3·2·2·4 = 38,880 here); testing every *pair* of values of every two dimensions
 takes a few dozen (a covering array of strength 2: Cohen et al. 1997, "The AETG System", whose
 greedy construction this is — each new configuration is the best of a few random candidates
 at covering pairs not covered yet). Most bugs of composition are pairs (the field reports of
@@ -16,7 +18,8 @@ a ``ValueError`` that names both features: :data:`REFUSED` lists them with the w
 refusal must contain. A refused pair is checked by one configuration that holds it; every other
 pair is covered by configurations that hold no refused pair. Hard limits (the world size at most
 :data:`MAX_WORLD`) are not pairs of the matrix: a pair they exclude (dp=2 × cp=2 × tp=2) is
-still covered by other configurations.
+still covered by other configurations; nor is ``ep2`` needing an even number of DP×CP ranks
+(EP is folded over them).
 
 Deterministic: the same ``seed`` gives the same array, so a failure can be run again.
 """
@@ -26,8 +29,8 @@ from __future__ import annotations
 import itertools
 import random
 
-__all__ = ["DIMENSIONS", "REFUSED", "MAX_WORLD", "world_size", "cp_size", "refusal", "pairs_of", "pair_refused",
-           "covering_array", "strength_one"]
+__all__ = ["DIMENSIONS", "EXPERTS", "REFUSED", "MAX_WORLD", "world_size", "cp_size", "ep_size",
+           "feasible", "UNREACHABLE", "refusal", "pairs_of", "pair_refused", "covering_array", "strength_one"]
 
 DIMENSIONS: dict[str, tuple] = {
     "schedule": ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipe-v"),
@@ -38,8 +41,9 @@ DIMENSIONS: dict[str, tuple] = {
     "loss": ("mean", "sum", "per_token"),
     "dp": (1, 2),
     "tie": (False, True),
-    "ep": (1, 2),
+    "moe": ("none", "ep1", "ep2", "ep2/drop"),
 }
+EXPERTS = ("ep1", "ep2", "ep2/drop")
 PP = 2            # every configuration is a two-stage pipeline: the schedule is a dimension
 MAX_WORLD = 8
 
@@ -48,7 +52,21 @@ MAX_WORLD = 8
 REFUSED: list[tuple[tuple[str, object], tuple[str, object] | None, tuple[str, ...]]] = [
     (("cp", cp), ("tp", "2+sp"), ("sequence parallelism", "context parallelism"))
     for cp in ("ring/zigzag", "ring/contiguous", "ring/striped", "ulysses")
-] + [(("ep", 2), None, ("ep=2",))]
+] + [
+    (("tp", "2+sp"), ("moe", moe), ("mixture of experts", "sequence parallelism"))
+    for moe in EXPERTS
+] + [
+    (("dp_mode", mode), ("moe", moe), (f"'{mode}'", "expert parallelism"))
+    for mode in ("bucketed", "zero1") for moe in ("ep2", "ep2/drop")
+] + [
+    (("cp", cp), ("moe", "ep2/drop"), ("capacity", "context parallelism"))
+    for cp in ("ring/zigzag", "ring/contiguous", "ring/striped", "ulysses")
+]
+# pairs no configuration within the hard limits can hold without a refused pair: EP needs two
+# DP×CP ranks, with dp=1 those are CP ranks, and a capacity with CP is refused
+UNREACHABLE = {(("dp", 1), ("moe", "ep2/drop"))}
+# the value a dimension takes to leave a refused pair (the covering array's repair)
+SAFE = {"moe": "none", "tp": "2", "cp": "1", "dp_mode": "flat"}
 
 
 def world_size(config: dict) -> int:
@@ -58,6 +76,16 @@ def world_size(config: dict) -> int:
 
 def cp_size(config: dict) -> int:
     return 1 if config["cp"] == "1" else 2
+
+
+def ep_size(config: dict) -> int:
+    return 2 if config["moe"].startswith("ep2") else 1
+
+
+def feasible(config: dict) -> bool:
+    """Within the hard limits: at most :data:`MAX_WORLD` ranks, and EP dividing DP×CP."""
+    return (world_size(config) <= MAX_WORLD
+            and (config["dp"] * cp_size(config)) % ep_size(config) == 0)
 
 
 def refusal(config: dict) -> tuple[str, ...] | None:
@@ -89,28 +117,36 @@ def _all_pairs() -> list:
 
 
 def _candidate(rng: random.Random, seed_pair, want_refused: bool) -> dict | None:
+    """A random configuration holding ``seed_pair``, within the hard limits, holding no refused
+    pair but ``seed_pair`` itself (``want_refused``) or none at all; None if impossible."""
     config = {d: rng.choice(v) for d, v in DIMENSIONS.items()}
     for d, v in seed_pair:
         config[d] = v
-    if world_size(config) > MAX_WORLD:   # shrink what the pair does not fix
-        fixed = {d for d, _ in seed_pair}
-        for d, small in (("dp", 1), ("cp", "1"), ("tp", "1")):
-            if world_size(config) > MAX_WORLD and d not in fixed:
-                config[d] = small
-    if world_size(config) > MAX_WORLD:
+    fixed = {d for d, _ in seed_pair}
+    for d, small in (("dp", 1), ("cp", "1"), ("tp", "1")):   # shrink what the pair does not fix
+        if world_size(config) > MAX_WORLD and d not in fixed:
+            config[d] = small
+    for _ in range(len(DIMENSIONS)):   # leave every refused pair but the seed, as SAFE says
+        other = [p for p in pairs_of(config) if pair_refused(p) and p != seed_pair]
+        if not other:
+            break
+        for d, _ in other[0]:
+            if d not in fixed and d in SAFE:
+                config[d] = SAFE[d]
+                break
+        else:
+            return None
+    if ep_size(config) > 1 and config["dp"] * cp_size(config) % 2:   # EP folded over DP x CP
+        if "dp" not in fixed:
+            config["dp"] = 2
+        elif "cp" not in fixed and config["tp"] != "2+sp":
+            config["cp"] = "ring/zigzag" if config["moe"] != "ep2/drop" else "1"
+    if world_size(config) > MAX_WORLD and "tp" not in fixed:
+        config["tp"] = "1"
+    held = {p for p in pairs_of(config) if pair_refused(p)}
+    if not feasible(config) or held - {seed_pair} or (seed_pair in held) != want_refused:
         return None
-    if want_refused:   # refused for this pair's reason only: no other refused value beside it
-        fixed = {d for d, _ in seed_pair}
-        if "ep" not in fixed:
-            config["ep"] = 1
-        if "ep" in fixed and config["tp"] == "2+sp" and config["cp"] != "1":
-            config["tp" if "tp" not in fixed else "cp"] = "2" if "tp" not in fixed else "1"
-        return config
-    if refusal(config) is not None:
-        for d, v in (("ep", 1), ("tp", "2"), ("cp", "1")):   # undo refused values the pair allows
-            if refusal(config) is not None and d not in {d for d, _ in seed_pair}:
-                config[d] = v
-    return None if refusal(config) is not None else config
+    return config
 
 
 def covering_array(seed: int = 0, candidates: int = 30) -> list[dict]:
@@ -120,7 +156,7 @@ def covering_array(seed: int = 0, candidates: int = 30) -> list[dict]:
     rng = random.Random(seed)
     pairs = _all_pairs()
     refused = [p for p in pairs if pair_refused(p)]
-    uncovered = {p for p in pairs if not pair_refused(p)}
+    uncovered = {p for p in pairs if not pair_refused(p)} - UNREACHABLE
     array: list[dict] = []
     while uncovered:
         seed_pair = min(uncovered, key=lambda p: (repr(p)))   # deterministic start

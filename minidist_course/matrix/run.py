@@ -6,7 +6,8 @@ One launch per world size runs all of that size's configurations in turn (each b
 :class:`~minidist.grid.ProcessGrid`), so the whole array costs three launches. A configuration is
 
 * ``✓`` — it ran and the loss and the gradient norm are within :data:`TOL` (relative) of one
-  process, the gathered (clipped) gradients within :data:`TOL` model-wide, every parameter
+  process (with experts: the one process of :func:`~minidist_course.references.hybrid.moe_reference`,
+  whose aux losses are per micro-batch), the gathered (clipped) gradients within :data:`TOL` model-wide, every parameter
   covered, and DP/CP replicas and the tied embedding's two copies bitwise equal;
 * ``refused`` — :data:`~.covering.REFUSED` says it must be, and every rank raised ``ValueError``
   containing the words listed there (the two features), before the step;
@@ -30,13 +31,23 @@ from minidist.hybrid import HybridGPT, make_optimizer, train_step, wrap_stages
 from minidist.models.gpt import GPTConfig
 
 from ..references import hybrid as ref_hybrid
-from .covering import DIMENSIONS, PP, cp_size, pairs_of, refusal, world_size
+from .covering import DIMENSIONS, PP, cp_size, ep_size, pairs_of, refusal, world_size
 
-__all__ = ["TOL", "MICROBATCHES", "build", "run_matrix", "check", "summarise"]
+__all__ = ["TOL", "MICROBATCHES", "MOE", "build", "moe_options", "run_matrix", "check", "summarise"]
 
 TOL = 1e-6
 MICROBATCHES = 4       # dualpipe-v needs 2·pp; interleaved a multiple of pp
 BATCH = 8              # dp = 2: 4 samples per replica, one per micro-batch
+# the mixture of experts of the "moe" values: top-2 of 4 experts, both aux losses on (so their
+# gradients through the pipeline are checked); "ep2/drop" adds a capacity that drops tokens
+MOE = dict(num_experts=4, top_k=2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
+
+
+def moe_options(config) -> dict | None:
+    """``HybridGPT``'s ``moe=`` for a configuration (None: dense MLPs)."""
+    if config["moe"] == "none":
+        return None
+    return {**MOE, "capacity_factor": 1.0} if config["moe"] == "ep2/drop" else dict(MOE)
 
 
 def _cfg(config) -> GPTConfig:
@@ -54,12 +65,12 @@ def build(config, seed: int = 0, dropout: float = 0.0) -> HybridGPT:
     chunks = 2 if config["schedule"] in ("interleaved", "zb-v", "dualpipe-v") else 1
     placement = "v" if config["schedule"] in ("zb-v", "dualpipe-v") else "loop"
     attention, _, split = config["cp"].partition("/")   # "ring/zigzag", "ulysses" (zigzag)
-    grid = ProcessGrid(config["dp"], PP, tp, cp=cp_size(config), ep=config["ep"])
+    grid = ProcessGrid(config["dp"], PP, tp, cp=cp_size(config), ep=ep_size(config))
     cfg = dataclasses.replace(_cfg(config), dropout=dropout)
     return HybridGPT(cfg, grid, chunks=chunks, sequence_parallel=config["tp"] == "2+sp",
                      seed=seed, placement=placement, recompute=config["recompute"],
                      cp_attention="ulysses" if attention == "ulysses" else "ring",
-                     cp_split=split or "zigzag")
+                     cp_split=split or "zigzag", moe=moe_options(config))
 
 
 def _one(config) -> dict:
@@ -97,11 +108,14 @@ def check(config: dict, results: list[dict], refs: dict) -> tuple[str, str]:
         return ("✗", f"refusal does not name {words}: {bad[0]}") if bad else ("refused", refused[0])
     if refused:
         return "✗", f"refused, but should run: {refused[0]}"
-    key = (config["tie"], config["loss"])
+    moe = moe_options(config)
+    key = (config["tie"], config["loss"]) + ((config["moe"], config["dp"]) if moe else ())
     if key not in refs:
         reduction = "sum" if config["loss"] == "sum" else "mean"
-        refs[key] = ref_hybrid.reference(ref_hybrid.MAX_NORM, _cfg(config), BATCH, _ignore(config),
-                                         reduction)
+        refs[key] = (ref_hybrid.reference(ref_hybrid.MAX_NORM, _cfg(config), BATCH,
+                                          _ignore(config), reduction) if moe is None else
+                     ref_hybrid.moe_reference(moe, config["dp"], MICROBATCHES, ref_hybrid.MAX_NORM,
+                                              _cfg(config), BATCH, _ignore(config), reduction))
     err = ref_hybrid.compare(results, refs[key])
     worst = max(err["loss"], err["grad_norm"], err["grads"])
     detail = f"loss {err['loss']:.1e}, norm {err['grad_norm']:.1e}, grads {err['grads']:.1e}"

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minidist.expert_parallel.gpt import MoEGPT
 from minidist.models.gpt import GPT, GPTConfig
 
-__all__ = ["CFG", "BATCH", "MAX_NORM", "TOL", "batch", "reference", "compare"]
+__all__ = ["CFG", "BATCH", "MAX_NORM", "TOL", "batch", "reference", "moe_reference", "compare"]
 
 # 4 layers over 2 stages, 4 heads over 2 TP ranks; vocabulary 93 is padded to 94 at tp = 2
 CFG = GPTConfig(vocab_size=93, block_size=16, n_layer=4, n_head=4, n_embd=32, tie_embeddings=True)
@@ -55,28 +56,56 @@ def reference(max_norm: float | None = MAX_NORM, cfg: GPTConfig = CFG, n: int = 
             "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
 
 
+def moe_reference(moe: dict, dp: int, microbatches: int, max_norm: float | None = MAX_NORM,
+                  cfg: GPTConfig = CFG, n: int = BATCH, ignore: float = 0.3,
+                  reduction: str = "mean") -> dict:
+    """One process with mixture-of-experts blocks (:class:`MoEGPT`, options ``moe``), as
+    :func:`reference`, with the aux losses of :mod:`minidist.hybrid.moe`: micro-batch ``m`` is the
+    ``m``-th micro-batch of each of the ``dp`` replicas' slices together (the capacity rule applied
+    to each replica's part: ``drop_chunks=dp``); the loss is the cross-entropy over the whole batch
+    plus ``Σ_m (n_m / n)·aux(m)``, one backward. Returns what :func:`reference` returns, plus
+    ``"aux_loss"``."""
+    torch.manual_seed(0)
+    model = MoEGPT(cfg, **moe, drop_chunks=dp)
+    ids, targets = batch(n, cfg, ignore)
+    parts = [t.tensor_split(dp) for t in (ids, targets)]
+    logits, labels, aux = [], [], 0.0
+    for m in range(microbatches):
+        x = torch.cat([r.tensor_split(microbatches)[m] for r in parts[0]])
+        y = torch.cat([r.tensor_split(microbatches)[m] for r in parts[1]])
+        logits.append(model(x)[0])
+        labels.append(y)
+        aux = aux + x.shape[0] / n * model.aux_loss
+    logits_all, labels_all = torch.cat(logits), torch.cat(labels)
+    loss = F.cross_entropy(logits_all.reshape(-1, cfg.vocab_size), labels_all.reshape(-1),
+                           reduction=reduction) + aux
+    loss.backward()
+    norm = None
+    if max_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+    return {"loss": loss.item(), "grad_norm": norm, "aux_loss": float(aux.detach()),
+            "grads": {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}}
+
+
 def compare(results: list[dict], ref: dict) -> dict:
     """How far the grid's results are from ``ref``: ``loss`` and ``grad_norm`` (worst relative
     error over ranks), ``grads`` (model-wide relative error ``‖Δ‖/‖ref‖`` of the gathered
     gradients), ``tied`` (largest difference between the tied embedding's two copies' gradients;
-    0 when there is no copy), ``replicas`` (largest difference between DP replicas), ``missing``
-    (GPT names no rank returned)."""
+    0 when there is no copy), ``replicas`` (largest difference between DP replicas: on the names
+    both hold, as EP ranks hold other experts), ``missing`` (GPT names no rank returned)."""
     rel = lambda a, b: abs(a - b) / abs(b)   # noqa: E731
     out = {"loss": max(rel(r["loss"], ref["loss"]) for r in results), "tied": 0.0,
            "replicas": 0.0}
     if ref["grad_norm"] is not None:
         out["grad_norm"] = max(rel(r["grad_norm"], ref["grad_norm"]) for r in results)
     by_place: dict = {}
-    for r in results:
-        _, p, t = r["coords"]
-        if (p, t) in by_place:
-            other = by_place[(p, t)]
-            out["replicas"] = max([out["replicas"]] + [(other[k] - r["grads"][k]).abs().max().item()
-                                                       for k in r["grads"]])
-        by_place[(p, t)] = r["grads"]
     got = {}
-    for grads in by_place.values():
-        got.update(grads)
+    for r in results:   # replicas hold the same names (experts: the ones both hold)
+        _, p, t = r["coords"]
+        other = by_place.setdefault((p, t), r["grads"])
+        out["replicas"] = max([out["replicas"]] + [(other[k] - r["grads"][k]).abs().max().item()
+                                                   for k in r["grads"] if k in other])
+        got.update(r["grads"])
     if "head.weight" not in ref["grads"] and "head.weight" in got:   # the tied copy
         out["tied"] = (got.pop("head.weight") - got["tok_emb.weight"]).abs().max().item()
     out["missing"] = sorted(set(ref["grads"]) - set(got))

@@ -7,9 +7,9 @@ import pytest
 
 from minidist.models.gpt import GPTConfig
 from minidist_course.matrix import format_table
-from minidist_course.matrix.covering import (DIMENSIONS, MAX_WORLD, covering_array,
-                                             pair_refused, pairs_of, refusal, strength_one,
-                                             world_size)
+from minidist_course.matrix.covering import (DIMENSIONS, UNREACHABLE, covering_array,
+                                             feasible, pair_refused, pairs_of, refusal,
+                                             strength_one, world_size)
 from minidist_course.matrix.resume import run_resume
 from minidist_course.matrix.run import check, run_matrix
 from minidist_course.references import hybrid as ref_hybrid
@@ -22,12 +22,12 @@ def test_the_array_covers_every_pair_within_the_limits_and_is_reproducible():
     dims = list(DIMENSIONS)
     every = {((a, x), (b, y)) for i, a in enumerate(dims) for b in dims[i + 1:]
              for x in DIMENSIONS[a] for y in DIMENSIONS[b]}
-    assert covered == every
-    assert all(world_size(c) <= MAX_WORLD for c in array)
+    assert covered >= every - UNREACHABLE        # (a refused configuration may hold one too)
+    assert all(feasible(c) for c in array)       # at most 8 ranks, EP dividing DP x CP
     runnable = set().union(*(pairs_of(c) for c in array if refusal(c) is None))
-    assert {p for p in every if not pair_refused(p)} <= runnable   # each by a config that runs
+    assert {p for p in every if not pair_refused(p)} - UNREACHABLE <= runnable   # by one that runs
     assert {p for p in every if pair_refused(p)}                   # and some are refused
-    assert len(array) < 70                        # a few dozen, not the 19,440 of the product
+    assert len(array) < 70                        # a few dozen, not the 38,880 of the product
     quick = strength_one(array)
     assert {(d, c[d]) for c in quick for d in DIMENSIONS} == {(d, v) for d in DIMENSIONS
                                                                for v in DIMENSIONS[d]}
@@ -35,7 +35,7 @@ def test_the_array_covers_every_pair_within_the_limits_and_is_reproducible():
 
 def _config(**kw):
     base = {"schedule": "1f1b", "dp_mode": "flat", "recompute": "none", "cp": "1", "tp": "1",
-            "loss": "sum", "dp": 2, "tie": False, "ep": 1}
+            "loss": "sum", "dp": 2, "tie": False, "moe": "none"}
     return {**base, **kw}
 
 
@@ -95,7 +95,8 @@ def test_every_pair_runs_as_expected():
     print(table)
     assert not [r for r in rows if r["status"] == "✗"], table
     all_row = next(line for line in table.splitlines() if line.startswith("all "))
-    assert all_row.split()[-2:] == ["0", "0"], all_row     # no ✗, nothing not run
+    # no ✗; not run: at most the pairs no configuration within the limits can hold
+    assert all_row.split()[-2] == "0" and int(all_row.split()[-1]) <= len(UNREACHABLE), all_row
 
 
 @pytest.mark.timeout(300)
