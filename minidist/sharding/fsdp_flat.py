@@ -182,7 +182,7 @@ class FlatParamUnit:
         else:
             out = torch.empty(self.layout.shard_numel, dtype=rdtype, device=grad.device)
             h = self.ctx.worker.submit(f"reduce-scatter of unit {self.unit_name()} (rank "
-                                       f"{self.rank})", _reduce_scatter, out,
+                                       f"{self.rank})", self._reduce, out,
                                        self._reduce_input(grad))
             self.ctx.pending.append((self, h, out))
         self._free()
@@ -194,6 +194,10 @@ class FlatParamUnit:
     def _reduce_input(self, grad: torch.Tensor) -> torch.Tensor:
         """The [W·S] buffer to reduce-scatter, from the gathered-layout gradient."""
         return grad
+
+    def _reduce(self, comm, out: torch.Tensor, grad: torch.Tensor) -> None:
+        """On the communication thread: ``out`` ← this rank's slice of the average of ``grad``."""
+        _reduce_scatter(comm, out, grad)
 
     def _accept_grad(self, out: torch.Tensor) -> None:
         """Add this rank's averaged slice ``out`` [S] to the shard's gradient."""

@@ -18,7 +18,9 @@ dim 0 instead, and keeps one flat buffer per unit for the communication only. So
   ``requires_grad`` after wrapping takes effect at the next forward).
 * **reduce-scatter**: the gradient of ``full`` is copied back to rank-major [W, S], reduce-
   scattered (average) into [S], and cut into the shards' gradients — only for parameters that got
-  a gradient in this backward (as one process: an unused parameter keeps ``grad`` None).
+  a gradient in this backward on some rank (as one process: a parameter no rank used keeps
+  ``grad`` None; one that some rank used gets the average on every rank, agreed by a small
+  all-reduce of flags after the reduce-scatter).
 
 Frozen parameters are sharded and gathered like the others (cast to ``param_dtype`` too: FSDP2's
 behaviour), so mixed precision with frozen weights works. 0-d parameters are refused
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .fsdp_flat import FlatParamUnit, _claim, _own_modules, _slots
+from .fsdp_flat import FlatParamUnit, _claim, _own_modules, _reduce_scatter, _slots
 
 __all__ = ["ParamShardUnit", "ParamLayout"]
 
@@ -104,7 +106,8 @@ class ParamShardUnit(FlatParamUnit):
         self.params = params
         self.ctx, self.sync, self.state, self.handle = None, True, "sharded", None
         self.full, self.unsharded_grad = None, None
-        self._got_grad: set[int] = set()
+        self._got_grad: set[int] = set()    # parameters that got a gradient here (this rank)
+        self._agreed: set[int] = set()      # ... on any rank, after the reduce (see _reduce)
         self._sync_at_wrap(module)
         self.layout = ParamLayout(params, self.world_size) if params else None
         if self.layout is None or self.layout.shard_numel == 0:
@@ -185,8 +188,19 @@ class ParamShardUnit(FlatParamUnit):
     def _reduce_input(self, grad: torch.Tensor) -> torch.Tensor:
         return self.layout.to_rank_major(grad)
 
+    def _reduce(self, comm, out: torch.Tensor, grad: torch.Tensor) -> None:
+        """The reduce-scatter, then which parameters got a gradient on *any* rank (an all-reduce
+        of a 0/1 flag per parameter, on the same thread so the collectives stay in order): a
+        parameter one rank used and another did not (an expert no token of this rank chose) must
+        get the averaged gradient on both, or the replicas' shards part ways."""
+        used = torch.tensor([float(i in self._got_grad) for i in range(len(self.params))],
+                            device=out.device)
+        _reduce_scatter(comm, out, grad)
+        comm.all_reduce(used, "max")
+        self._agreed = {i for i, u in enumerate(used.tolist()) if u > 0}
+
     def _accept_grad(self, out: torch.Tensor) -> None:
-        got, self._got_grad = self._got_grad, set()
+        got, self._got_grad = self._agreed, set()
         for i, p in enumerate(self.params):
             if i not in got or not p.requires_grad:
                 continue

@@ -156,3 +156,41 @@ def test_the_case_torch_fsdp2_gets_wrong_at_w4():
     # not asserted, so that a fixed torch does not fail this test): minidist must be right
     for ours in minidist.run(_fsdp2_refreeze, 4, timeout=100):
         assert max_diff(ours, single) <= TOL
+
+
+class _TwoExperts(torch.nn.Module):
+    """Rank 0's tokens choose expert ``a`` only; rank 1's both (data-dependent use, as MoE)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, use_b: bool):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def _used_on_one_rank(rank, world):
+    from minidist.sharding import fully_shard
+    torch.manual_seed(0)
+    model = fully_shard(_TwoExperts())
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    model(x, use_b=rank == 1).sum().backward()
+    grads = {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
+    return grads
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_one_rank_did_not_use_gets_the_average_on_every_rank():
+    """Regression: each rank kept the averaged gradient only for the parameters *it* used, so a
+    parameter another rank used (an expert none of this rank's tokens chose) lost its gradient on
+    this rank and the replicas' shards parted. One process on both ranks' data: ``b`` gets
+    (its gradient from rank 1's tokens) / 2 on each rank's rows."""
+    res = minidist.run(_used_on_one_rank, 2, timeout=50)
+    torch.manual_seed(0)
+    one = _TwoExperts()
+    loss = sum(one(torch.randn(3, 4, generator=torch.Generator().manual_seed(r)), use_b=r == 1).sum()
+               for r in range(2)) / 2
+    loss.backward()
+    for name, p in one.named_parameters():
+        full = torch.cat([res[r][name] for r in range(2)])[:p.shape[0]]   # rows, dim-0 shards
+        assert torch.allclose(full, p.grad, rtol=1e-6, atol=1e-7), name
