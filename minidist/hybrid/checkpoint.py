@@ -66,6 +66,7 @@ def _layout(model) -> dict:
     return {"dp": g.dp_size, "pp": g.pp_size, "tp": g.tp_size, "cp": g.cp_size, "ep": g.ep_size,
             "world": g.world_size, "chunks": model.chunks,
             "sequence_parallel": bool(model.sequence_parallel), "moe": model.moe,
+            "zero3": any(hasattr(m, "_fsdp") for m in model.stages.values()),
             "cfg": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))}
 
 
@@ -74,7 +75,7 @@ def _describe(layout: dict) -> str:
     return (f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']}"
             + (f" cp={cp}" if cp != 1 else "") + (f" ep={ep}" if ep != 1 else "")
             + f" chunks={layout['chunks']} sequence_parallel={layout['sequence_parallel']}"
-            + (f" moe={moe}" if moe else ""))
+            + (f" moe={moe}" if moe else "") + (" zero3" if layout.get("zero3") else ""))
 
 
 def save_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, step: int = 0,

@@ -75,12 +75,15 @@ def _reduce_tp_pp(grid, dp: bool = False):
     return reduce
 
 
-def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0) -> float:
+def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
+                    dp_sharded: bool = False) -> float:
     """Scale every gradient of ``model`` in place by ``min(1, max_norm / (norm + 1e-6))`` (as
-    ``torch.nn.utils.clip_grad_norm_``) and return the global norm before clipping (a float)."""
+    ``torch.nn.utils.clip_grad_norm_``) and return the global norm before clipping (a float).
+    ``dp_sharded``: the gradients are ZeRO-3 shards (disjoint over the DP×CP group, zero padding):
+    their squares are summed over that group too."""
     if float(norm_type) != 2.0:
         raise ValueError(f"clip_grad_norm_ (rank {model.grid.rank}): only the 2-norm is "
                          f"implemented, got norm_type={norm_type}")
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return float(clip_by_global_norm_(_local_sum_sq(model), grads, max_norm,
-                                      _reduce_tp_pp(model.grid)))
+                                      _reduce_tp_pp(model.grid, dp=dp_sharded)))

@@ -20,6 +20,22 @@ reduce-scatters the local gradients so each replica holds the average of its 1/d
 them by the global norm computed from the slices, steps its slice of the optimizer state and
 all-gathers the parameters (Rajbhandari et al. 2020, §5.1 P_os; reduce-scatter + all-gather move
 what one all-reduce moves, §7.2.1; Megatron-LM's distributed optimizer does the same).
+
+``"zero3"`` / ``"zero3/keep"``: each stage (model chunk) is one :func:`minidist.sharding.fully_shard`
+unit on the DP×CP group (per-parameter dim-0 shards, FSDP2's layout): its parameters are
+all-gathered before each micro-batch's forward and, with ``"zero3"``, freed after it and gathered
+again for its backward (``reshard_after_forward``; ``"zero3/keep"`` keeps them until the backward);
+the gradients are accumulated unsharded over the micro-batches and reduce-scattered during the
+stage's last backward (:func:`~minidist.sharding.fsdp.set_requires_gradient_sync`, as torchtitan
+runs FSDP under a pipeline). The tied embedding's two copies are sharded alike (dim 0), so their
+slices sum elementwise; the optimizer steps the shards. Zero-bubble schedules are refused: their
+weight pass W runs as a backward of its own, outside the one FSDP's hooks track.
+
+``"zero2"`` is refused: ZeRO-2 keeps only a slice of the gradient, but the pipeline's
+micro-batches accumulate gradients over several backwards — each would need a reduce-scatter of
+its own (M times ZeRO-1's traffic) — which is why DeepSpeed's pipeline engine refuses ZeRO-2 and 3
+(deepspeedai/DeepSpeed#823); ZeRO-1 reduces once after the last micro-batch (Megatron-LM's
+distributed optimizer does the same).
 """
 
 from __future__ import annotations
@@ -30,13 +46,16 @@ import torch
 
 from ..data_parallel.bucketed import BucketedDDP
 from ..data_parallel.clip import clip_by_global_norm_
+from ..sharding.fsdp import fully_shard
 from ..sharding.zero import ShardedOptimizer
 from .clip import _reduce_tp_pp
 from .moe import refuse_expert_dp_mode
 
-__all__ = ["DP_MODES", "PipelineBucketedDDP", "ZeRO1Optimizer", "make_optimizer"]
+__all__ = ["DP_MODES", "ZERO3", "PipelineBucketedDDP", "ZeRO1Optimizer", "make_optimizer",
+           "shard_stages", "refuse_zero2"]
 
-DP_MODES = ("flat", "bucketed", "zero1")
+DP_MODES = ("flat", "bucketed", "zero1", "zero2", "zero3", "zero3/keep")
+ZERO3 = ("zero3", "zero3/keep")
 
 
 class PipelineBucketedDDP(BucketedDDP):
@@ -141,13 +160,34 @@ class ZeRO1Optimizer(ShardedOptimizer):
         self._reduced = False
 
 
+def refuse_zero2(model, dp_mode: str, who: str) -> None:
+    """``ValueError`` for ``dp_mode="zero2"`` (module docstring), every rank, before anything."""
+    if dp_mode == "zero2":
+        raise ValueError(f"{who} (rank {model.grid.rank}): dp_mode='zero2' with pipeline "
+                         "micro-batches is not supported: ZeRO-2 keeps a slice of the gradient, "
+                         "but the micro-batches accumulate gradients over several backwards (one "
+                         "reduce-scatter each: M times ZeRO-1's traffic; DeepSpeed refuses "
+                         "ZeRO-2 with pipelines for this reason); use dp_mode='zero1' (the same "
+                         "reduce-scatter, once) or 'zero3'")
+
+
+def shard_stages(model, dp_mode: str) -> None:
+    """``"zero3"``/``"zero3/keep"``: make each of ``model``'s stages a ``fully_shard`` unit on the
+    DP×CP group (module docstring). Collective over that group (it syncs from its rank 0)."""
+    for s in sorted(model.stages):
+        fully_shard(model.stages[s], group=model.grid.dp_cp_group,
+                    reshard_after_forward=dp_mode == "zero3")
+
+
 def make_optimizer(model, dp_mode: str, optimizer_class=torch.optim.AdamW, **defaults):
     """The optimizer for ``model`` (a :class:`~.stages.HybridGPT`): ``optimizer_class`` over its
-    parameters, or a :class:`ZeRO1Optimizer` on the grid's DP group for ``"zero1"``."""
+    parameters (with ``"zero3"``: the shards — call :func:`~.step.wrap_stages` first), or a
+    :class:`ZeRO1Optimizer` on the grid's DP group for ``"zero1"``."""
     if dp_mode not in DP_MODES:
         raise ValueError(f"make_optimizer (rank {model.grid.rank}): dp_mode must be one of "
                          f"{DP_MODES}, got {dp_mode!r}")
+    refuse_zero2(model, dp_mode, "make_optimizer")
+    refuse_expert_dp_mode(model, dp_mode, "make_optimizer")
     if dp_mode == "zero1":
-        refuse_expert_dp_mode(model, dp_mode, "make_optimizer")
         return ZeRO1Optimizer(model, optimizer_class, **defaults)
     return optimizer_class(model.parameters(), **defaults)

@@ -34,8 +34,8 @@ What composing with the other axes takes, each decided here:
 * **Gradients** — non-expert parameters are averaged over the DP×CP group; expert parameters over
   the expert-DP group and divided by ``ep``, because backward's all-to-all already summed the
   ``ep`` ranks' contributions (:func:`average_gradients`; :mod:`minidist.expert_parallel.gpt`).
-  Bucketed DDP and ZeRO-1 average every parameter over DP×CP, where ranks hold other experts:
-  refused with ``ep > 1`` (with ``ep = 1`` the experts are replicated and they run).
+  Bucketed DDP, ZeRO-1 and ZeRO-3 average (or shard) every parameter over DP×CP, where ranks hold
+  other experts: refused with ``ep > 1`` (with ``ep = 1`` the experts are replicated and they run).
 """
 
 from __future__ import annotations
@@ -145,10 +145,10 @@ def average_gradients(params: list[nn.Parameter], grid) -> None:
 
 
 def refuse_expert_dp_mode(model, dp_mode: str, who: str) -> None:
-    """``ValueError`` (every rank, before any communication) for bucketed DDP or ZeRO-1 with
-    experts sharded over EP: both average every parameter over the DP×CP group, whose ranks hold
-    other experts."""
-    if dp_mode in ("bucketed", "zero1") and model.moe_layers and model.grid.ep_size > 1:
+    """``ValueError`` (every rank, before any communication) for bucketed DDP, ZeRO-1 or ZeRO-3
+    with experts sharded over EP: they average (or shard) every parameter over the DP×CP group,
+    whose ranks hold other experts."""
+    if dp_mode != "flat" and model.moe_layers and model.grid.ep_size > 1:
         raise ValueError(f"{who} (rank {model.grid.rank}): dp_mode={dp_mode!r} with expert "
                          f"parallelism (ep={model.grid.ep_size}) is not supported: it averages "
                          "every parameter over the DP×CP ranks, which hold other experts (each "

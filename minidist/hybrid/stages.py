@@ -55,7 +55,8 @@ from ..sharding.recompute import checkpoint
 from ..tensor_parallel.gpt import GPTStage
 from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.sequence import allreduce_sequence_parallel_grads
-from ..tensor_parallel.sharding import gather_state_dict, shard_state_dict
+from ..sharding.fsdp_state import full_gradients, full_state_dict
+from ..tensor_parallel.sharding import gather_state_dict, gather_tensors, shard_state_dict
 from .moe import check_moe, global_names, install_experts, local_full_state
 
 __all__ = ["GPTStage", "CPGPTStage", "HybridGPT", "stage_bounds", "check_grid", "RECOMPUTE"]
@@ -298,10 +299,16 @@ class HybridGPT:
     def gather(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full (unpadded) parameters or gradients of this rank's stages, by GPT name; the tied
         copy is returned as ``head.weight``; experts by their one-process index (this rank's
-        experts only). A collective over the TP group."""
+        experts only); ZeRO-3 gradients gathered over DP×CP first. A collective over the TP
+        group (and DP×CP)."""
         out = {}
         for s in sorted(self.stages):
-            out.update(gather_state_dict(self.stages[s], self.grid.tp_group, grads=grads))
+            stage = self.stages[s]
+            if hasattr(stage, "_fsdp"):   # ZeRO-3 shards: first over DP x CP
+                full = full_gradients(stage) if grads else full_state_dict(stage)
+                out.update(gather_tensors(stage, full, self.grid.tp_group))
+            else:
+                out.update(gather_state_dict(stage, self.grid.tp_group, grads=grads))
         return out if self.moe is None else global_names(out, self.expert_ids)
 
 

@@ -45,7 +45,8 @@ from ..pipeline_parallel.catalog import make_schedule
 from ..trace import Event
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from .clip import clip_grad_norm_
-from .dp import DP_MODES, PipelineBucketedDDP
+from ..sharding.fsdp import set_requires_gradient_sync
+from .dp import DP_MODES, ZERO3, PipelineBucketedDDP, refuse_zero2, shard_stages
 from .dp_pipeline import dp_pipeline_step
 from .moe import average_gradients, aux_weight, refuse_expert_dp_mode
 from .stages import check_grid
@@ -87,11 +88,16 @@ def make_loss_fn(model, loss_reduction: str = "mean", ignore_index: int = -100):
 def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> dict:
     """{stage: module} the engine runs: the stages themselves, or (``"bucketed"``) each wrapped in a
     :class:`~.dp.PipelineBucketedDDP` on the DP group (a small ``bucket_cap_mb``: several buckets
-    even for the tiny model). Collective over the DP group for ``"bucketed"``."""
+    even for the tiny model); with ``"zero3"``/``"zero3/keep"`` each stage becomes a
+    ``fully_shard`` unit (:mod:`.dp`) — build the optimizer after this. Collective over the DP
+    group for ``"bucketed"`` and ZeRO-3."""
     if dp_mode not in DP_MODES:
         raise ValueError(f"wrap_stages (rank {model.grid.rank}): dp_mode must be one of "
                          f"{DP_MODES}, got {dp_mode!r}")
+    refuse_zero2(model, dp_mode, "wrap_stages")
     refuse_expert_dp_mode(model, dp_mode, "wrap_stages")
+    if dp_mode in ZERO3:
+        shard_stages(model, dp_mode)
     if dp_mode != "bucketed":
         return dict(model.stages)
     return {s: PipelineBucketedDDP(m, group=model.grid.dp_cp_group, bucket_cap_mb=bucket_cap_mb)
@@ -135,7 +141,13 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     if any(wrapped) != (dp_mode == "bucketed") or len(set(wrapped)) > 1:
         raise ValueError(f"train_step (rank {grid.rank}): modules do not match dp_mode="
                          f"{dp_mode!r}; build them with wrap_stages(model, {dp_mode!r})")
+    refuse_zero2(model, dp_mode, "train_step")
     refuse_expert_dp_mode(model, dp_mode, "train_step")
+    sharded = [hasattr(m, "_fsdp") for m in model.stages.values()]
+    if any(sharded) != (dp_mode in ZERO3):
+        raise ValueError(f"train_step (rank {grid.rank}): the stages are{'' if any(sharded) else ' not'}"
+                         f" fully_shard units but dp_mode={dp_mode!r}; build them with "
+                         f"wrap_stages(model, {dp_mode!r})")
     cp = grid.cp_size
     check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, model.chunks,
                model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches, cp,
@@ -150,6 +162,12 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
                          f"with chunks={model.chunks}, placement={model.placement!r}; build "
                          f"HybridGPT(..., chunks={sched.v}, placement={sched.placement!r}) or pick "
                          "a schedule for the model")
+    if dp_mode in ZERO3 and sched.split(grid.pp_rank):
+        raise ValueError(f"train_step (rank {grid.rank}): dp_mode={dp_mode!r} (ZeRO-3, "
+                         f"fully_shard per stage) with the zero-bubble schedule {schedule!r} is "
+                         "not supported: its weight pass W runs as a backward of its own, outside "
+                         "the backward whose hooks FSDP's reduce-scatter follows; use '1f1b', "
+                         "'gpipe' or 'interleaved', or dp_mode='zero1'")
     model.zero_grad()
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
@@ -158,8 +176,10 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     if cp > 1:   # this rank's positions of every sample
         x, y = (shard(t, model.cp_split, cp, grid.cp_rank, dim=1) for t in (x, y))
     bucketed, zero1 = dp_mode == "bucketed", dp_mode == "zero1" and optimizer is not None
-    ctx = (lambda s, m, last: modules[s].backward_sync(last)) if bucketed else None
-    average = not (bucketed or zero1)
+    zero3 = dp_mode in ZERO3
+    ctx = ((lambda s, m, last: modules[s].backward_sync(last)) if bucketed else
+           (lambda s, m, last: _gradient_sync(modules[s], last)) if zero3 else None)
+    average = not (bucketed or zero1 or zero3)
     if model.moe_layers:   # experts: their aux losses' weights, their own gradient average
         tokens = int((targets != -100).sum())
         weight = aux_weight(loss_reduction, x.shape[0], len(grid.dp_cp_ranks), tokens)
@@ -184,7 +204,7 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
         norm = None
         if max_norm is not None:
             norm = (optimizer.clip_grad_norm_(max_norm) if zero1
-                    else clip_grad_norm_(model, max_norm))
+                    else clip_grad_norm_(model, max_norm, dp_sharded=zero3))
     with _timed(result, record, "optimizer", grid.pp_rank, step):
         if step:
             optimizer.step()
@@ -224,6 +244,17 @@ class _AuxMeter:
         if len(grid.dp_cp_ranks) > 1:
             C.all_reduce(t, "avg", group=grid.dp_cp_group)
         return float(t)
+
+
+@contextlib.contextmanager
+def _gradient_sync(stage, sync: bool):
+    """ZeRO-3: the backward inside reduce-scatters the accumulated gradient iff ``sync`` (the
+    stage's last micro-batch), else keeps accumulating it unsharded."""
+    set_requires_gradient_sync(stage, sync)
+    try:
+        yield
+    finally:
+        set_requires_gradient_sync(stage, True)
 
 
 def _reduction(grid, targets: torch.Tensor, microbatches: int, loss_reduction, cp: int) -> str:

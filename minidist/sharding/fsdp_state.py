@@ -26,7 +26,7 @@ from torch import nn
 from .fsdp import units
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_optim_state_dict",
-           "load_full_optim_state_dict", "clip_grad_norm_",
+           "load_full_optim_state_dict", "clip_grad_norm_", "full_gradients",
            "check_covered"]
 
 
@@ -111,6 +111,20 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
             out[name] = full[i]
     rank = next((u.rank for u in units(module)), 0)
     return {} if rank0_only and rank != 0 else out
+
+
+def full_gradients(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded gradients of a per-parameter :func:`~.fsdp.fully_shard` model, by name
+    (parameters with no gradient left out: the same on every rank). Collective; for checks and
+    inspection (training never needs them). Raises ``ValueError`` for flat units."""
+    if any(u.layout is not None and not _per_param(u) for u in units(module)):
+        raise ValueError("full_gradients: per-parameter units only (fully_shard's default)")
+    out = {}
+    for u, entries in _unit_entries(module, per_param=True):
+        for name, i in entries:
+            if u.params[i].grad is not None:
+                out[name] = _gather_param(u, i, u.params[i].grad)
+    return out
 
 
 def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:

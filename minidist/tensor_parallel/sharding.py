@@ -19,7 +19,7 @@ from ..comm.p2p import group_rank_world
 from .. import collectives as C
 from . import regions as R
 
-__all__ = ["pad_and_split", "shard_tensor", "gather_tensor", "shard_state_dict", "gather_state_dict",
+__all__ = ["pad_and_split", "shard_tensor", "gather_tensor", "shard_state_dict", "gather_state_dict", "gather_tensors",
            "parameter_bytes"]
 
 
@@ -87,13 +87,19 @@ def gather_state_dict(model, group=None, grads: bool = False) -> dict:
     With ``grads=True`` parameters without a gradient are left out (the same on every rank, as
     every rank runs the same model).
     """
+    if grads:
+        items = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    else:
+        items = dict(model.state_dict())
+    return gather_tensors(model, items, group)
+
+
+def gather_tensors(model, tensors: dict, group=None) -> dict:
+    """``{name: this rank's TP shard}`` of ``model``'s parameters → the full, unpadded tensors (a
+    collective over ``group``); e.g. gradients a data-parallel wrapper kept elsewhere."""
     out = {}
     meta = _meta(model)
-    if grads:
-        items = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-    else:
-        items = list(model.state_dict().items())
-    for name, t in items:
+    for name, t in tensors.items():
         dim, full_size = meta.get(name, (None, None))
         out[name] = gather_tensor(t, dim, full_size, group)
     return out
