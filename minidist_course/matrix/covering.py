@@ -1,13 +1,14 @@
 """The dimensions of the training step and a pairwise covering array over them.
 
 A *configuration* picks one value per dimension of :func:`minidist.hybrid.train_step` — the
-pipeline schedule, the data-parallel mode, recomputation, context parallelism (ring attention
+pipeline schedule, the data-parallel mode (flat, bucketed, ZeRO-1, ZeRO-2, ZeRO-3 per stage with
+and without resharding after forward), recomputation, context parallelism (ring attention
 with each of the three splits, or Ulysses), tensor parallelism
 (with or without sequence parallelism), the loss reduction, the data-parallel size, the tied
 embedding and the MLPs: dense, or mixture-of-experts blocks (top-2 of 4 experts, aux and z
 losses) with the experts replicated (``ep1``), sharded over two EP ranks (``ep2``), or sharded
 and dropping tokens over a capacity (``ep2/drop``). Testing every configuration is a product of
-all the value counts (6·3·3·5·3·3·2·2·4 = 38,880 here); testing every *pair* of values of every two dimensions
+all the value counts (6·6·3·5·3·3·2·2·4 = 77,760 here); testing every *pair* of values of every two dimensions
 takes a few dozen (a covering array of strength 2: Cohen et al. 1997, "The AETG System", whose
 greedy construction this is — each new configuration is the best of a few random candidates
 at covering pairs not covered yet). Most bugs of composition are pairs (the field reports of
@@ -30,11 +31,11 @@ import itertools
 import random
 
 __all__ = ["DIMENSIONS", "EXPERTS", "REFUSED", "MAX_WORLD", "world_size", "cp_size", "ep_size",
-           "feasible", "UNREACHABLE", "refusal", "pairs_of", "pair_refused", "covering_array", "strength_one"]
+           "feasible", "UNREACHABLE", "refusal", "reason", "pairs_of", "pair_refused", "covering_array", "strength_one"]
 
 DIMENSIONS: dict[str, tuple] = {
     "schedule": ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipe-v"),
-    "dp_mode": ("flat", "bucketed", "zero1"),
+    "dp_mode": ("flat", "bucketed", "zero1", "zero2", "zero3", "zero3/keep"),
     "recompute": ("none", "minidist", "torch"),
     "cp": ("1", "ring/zigzag", "ring/contiguous", "ring/striped", "ulysses"),
     "tp": ("1", "2", "2+sp"),
@@ -57,8 +58,11 @@ REFUSED: list[tuple[tuple[str, object], tuple[str, object] | None, tuple[str, ..
     for moe in EXPERTS
 ] + [
     (("dp_mode", mode), ("moe", moe), (f"'{mode}'", "expert parallelism"))
-    for mode in ("bucketed", "zero1") for moe in ("ep2", "ep2/drop")
+    for mode in ("bucketed", "zero1", "zero3", "zero3/keep") for moe in ("ep2", "ep2/drop")
 ] + [
+    (("schedule", zb), ("dp_mode", mode), (f"'{mode}'", f"'{zb}'", "zero-bubble"))
+    for zb in ("zb-h1", "zb-v", "dualpipe-v") for mode in ("zero3", "zero3/keep")
+] + [(("dp_mode", "zero2"), None, ("'zero2'", "pipeline"))] + [
     (("cp", cp), ("moe", "ep2/drop"), ("capacity", "context parallelism"))
     for cp in ("ring/zigzag", "ring/contiguous", "ring/striped", "ulysses")
 ]
@@ -66,7 +70,7 @@ REFUSED: list[tuple[tuple[str, object], tuple[str, object] | None, tuple[str, ..
 # DP×CP ranks, with dp=1 those are CP ranks, and a capacity with CP is refused
 UNREACHABLE = {(("dp", 1), ("moe", "ep2/drop"))}
 # the value a dimension takes to leave a refused pair (the covering array's repair)
-SAFE = {"moe": "none", "tp": "2", "cp": "1", "dp_mode": "flat"}
+SAFE = {"moe": "none", "tp": "2", "cp": "1", "dp_mode": "flat", "schedule": "1f1b"}
 
 
 def world_size(config: dict) -> int:
@@ -102,12 +106,17 @@ def pairs_of(config: dict) -> set:
     return set(itertools.combinations(items, 2))
 
 
-def pair_refused(pair) -> bool:
+def reason(pair) -> int | None:
+    """The index in :data:`REFUSED` of the refusal a pair triggers, or None."""
     (a, b) = pair
-    for one, other, _ in REFUSED:
+    for i, (one, other, _) in enumerate(REFUSED):
         if one in (a, b) and (other is None or other in (a, b)):
-            return True
-    return False
+            return i
+    return None
+
+
+def pair_refused(pair) -> bool:
+    return reason(pair) is not None
 
 
 def _all_pairs() -> list:
@@ -117,8 +126,8 @@ def _all_pairs() -> list:
 
 
 def _candidate(rng: random.Random, seed_pair, want_refused: bool) -> dict | None:
-    """A random configuration holding ``seed_pair``, within the hard limits, holding no refused
-    pair but ``seed_pair`` itself (``want_refused``) or none at all; None if impossible."""
+    """A random configuration holding ``seed_pair``, within the hard limits, refused for the seed
+    pair's reason only (``want_refused``) or for none at all; None if impossible."""
     config = {d: rng.choice(v) for d, v in DIMENSIONS.items()}
     for d, v in seed_pair:
         config[d] = v
@@ -126,8 +135,9 @@ def _candidate(rng: random.Random, seed_pair, want_refused: bool) -> dict | None
     for d, small in (("dp", 1), ("cp", "1"), ("tp", "1")):   # shrink what the pair does not fix
         if world_size(config) > MAX_WORLD and d not in fixed:
             config[d] = small
-    for _ in range(len(DIMENSIONS)):   # leave every refused pair but the seed, as SAFE says
-        other = [p for p in pairs_of(config) if pair_refused(p) and p != seed_pair]
+    mine = reason(seed_pair) if want_refused else None
+    for _ in range(len(DIMENSIONS)):   # leave every refusal but the seed's own, as SAFE says
+        other = [p for p in pairs_of(config) if reason(p) not in (None, mine)]
         if not other:
             break
         for d, _ in other[0]:
@@ -143,8 +153,8 @@ def _candidate(rng: random.Random, seed_pair, want_refused: bool) -> dict | None
             config["cp"] = "ring/zigzag" if config["moe"] != "ep2/drop" else "1"
     if world_size(config) > MAX_WORLD and "tp" not in fixed:
         config["tp"] = "1"
-    held = {p for p in pairs_of(config) if pair_refused(p)}
-    if not feasible(config) or held - {seed_pair} or (seed_pair in held) != want_refused:
+    held = {reason(p) for p in pairs_of(config)} - {None}
+    if not feasible(config) or held != ({mine} if want_refused else set()):
         return None
     return config
 

@@ -9,7 +9,8 @@ slices —, every generator and the dropout tracker, the data stream as a statef
 on. A second launch builds everything again from another seed, loads and trains the remaining
 steps. Every rank's parameters must be ``==`` to the first launch's: the layout and the order of
 the sums are the same, so nothing may differ, not even in the last bit. Like the composition
-matrix, one launch per world size runs all of its configurations (two launches per size here).
+matrix, one launch per world size runs its configurations, at most :data:`PER_LAUNCH` at a time
+(two launches each: straight and resumed).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .run import BATCH, MICROBATCHES, _cfg, _ignore, build
 __all__ = ["STEPS", "SAVE_AT", "run_resume", "Batches"]
 
 STEPS, SAVE_AT = 3, 2
+PER_LAUNCH = 12   # configurations per launch: a launch's timeout covers all of them
 DROPOUT = 0.1
 
 
@@ -94,10 +96,12 @@ def run_resume(configs: list[dict], root: str, timeout: float = 600, progress=No
         if refusal(c) is None:
             by_world.setdefault(world_size(c), []).append((i, c))
     rows = []
-    for w in sorted(by_world):
+    launches = [(w, by_world[w][i:i + PER_LAUNCH]) for w in sorted(by_world)
+                for i in range(0, len(by_world[w]), PER_LAUNCH)]
+    for w, chunk in launches:
         start = time.perf_counter()
-        todo = [c for _, c in by_world[w]]
-        folders = [os.path.join(root, f"config{i:03d}") for i, _ in by_world[w]]
+        todo = [c for _, c in chunk]
+        folders = [os.path.join(root, f"config{i:03d}") for i, _ in chunk]
         straight = minidist.run(_rank, w, todo, folders, False, timeout=timeout)
         resumed = minidist.run(_rank, w, todo, folders, True, timeout=timeout)
         for j, c in enumerate(todo):

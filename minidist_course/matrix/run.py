@@ -2,8 +2,8 @@
 GPT through :func:`minidist.hybrid.train_step` and is compared with one process on the global
 batch (:mod:`minidist_course.references.hybrid`), or must be refused naming both features.
 
-One launch per world size runs all of that size's configurations in turn (each builds its own
-:class:`~minidist.grid.ProcessGrid`), so the whole array costs three launches. A configuration is
+One launch per world size runs that size's configurations in turn, at most :data:`PER_LAUNCH`
+per launch (each builds its own :class:`~minidist.grid.ProcessGrid`): a handful of launches. A configuration is
 
 * ``✓`` — it ran and the loss and the gradient norm are within :data:`TOL` (relative) of one
   process (with experts: the one process of :func:`~minidist_course.references.hybrid.moe_reference`,
@@ -37,6 +37,7 @@ __all__ = ["TOL", "MICROBATCHES", "MOE", "build", "moe_options", "run_matrix", "
 
 TOL = 1e-6
 MICROBATCHES = 4       # dualpipe-v needs 2·pp; interleaved a multiple of pp
+PER_LAUNCH = 30        # configurations per launch: a launch's timeout covers all of them
 BATCH = 8              # dp = 2: 4 samples per replica, one per micro-batch
 # the mixture of experts of the "moe" values: top-2 of 4 experts, both aux losses on (so their
 # gradients through the pipeline are checked); "ep2/drop" adds a capacity that drops tokens
@@ -133,14 +134,16 @@ def run_matrix(configs: list[dict], timeout: float = 600, progress=None) -> list
     for c in configs:
         by_world.setdefault(world_size(c), []).append(c)
     rows, refs = [], {}
-    for w in sorted(by_world):
+    launches = [(w, by_world[w][i:i + PER_LAUNCH]) for w in sorted(by_world)
+                for i in range(0, len(by_world[w]), PER_LAUNCH)]
+    for w, todo in launches:
         start = time.perf_counter()
-        per_rank = minidist.run(_rank, w, by_world[w], timeout=timeout)
-        for i, c in enumerate(by_world[w]):
+        per_rank = minidist.run(_rank, w, todo, timeout=timeout)
+        for i, c in enumerate(todo):
             status, detail = check(c, [r[i] for r in per_rank], refs)
             rows.append({**c, "world": w, "status": status, "detail": detail})
         if progress:
-            progress(f"W={w}: {len(by_world[w])} configurations in {time.perf_counter() - start:.0f} s")
+            progress(f"W={w}: {len(todo)} configurations in {time.perf_counter() - start:.0f} s")
     return rows
 
 
