@@ -77,7 +77,7 @@ def test_the_checker_rejects_each_wrong_result_by_name():
     assert "✗ schedule=1f1b" in table and "loss 1e-3" in table
 
 
-@pytest.mark.exhaustive   # the default tier runs the same subset in chapter 12 (section 4.5)
+@pytest.mark.exhaustive   # the default tier runs the same subset in chapter 12 (section 4.6)
 @pytest.mark.timeout(300)
 def test_every_value_once_runs_as_expected():
     rows = run_matrix(strength_one(covering_array(0)), timeout=240)
