@@ -72,9 +72,12 @@ def test_accounted_bytes_equal_the_zero_formula_and_stage3_moves_1_5x(world, nam
         ring = 4 * PSI * (world - 1) // world       # bytes one ring pass sends per rank
         assert res[0]["sent"] == 2 * ring           # DP: one all-reduce
         assert res[1]["sent"] == res[2]["sent"] == 2 * ring   # reduce-scatter + all-gather
-        assert res[3]["sent"] == 3 * ring           # all-gather x 2 + reduce-scatter
+        # all-gather x 2 + reduce-scatter, plus the all-reduce of one used-flag per parameter
+        # (fp32, at most 2 x 4 bytes per parameter and rank) that agrees which got a gradient
+        n_params = len(list(known_model().parameters()))
+        assert 3 * ring <= res[3]["sent"] <= 3 * ring + 8 * n_params * (world > 1)
         if world > 1:
-            assert res[3]["sent"] / res[1]["sent"] == 1.5
+            assert abs(res[3]["sent"] / res[1]["sent"] - 1.5) < 0.02
 
 
 def test_activation_bytes_drop_with_recomputation_as_predicted():
