@@ -76,6 +76,7 @@ def demo_rows() -> list[dict]:
                                "(fp32, K=8)"})
     ratio = res[0]["known"][3][1] / res[0]["known"][1][1]
     rows.append({"section": "sharding", "check": "ZeRO-3 traffic / ZeRO-1 traffic",
-                 "world_size": WORLD, "max_error": abs(ratio - 1.5), "ok": ratio == 1.5,
-                 "detail": f"{ratio:.3f} (expected 1.5: two all-gathers + a reduce-scatter)"})
+                 "world_size": WORLD, "max_error": abs(ratio - 1.5), "ok": 1.5 <= ratio < 1.6,
+                 "detail": f"{ratio:.3f} (expected 1.5: two all-gathers + a reduce-scatter; "
+                           "plus a few bytes of used-flags per parameter)"})
     return rows
