@@ -18,8 +18,10 @@ import minidist
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = (README, ROOT / "docs" / "library.md")   # the library's snippets, read as one session
-# world size per snippet function; the 3-D one needs dp * pp * tp = 8 ranks
-WORLD = {"f": 4, "ddp": 2, "tp": 2, "pp": 2, "three_d": 8, "ep": 4}
+# world size per snippet function; the 3-D one needs dp * pp * tp = 8 ranks, the 5-D one 16
+WORLD = {"f": 4, "ddp": 2, "tp": 2, "pp": 2, "three_d": 8, "ep": 4, "five_d": 16}
+# 16 ranks on two cores take ~20 s: the integration tier runs that snippet
+HEAVY = {"five_d"}
 
 
 def _snippets() -> list[str]:
@@ -43,7 +45,8 @@ def test_every_snippet_function_has_a_world_size():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", sorted(WORLD))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.integration) if n in HEAVY else n
+                                  for n in sorted(WORLD)])
 def test_snippet_runs_and_ranks_agree(name):
     fn = _rank_functions()[name]
     results = minidist.run(fn, WORLD[name], timeout=180)
@@ -56,5 +59,8 @@ def test_snippet_runs_and_ranks_agree(name):
     elif name == "pp":
         losses = [r for r in results if r is not None]
         assert len(losses) == 1 and results[-1] is not None   # only the last stage has the loss
+    elif name == "five_d":                           # (loss, aux loss): the same on every rank
+        assert all(r == results[0] for r in results), results
+        assert 0 < results[0][1] < results[0][0]     # the aux part is a part of the loss
     else:                                            # ddp, three_d, ep: identical on every rank
         assert all(r == results[0] for r in results), results

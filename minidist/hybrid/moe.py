@@ -41,12 +41,14 @@ What composing with the other axes takes, each decided here:
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import torch
 from torch import nn
 
 from ..expert_parallel.gpt import MoEGPT, is_expert
 from ..expert_parallel.layer import MoE
+from ..models.gpt import GPTConfig
 from ..tensor_parallel.gpt import use_tracker_dropout
 from .dp_pipeline import average_params
 
@@ -88,8 +90,9 @@ def install_experts(stage: nn.Module, moe: dict, grid) -> list[MoE]:
     return the layers. Their weights come from :func:`local_full_state` afterwards."""
     dp_cp = grid.dp_cp_group if len(grid.dp_cp_ranks) > 1 else None
     layers = []
-    for block in stage.blocks:
-        block.mlp = MoE(stage.cfg, ep_group=grid.ep_group if grid.ep_size > 1 else None,
+    blocks, cfg = cast(nn.ModuleList, stage.blocks), cast(GPTConfig, stage.cfg)
+    for block in blocks:
+        block.mlp = MoE(cfg, ep_group=grid.ep_group if grid.ep_size > 1 else None,
                         stats_group=dp_cp, **moe)
         use_tracker_dropout(block.mlp)   # the TP ranks' copies of an expert draw the same masks
         layers.append(block.mlp)

@@ -38,6 +38,7 @@ dropout with CP.
 from __future__ import annotations
 
 import contextlib
+from typing import cast
 
 import torch
 import torch.utils.checkpoint
@@ -83,7 +84,8 @@ class _TrackerReplayed:
     Reusable: a split backward recomputes a block twice with the same context."""
 
     def __init__(self, state: dict):
-        self.state, self.outside = state, []
+        self.state = state
+        self.outside: list[dict] = []
 
     def __enter__(self):
         tracker = get_rng_tracker()
@@ -261,6 +263,8 @@ class HybridGPT:
     @property
     def expert_ids(self) -> list[int]:
         """The experts (one-process indices) this rank holds in every MoE layer."""
+        if self.moe is None:
+            return []
         return local_experts(self.moe["num_experts"], self.grid.ep_size, self.grid.ep_rank)
 
     def is_tied_copy(self, p: nn.Parameter) -> bool:
@@ -291,7 +295,8 @@ class HybridGPT:
             return
         if self.grid.embedding_group is None or (self.first is None and self.last is None):
             return   # a middle stage (with placement "v", rank pp-1 is one, in the group or not)
-        p = self.first.tok_emb.weight if self.first is not None else self.last.head.weight
+        p = (self.first.tok_emb.weight if self.first is not None else
+             cast(GPTStage, self.last).head.weight)
         p.grad = _grad(p)
         C.all_reduce(p.grad, "sum", group=self.grid.embedding_group)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -179,7 +180,7 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     zero3 = dp_mode in ZERO3
     ctx = ((lambda s, m, last: modules[s].backward_sync(last)) if bucketed else
            (lambda s, m, last: _gradient_sync(modules[s], last)) if zero3 else None)
-    average = not (bucketed or zero1 or zero3)
+    average: bool | Callable[[], None] = not (bucketed or zero1 or zero3)
     if model.moe_layers:   # experts: their aux losses' weights, their own gradient average
         tokens = int((targets != -100).sum())
         weight = aux_weight(loss_reduction, x.shape[0], len(grid.dp_cp_ranks), tokens)
@@ -220,7 +221,8 @@ class _AuxMeter:
     averaged over DP×CP (the TP ranks hold the same)."""
 
     def __init__(self, model, samples: int):
-        self.model, self.samples, self.total, self.handles = model, samples, 0.0, []
+        self.model, self.samples, self.total = model, samples, 0.0
+        self.handles: list = []
 
     def _hook(self, stage, args, out):
         layers = [b.mlp for b in stage.blocks]

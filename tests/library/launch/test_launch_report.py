@@ -69,7 +69,7 @@ _CELLS = [
     "def shift_right(rank, world):\n    t = torch.ones(4)\n"
     "    p2p.send(t, (rank + 1) % world)  # blocking send first: every rank waits\n"
     "    p2p.recv(t, (rank - 1) % world)",
-    "minidist.run(shift_right, 3, timeout=4)",
+    "minidist.run(shift_right, 3, timeout=12)",  # start-up included: room for a loaded machine
 ]
 
 
