@@ -22,7 +22,8 @@ pair is covered by configurations that hold no refused pair. Hard limits (the wo
 still covered by other configurations; nor is ``ep2`` needing an even number of DP×CP ranks
 (EP is folded over them).
 
-Deterministic: the same ``seed`` gives the same array, so a failure can be run again.
+Deterministic: the same ``seed`` gives the same array in every process (nothing depends on the
+order of a set, which changes with Python's hash seed), so a failure can be run again.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def _candidate(rng: random.Random, seed_pair, want_refused: bool) -> dict | None
             config[d] = small
     mine = reason(seed_pair) if want_refused else None
     for _ in range(len(DIMENSIONS)):   # leave every refusal but the seed's own, as SAFE says
-        other = [p for p in pairs_of(config) if reason(p) not in (None, mine)]
+        other = sorted((p for p in pairs_of(config) if reason(p) not in (None, mine)), key=repr)
         if not other:
             break
         for d, _ in other[0]:
@@ -183,7 +184,8 @@ def covering_array(seed: int = 0, candidates: int = 30) -> list[dict]:
     for pair in refused:   # one configuration per refused pair that no earlier one checks
         if pair in checked:
             continue
-        c = _candidate(rng, pair, want_refused=True)
+        c = next((c for c in (_candidate(rng, pair, want_refused=True) for _ in range(candidates))
+                  if c is not None), None)
         if c is None:
             raise RuntimeError(f"covering_array: no configuration within the limits holds {pair}")
         array.append(c)
