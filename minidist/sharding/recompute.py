@@ -28,6 +28,7 @@ transformers). Restriction: ``fn`` must save the same tensors in the same order 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -82,6 +83,7 @@ def checkpoint(fn, *args, **kwargs):
     ``RuntimeError`` if the recomputation saves a different number of tensors than the first run.
     """
     rng = _rng_state(args)
+    autocast = _autocast_state()
     frame = _Frame()
     for meter in METERS:
         for a in args:
@@ -97,7 +99,7 @@ def checkpoint(fn, *args, **kwargs):
         task = torch._C._current_graph_task_id()   # this backward call
         got = frame.recomputed.get(task)
         if got is None:   # the first tensor this backward asks for: run fn again
-            saved = _recompute(fn, args, kwargs, rng, len(frame.tickets))
+            saved = _recompute(fn, args, kwargs, rng, autocast, len(frame.tickets))
             got = frame.recomputed[task] = weakref.WeakKeyDictionary(
                 {k: saved[k.index] for k in (r() for r in frame.tickets) if k is not None})
             # what this backward did not ask for dies with it, not with the graph (B of a split
@@ -113,7 +115,16 @@ def checkpoint(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-def _recompute(fn, args, kwargs, rng, expected: int) -> dict:
+def _autocast_state() -> list[tuple[str, torch.dtype]]:
+    """The autocast regions the forward ran in: ``[(device type, dtype)]`` (mixed precision). The
+    recomputation runs in backward, outside them, and must enter them again or it computes in
+    another dtype than the forward did (torch.utils.checkpoint saves the same state, pytorch#71124;
+    the forward's dtype, not autocast's default: fairscale#1199)."""
+    kinds = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return [(k, torch.get_autocast_dtype(k)) for k in kinds if torch.is_autocast_enabled(k)]
+
+
+def _recompute(fn, args, kwargs, rng, autocast, expected: int) -> dict:
     saved = {}
 
     def pack(t):   # the recomputed graph is never walked: it keeps nothing (a saved output
@@ -128,7 +139,11 @@ def _recompute(fn, args, kwargs, rng, expected: int) -> dict:
     now = _rng_state(args)
     _set_rng_state(rng)
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with contextlib.ExitStack() as regions:
+            for device_type, dtype in autocast:
+                regions.enter_context(torch.autocast(device_type, dtype=dtype))
+            regions.enter_context(torch.enable_grad())
+            regions.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             fn(*detached, **kwargs)
     finally:
         _set_rng_state(now)

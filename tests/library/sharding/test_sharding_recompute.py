@@ -46,6 +46,27 @@ def test_gradients_equal_without_recomputation_and_torch_checkpoint_both_forms()
     assert max_abs_diff(other, ref) > 1e-4
 
 
+def test_recomputation_replays_the_forwards_autocast():
+    """Regression (mixed precision x recomputation): the recomputation runs in backward, outside
+    the forward's ``torch.autocast``; without entering it again it recomputed in fp32 and the
+    backward failed ("expected m1 and m2 to have the same dtype"). Bitwise the gradients of the
+    same forward under bf16 autocast without recomputation, as torch's checkpoint gives (the
+    forward's own dtype, not autocast's default: fairscale#1199; pytorch#71124 for torch's)."""
+    def grads(impl):
+        model = _model(impl)
+        x, y = global_batch(0)
+        torch.manual_seed(7)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        loss_fn(out.float(), y).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    ref = grads("off")
+    assert {g.dtype for g in ref.values()} == {torch.float32}   # parameters stay fp32
+    for impl in ("minidist", "torch-non-reentrant"):
+        assert max_abs_diff(grads(impl), ref) == 0.0, impl
+    assert max_abs_diff(_grads("off"), ref) > 1e-5   # bf16 does change the gradients
+
+
 class _Scaled(nn.Module):
     """A block with a keyword argument and dropout: ``forward(x, *, scale)``."""
 
@@ -112,6 +133,8 @@ def test_recomputation_that_saves_something_else_is_an_error():
 
 def _train(rank, world, impl, wrapper):
     model = _model(impl)
+    wrapper, _, amp = wrapper.partition("+")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16")
     if wrapper == "ddp":
         from minidist.data_parallel import BucketedDDP
         model = BucketedDDP(model, bucket_cap_mb=0.0005)
@@ -122,7 +145,9 @@ def _train(rank, world, impl, wrapper):
         opt.zero_grad()
         x, y = local_batch(step, rank, world)
         torch.manual_seed(100 * step + rank)   # dropout differs per rank and step, as in training
-        loss_fn(model(x), y).backward()
+        with autocast:
+            out = model(x)
+        loss_fn(out.float(), y).backward()
         opt.step()
     if wrapper == "ddp":
         model.close()
@@ -134,7 +159,8 @@ def _both(rank, world, wrapper):
     return {impl: _train(rank, world, impl, wrapper) for impl in ("off", "minidist")}
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "zero3"])
+# "zero3+bf16": field report pytorch#148831 (FSDP2 lost the autocast of a recomputation)
+@pytest.mark.parametrize("wrapper", ["ddp", "zero3", "zero3+bf16"])
 def test_works_under_bucketed_ddp_and_zero3_hooks(wrapper):
     for out in minidist.run(_both, 2, wrapper, timeout=120):
         assert max_abs_diff(out["minidist"], out["off"]) <= 1e-7
