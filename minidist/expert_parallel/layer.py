@@ -142,7 +142,8 @@ class MoE(nn.Module):
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
         T, E, k = flat.shape[0], self.num_experts, self.top_k
-        logits = nn.functional.linear(flat.float(), self.router.weight.float())     # fp32 router
+        with torch.autocast(x.device.type, enabled=False):   # fp32 also under mixed precision
+            logits = nn.functional.linear(flat.float(), self.router.weight.float())  # fp32 router
         probs, experts, weights = route(logits, k, self.normalize_topk)
         capacity, n = None, self.drop_chunks
         if T % n:

@@ -125,6 +125,22 @@ def test_hand_computed_permutation_tables():
     assert experts_per_rank(8, 4) == 2 and imbalance([4, 4]) == 1.0 and imbalance([8, 0]) == 2.0
 
 
+def test_the_router_stays_fp32_under_autocast(monkeypatch):
+    """Regression (MoE x mixed precision): the router's linear ran in bf16 under ``torch.autocast``
+    although the layer promises an fp32 router (Megatron-LM's ``moe_router_dtype``): routing
+    decided on rounded logits."""
+    from minidist.expert_parallel import layer
+    seen = []
+    monkeypatch.setattr(layer, "route", lambda logits, *a: seen.append(logits) or route(logits, *a))
+    torch.manual_seed(0)
+    moe = MoE(GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=2, n_embd=8), 4, 2)
+    x = torch.randn(2, 4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(x)
+    assert seen[0].dtype == torch.float32
+    assert torch.equal(seen[0], x.reshape(8, 8) @ moe.router.weight.T)   # computed in fp32
+
+
 def test_a_model_can_be_copied_after_its_forward():
     import copy
 
