@@ -65,7 +65,7 @@ def average_params(params: list[nn.Parameter], group) -> None:
 def dp_pipeline_step(schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
                      pp_group, dp_group, loss_reduction: str = "mean", average: bool | Callable[[], None] = True,
                      record: bool = False, device=None, prefetch: bool | None = None,
-                     backward_context=None) -> StepResult:
+                     backward_context=None, autocast_dtype=None) -> StepResult:
     """One pipeline step on this replica's shard ``inputs``/``targets`` (``[N/D, ...]``), composed
     with data parallelism over ``dp_group`` (module docstring).
 
@@ -93,6 +93,7 @@ def dp_pipeline_step(schedule, modules: dict[int, nn.Module], inputs, targets, l
             return out[0]
     result = pipeline_step(schedule, modules, inputs, targets, fn, group=pp_group, record=record,
                            device=device, prefetch=prefetch, backward_context=backward_context,
+                           autocast_dtype=autocast_dtype,
                            loss_reduction="sum" if loss_reduction == "per_token" else loss_reduction)
     if loss_reduction != "mean":
         _over_replicas(result, modules, pp_group, dp_group, loss_reduction, sum(counts), device)

@@ -75,8 +75,8 @@ def make_loss_fn(model, loss_reduction: str = "mean", ignore_index: int = -100):
     or ``"per_token"``: ``(sum, number of targets != ignore_index)``."""
     V, group = model.cfg.vocab_size, model.grid.tp_group
 
-    def ce(y, t, reduction):
-        return vocab_parallel_cross_entropy(y, t, V, reduction=reduction, group=group,
+    def ce(y, t, reduction):   # fp32 logits under mixed precision (Megatron-LM's default)
+        return vocab_parallel_cross_entropy(y.float(), t, V, reduction=reduction, group=group,
                                             ignore_index=ignore_index)
     if loss_reduction == "per_token":
         return lambda y, t: (ce(y, t, "sum"), int((t != ignore_index).sum()))
@@ -108,7 +108,8 @@ def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> d
 def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torch.Tensor,
                microbatches: int, schedule: str | None = None, dp_mode: str = "flat",
                loss_reduction: str | None = None, max_norm: float | None = None,
-               record: bool = False, step: bool = True) -> StepOutput:
+               record: bool = False, step: bool = True,
+               autocast_dtype: torch.dtype | None = None) -> StepOutput:
     """One step on the global batch ``ids``/``targets`` ``[B, s]`` (the same on every rank).
 
     ``model``: a :class:`~.stages.HybridGPT`; ``modules``: from :func:`wrap_stages` with the same
@@ -125,6 +126,14 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     only when every shard counts the same tokens), ``"sum"``, ``"per_token"`` (the global token
     mean, however the ignored targets fall), or None: ``"per_token"`` when any target is
     ``-100`` (ignored), else ``"mean"``.
+    ``autocast_dtype``: mixed precision (e.g. ``torch.bfloat16``): every stage's forward runs under
+    ``torch.autocast``, backwards outside it; parameters, gradients, their averaging and the
+    optimizer stay fp32 (torch's AMP recipe); the logits are cast to fp32 for the cross-entropy
+    (Megatron-LM's default, ``fp16_lm_cross_entropy=False``); recomputation replays the autocast
+    state of the forward; MoE routers stay fp32.
+    Gradient accumulation is ``microbatches``: the gradients of the micro-batches add up (weighted
+    so the sum is the global batch's loss, :mod:`~minidist.pipeline_parallel.microbatch`, also
+    when they differ in size by one) and are averaged over DP once, after the last.
 
     Raises ``ValueError`` (every rank, before communicating) when ``B`` does not split over dp,
     a replica gets fewer than ``microbatches`` samples, the grid does not fit the model, or the
@@ -192,7 +201,7 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
         result = dp_pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),
                                   grid.pp_group, grid.dp_cp_group, loss_reduction=loss_reduction,
                                   average=average, record=record, backward_context=ctx,
-                                  device=_device(model))
+                                  device=_device(model), autocast_dtype=autocast_dtype)
     with _timed(result, record, "sp grads", grid.pp_rank, model.sequence_parallel):
         model.finish_sequence_parallel_grads()
     with _timed(result, record, "tied grads", grid.pp_rank, grid.embedding_group is not None

@@ -102,6 +102,7 @@ class _StepState:
     weights: list | None = None       # n_m / N per micro-batch (last stage)
     reduction: str = "mean"
     backward_context: object = None   # (stage, mb, last) -> context manager around a backward
+    autocast_dtype: object = None     # mixed precision: the forwards' autocast dtype
     last_backward: dict = field(default_factory=dict)  # stage -> mb of its last B op here
     count: float = 0.0                # "per_token": counted tokens so far (last stage)
     saved: dict = field(default_factory=dict)   # (mb, stage) -> (x, y) kept for the backward
@@ -122,7 +123,9 @@ def _forward_op(st: _StepState, m: int, s: int) -> None:
         if x.is_floating_point():
             x.requires_grad_()
     start = st.clock()
-    with st.meter.forward(s, m):
+    autocast = (torch.autocast(torch.device(st.device).type, dtype=st.autocast_dtype)
+                if st.autocast_dtype is not None else contextlib.nullcontext())
+    with st.meter.forward(s, m), autocast:
         y = st.modules[s](x)
         if s == last:
             y = _micro_loss(st, st.loss_fn(y, st.mb_targets[m].to(st.device)), m)
@@ -189,7 +192,7 @@ def _weight_op(st: _StepState, m: int, s: int) -> None:
 def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
                   group=None, record: bool = False, device=None,
                   prefetch: bool | None = None, loss_reduction: str = "mean",
-                  backward_context=None) -> StepResult:
+                  backward_context=None, autocast_dtype: torch.dtype | None = None) -> StepResult:
     """Run one training step's forwards and backwards of ``schedule`` on this rank.
 
     Args:
@@ -207,6 +210,10 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
             ``last`` is True for the stage's last backward of the step (its last W when the
             backward is split: where the weight gradients are final) (where a bucketed DDP wrapper
             must synchronise, Narayanan et al. 2021 §3.3).
+        autocast_dtype: mixed precision: each forward (stage and loss) runs under
+            ``torch.autocast(device.type, dtype=autocast_dtype)`` (e.g. ``torch.bfloat16``), the
+            backwards outside it, as torch's AMP recipe says; parameters and their gradients stay
+            in their own dtype, activations travel in the dtype the stage returns.
         record: keep a timeline of compute and communication events.
         device: where received tensors and micro-batches go (default ``minidist.env.device()``:
             ``cuda:LOCAL_RANK`` with nccl, the CPU with gloo); the modules must already be there.
@@ -253,6 +260,7 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
     split = schedule.split(rank)
     st = _StepState(schedule, modules, rank, device, transport, StageActivationMeter(modules), clock,
                     loss_fn, mb_inputs, mb_targets, weights, loss_reduction, backward_context,
+                    autocast_dtype,
                     {op.stage: op.mb for op in schedule[rank]
                      if op.kind == "W" or (op.kind == "B" and (op.mb, op.stage) not in split)},
                     split=split)

@@ -10,6 +10,8 @@ gradients, loss and norm are from it. Used by ``minidist demo``'s 3-D section
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -37,15 +39,23 @@ def batch(n: int = BATCH, cfg: GPTConfig = CFG, ignore: float = 0.3, seed: int =
     return ids, targets
 
 
+def _autocast(dtype: torch.dtype | None):
+    """The forward's mixed precision (``torch.autocast`` on the CPU), or nothing."""
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 def reference(max_norm: float | None = MAX_NORM, cfg: GPTConfig = CFG, n: int = BATCH,
-              ignore: float = 0.3, reduction: str = "mean") -> dict:
+              ignore: float = 0.3, reduction: str = "mean",
+              autocast_dtype: torch.dtype | None = None) -> dict:
     """One process, the whole batch: ``F.cross_entropy`` (``reduction`` "mean": over the counted
-    tokens, ignore_index -100; or "sum"), backward, ``clip_grad_norm_``. Returns ``{"loss",
+    tokens, ignore_index -100; or "sum"), backward, ``clip_grad_norm_``; with ``autocast_dtype``
+    the forward under ``torch.autocast`` and the cross-entropy on fp32 logits. Returns ``{"loss",
     "grad_norm" (before clipping), "grads" (after clipping)}``."""
     torch.manual_seed(0)
     model = GPT(cfg)
     ids, targets = batch(n, cfg, ignore)
-    logits, _ = model(ids)
+    with _autocast(autocast_dtype):
+        logits = model(ids)[0].float()
     loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1),
                            reduction=reduction)
     loss.backward()
@@ -58,7 +68,7 @@ def reference(max_norm: float | None = MAX_NORM, cfg: GPTConfig = CFG, n: int = 
 
 def moe_reference(moe: dict, dp: int, microbatches: int, max_norm: float | None = MAX_NORM,
                   cfg: GPTConfig = CFG, n: int = BATCH, ignore: float = 0.3,
-                  reduction: str = "mean") -> dict:
+                  reduction: str = "mean", autocast_dtype: torch.dtype | None = None) -> dict:
     """One process with mixture-of-experts blocks (:class:`MoEGPT`, options ``moe``), as
     :func:`reference`, with the aux losses of :mod:`minidist.hybrid.moe`: micro-batch ``m`` is the
     ``m``-th micro-batch of each of the ``dp`` replicas' slices together (the capacity rule applied
@@ -73,7 +83,8 @@ def moe_reference(moe: dict, dp: int, microbatches: int, max_norm: float | None 
     for m in range(microbatches):
         x = torch.cat([r.tensor_split(microbatches)[m] for r in parts[0]])
         y = torch.cat([r.tensor_split(microbatches)[m] for r in parts[1]])
-        logits.append(model(x)[0])
+        with _autocast(autocast_dtype):
+            logits.append(model(x)[0].float())
         labels.append(y)
         aux = aux + x.shape[0] / n * model.aux_loss
     logits_all, labels_all = torch.cat(logits), torch.cat(labels)
