@@ -7,8 +7,10 @@ with each of the three splits, or Ulysses), tensor parallelism
 (with or without sequence parallelism), the loss reduction, the data-parallel size, the tied
 embedding and the MLPs: dense, or mixture-of-experts blocks (top-2 of 4 experts, aux and z
 losses) with the experts replicated (``ep1``), sharded over two EP ranks (``ep2``), or sharded
-and dropping tokens over a capacity (``ep2/drop``). Testing every configuration is a product of
-all the value counts (6·6·3·5·3·3·2·2·4 = 77,760 here); testing every *pair* of values of every two dimensions
+and dropping tokens over a capacity (``ep2/drop``), the precision of the forwards (fp32, or bf16
+autocast: mixed precision) and gradient accumulation (4 or 6 micro-batches per replica, ragged
+ones included: 7 samples per replica cut into 4 are 2, 2, 2, 1). Testing every configuration is a
+product of all the value counts (6·6·3·5·3·3·2·2·4·2·2 = 311,040 here); testing every *pair* of values of every two dimensions
 takes a few dozen (a covering array of strength 2: Cohen et al. 1997, "The AETG System", whose
 greedy construction this is — each new configuration is the best of a few random candidates
 at covering pairs not covered yet). Most bugs of composition are pairs (the field reports of
@@ -44,6 +46,8 @@ DIMENSIONS: dict[str, tuple] = {
     "dp": (1, 2),
     "tie": (False, True),
     "moe": ("none", "ep1", "ep2", "ep2/drop"),
+    "precision": ("fp32", "bf16"),
+    "microbatches": (4, 6),
 }
 EXPERTS = ("ep1", "ep2", "ep2/drop")
 PP = 2            # every configuration is a two-stage pipeline: the schedule is a dimension

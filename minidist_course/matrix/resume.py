@@ -27,7 +27,7 @@ from minidist.tensor_parallel.random import grid_seed
 
 from ..references import hybrid as ref_hybrid
 from .covering import refusal, world_size
-from .run import BATCH, MICROBATCHES, _cfg, _ignore, build
+from .run import BATCH, _autocast_dtype, _cfg, _ignore, build
 
 __all__ = ["STEPS", "SAVE_AT", "run_resume", "Batches"]
 
@@ -72,9 +72,10 @@ def _one(config: dict, folder: str, resume: bool) -> list[torch.Tensor]:
         start = load_hybrid_checkpoint(folder, model, opt, states={"data": data})["step"]
     for step in range(start, STEPS):
         ids, targets = data.next()
-        train_step(model, opt, modules, ids, targets, MICROBATCHES, schedule=config["schedule"],
-                   dp_mode=config["dp_mode"], loss_reduction=config["loss"],
-                   max_norm=ref_hybrid.MAX_NORM)
+        train_step(model, opt, modules, ids, targets, config["microbatches"],
+                   schedule=config["schedule"], dp_mode=config["dp_mode"],
+                   loss_reduction=config["loss"], max_norm=ref_hybrid.MAX_NORM,
+                   autocast_dtype=_autocast_dtype(config))
         if step + 1 == SAVE_AT and not resume:
             save_hybrid_checkpoint(folder, model, opt, step=SAVE_AT, states={"data": data})
     for m in modules.values():

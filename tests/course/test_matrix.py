@@ -49,7 +49,8 @@ def test_the_array_is_the_same_in_every_process_and_builds_for_every_seed():
 
 def _config(**kw):
     base = {"schedule": "1f1b", "dp_mode": "flat", "recompute": "none", "cp": "1", "tp": "1",
-            "loss": "sum", "dp": 2, "tie": False, "moe": "none"}
+            "loss": "sum", "dp": 2, "tie": False, "moe": "none", "precision": "fp32",
+            "microbatches": 4}
     return {**base, **kw}
 
 
@@ -70,9 +71,13 @@ def test_the_checker_rejects_each_wrong_result_by_name():
     config = _config()
     refs = {}
     cfg = GPTConfig(**{**vars(ref_hybrid.CFG), "tie_embeddings": False})
-    ref = refs[(False, "sum")] = ref_hybrid.reference(ref_hybrid.MAX_NORM, cfg, 8, 0.0, "sum")
+    ref = refs[(False, "sum", "fp32")] = ref_hybrid.reference(ref_hybrid.MAX_NORM, cfg, 8, 0.0, "sum")
     assert check(config, _results(ref), refs)[0] == "✓"
     assert check(config, _results(ref, bump=1e-5), refs)[0] == "✗"  # loss 1e-5 relative off
+    bf16 = _config(precision="bf16")      # mixed precision: bf16's tolerance, its own reference
+    refs[(False, "sum", "bf16")] = ref
+    assert check(bf16, _results(ref, bump=1e-2), refs)[0] == "✓"
+    assert check(bf16, _results(ref, bump=1e-1), refs)[0] == "✗"
     assert check(config, _results(ref, replica_off=True), refs)[0] == "✗"   # replicas not bitwise
     missing = _results(ref)
     for r in missing:
