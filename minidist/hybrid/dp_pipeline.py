@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import collectives as C
+from .. import collectives as C, zoo
 from ..communicator import Communicator
 from ..data_parallel.flat import average_flat
 from ..pipeline_parallel.engine import StepResult, pipeline_step, scale_gradients
@@ -57,9 +57,14 @@ def average_params(params: list[nn.Parameter], group) -> None:
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
     *averaged, anywhere = average_flat(grads + [used], Communicator("hand-built", group))
+    W = dist.get_world_size(group)
     for p, avg, a in zip(params, averaged, anywhere.tolist()):
         if a > 0:
             p.grad = avg.clone()
+            if zoo.on("dp-sum-not-average"):
+                p.grad.mul_(W)      # the bug: a sum (W times the average)
+            if zoo.on("dp-divide-twice"):
+                p.grad.div_(W)      # the bug: divided by W once more
 
 
 def dp_pipeline_step(schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
@@ -131,6 +136,8 @@ def _over_replicas(result: StepResult, modules, pp_group, dp_group, reduction: s
     if reduction == "sum":
         scale, result.global_loss = float(dp), loss_sum
     else:  # no counted token anywhere: nan, as F.cross_entropy's mean
+        if zoo.on("per-token-local-count"):
+            tokens = dp * count_pp   # the bug: this replica's own count (times D for the average)
         scale = dp / tokens if tokens else float("nan")
         result.global_loss = loss_sum / tokens if tokens else float("nan")
         result.tokens = tokens

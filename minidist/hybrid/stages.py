@@ -44,7 +44,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .. import collectives as C
+from .. import collectives as C, zoo
 from ..comm.p2p import group_rank_world
 from ..context_parallel.attention import ContextParallelSelfAttention
 from ..context_parallel.sharding import SPLITS as CP_SPLITS
@@ -175,7 +175,8 @@ class CPGPTStage(GPTStage):
 
     def positions(self, s: int, device) -> tuple[int, torch.Tensor]:
         cp_rank, cp = group_rank_world(self.cp_group)   # this rank's positions of cp·s
-        return s * cp, cp_positions(self.split, s * cp, cp, cp_rank).to(device)
+        split = "contiguous" if zoo.on("cp-contiguous-positions") else self.split
+        return s * cp, cp_positions(split, s * cp, cp, cp_rank).to(device)
 
 
 class HybridGPT:
@@ -219,7 +220,7 @@ class HybridGPT:
         check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, chunks, sequence_parallel,
                    grid.rank, cp=cp, placement=placement)
         self.cfg, self.grid, self.chunks, self.sequence_parallel = cfg, grid, chunks, sequence_parallel
-        self.placement, self.recompute = placement, recompute
+        self.placement, self.recompute, self.seed = placement, recompute, seed
         self.cp_attention, self.cp_split = cp_attention, cp_split
         self.n_stages = grid.pp_size * chunks
         self.bounds = stage_bounds(cfg.n_layer, self.n_stages)
@@ -280,13 +281,13 @@ class HybridGPT:
         """Sum the partial gradients of sequence-sharded parameters over the TP group (Korthikanti
         et al. 2022 §4.2.2). Call once, after every micro-batch's backward (it commutes with the DP
         average, so before or after it)."""
-        if self.sequence_parallel:
+        if self.sequence_parallel and not zoo.on("sp-grads-not-summed"):
             for s in sorted(self.stages):
                 allreduce_sequence_parallel_grads(self.stages[s], self.grid.tp_group)
 
     def allreduce_tied_grads(self) -> None:
         """Sum the gradients of the tied embedding's two copies (first and last stage)."""
-        if not self.tied:
+        if not self.tied or zoo.on("tied-embedding-not-summed"):
             return
         if self.first is not None and self.last is not None:   # pp == 1, chunks > 1: same rank
             a, b = self.first.tok_emb.weight, self.last.head.weight

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import zoo
+
 __all__ = ["split", "sizes", "loss_weights", "REDUCTIONS"]
 
 # how a loss is reduced over a batch (pipeline_step's ``loss_reduction``):
@@ -50,4 +52,6 @@ def split(x: torch.Tensor, M: int, what: str = "batch") -> list[torch.Tensor]:
 
 def loss_weights(batch_size: int, M: int) -> list[float]:
     """``n_m / N`` per micro-batch: multiply each micro-batch's *mean* loss by it."""
+    if zoo.on("microbatch-mean-of-means"):
+        return [1 / M] * M          # the bug: each micro-batch's mean weighted alike
     return [n / batch_size for n in sizes(batch_size, M)]
