@@ -102,7 +102,7 @@ class _StepState:
     weights: list | None = None       # n_m / N per micro-batch (last stage)
     reduction: str = "mean"
     backward_context: object = None   # (stage, mb, last) -> context manager around a backward
-    autocast_dtype: object = None     # mixed precision: the forwards' autocast dtype
+    autocast_dtype: torch.dtype | None = None   # mixed precision: the forwards' autocast dtype
     last_backward: dict = field(default_factory=dict)  # stage -> mb of its last B op here
     count: float = 0.0                # "per_token": counted tokens so far (last stage)
     saved: dict = field(default_factory=dict)   # (mb, stage) -> (x, y) kept for the backward
@@ -123,7 +123,8 @@ def _forward_op(st: _StepState, m: int, s: int) -> None:
         if x.is_floating_point():
             x.requires_grad_()
     start = st.clock()
-    autocast = (torch.autocast(torch.device(st.device).type, dtype=st.autocast_dtype)
+    device_type = st.device.type if isinstance(st.device, torch.device) else str(st.device)
+    autocast = (torch.autocast(device_type, dtype=st.autocast_dtype)
                 if st.autocast_dtype is not None else contextlib.nullcontext())
     with st.meter.forward(s, m), autocast:
         y = st.modules[s](x)

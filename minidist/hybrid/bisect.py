@@ -1,0 +1,212 @@
+"""Where did it go wrong? Run a parallel configuration and one process from the same seed and
+batch, record every module boundary, and name the **first** tensor that leaves the one-process
+run: its step, phase, rank, error, budget and a diagnosis from the pattern of the error.
+
+What is recorded, per step, in this order (the order of the report):
+
+1. **forward** — ``embed`` (the first block's input), each ``blocks.i`` output, ``logits``;
+2. **backward** — the gradient of each block's output, last block first;
+3. **gradients** — every parameter's gradient after the DP/TP/tied reductions (``HybridGPT.gather``),
+   head first, each rank's copy compared;
+4. then a plain SGD step (``lr``) on both sides, and the next step's forward shows its effect.
+
+Each rank records what its stages hold (hooks on the stages and blocks; a block's recomputation in
+backward is not recorded). The driver reassembles the shards into the one-process layout: samples
+from the DP slices and micro-batches (``tensor_split``, as :func:`~.step.train_step` cuts them),
+sequence positions from the CP split (:func:`minidist.context_parallel.sharding.positions`) and the
+sequence-parallel chunks, vocabulary from the TP shards. Activation gradients are compared after
+the scale each rank's loss carries by construction (``"mean"``: dp·cp; ``"per_token"``: the global
+count of tokens, as the engine backpropagates sums; ``"sum"``: 1).
+
+The budget of a tensor is relative, ``‖got − ref‖ / ‖ref‖``: in fp32 ``64·ε·sqrt(W·M)`` (sums of
+W·M terms in another order than one process: ε = 2⁻²³), with bf16 autocast ``8·2⁻⁸`` (bf16
+products rounded in another order; measured up to 1.8e-2 after a step on the matrix's dense
+configurations). Diagnoses,
+from :func:`diagnose`: a scale of W, dp, tp or 1/W (an average missing, doubled or divided
+twice), a sign flip, a permutation (the right values in the wrong places), the rows of one rank
+only, the rows whose targets are ignored only.
+
+Model: a dense :class:`~.stages.HybridGPT` without dropout (one process would draw other masks);
+MoE blocks are refused by name. Compare: torchtitan's numerics guide (seed checkpoint,
+deterministic mode, loss curves compared by hand) — this automates the comparison per tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..context_parallel.sharding import positions as cp_positions
+from ..launch import run
+from ..models.gpt import GPT
+from .diagnose import Divergence, compare_all
+
+__all__ = ["Divergence", "Report", "bisect", "budget"]
+
+
+@dataclass
+class Report:
+    """``divergences`` (every tensor beyond budget, report order), ``checked`` (tensors compared),
+    ``losses`` (per step: parallel, one process)."""
+    divergences: list
+    checked: int
+    losses: list
+
+    @property
+    def first(self) -> Divergence | None:
+        return self.divergences[0] if self.divergences else None
+
+    def format(self, top: int = 5) -> str:
+        if not self.divergences:
+            return f"no divergence: {self.checked} tensors within budget"
+        lines = [f"first divergence of {len(self.divergences)} (of {self.checked} tensors):"]
+        lines += [("→ " if i == 0 else "  ") + d.format() for i, d in enumerate(self.divergences[:top])]
+        return "\n".join(lines)
+
+
+def budget(world_size: int, microbatches: int, autocast_dtype=None) -> float:
+    """The relative error a correct run may show (module docstring)."""
+    if autocast_dtype is not None:
+        return 8 * 2.0 ** -8
+    return 64 * 2.0 ** -23 * math.sqrt(world_size * microbatches)
+
+
+class _Recorder:
+    """Hooks on this rank's stages: block inputs/outputs and output gradients, per micro-batch."""
+
+    def __init__(self, model):
+        self.records: list = []          # (step, phase, name, mb, tensor)
+        self.step, self.active, self.mb = 0, None, {}
+        for s, stage in model.stages.items():
+            stage.register_forward_pre_hook(self._enter(s))
+            stage.register_forward_hook(self._leave(s, s == model.n_stages - 1))
+            for i, block in stage.blocks.items():
+                block.register_forward_hook(self._block(f"blocks.{i}"))
+                if s == 0 and int(i) == min(int(k) for k in stage.blocks.keys()):
+                    block.register_forward_pre_hook(self._embed)
+
+    def _enter(self, s):
+        def hook(module, args):
+            self.active = (s, self.mb.get(s, 0))
+            self.mb[s] = self.mb.get(s, 0) + 1
+        return hook
+
+    def _leave(self, s, last):
+        def hook(module, args, out):
+            if last:
+                self.records.append((self.step, "forward", "logits", self.active[1], out.detach().clone()))
+            self.active = None
+        return hook
+
+    def _embed(self, module, args):
+        if self.active is not None:
+            self.records.append((self.step, "forward", "embed", self.active[1], args[0].detach().clone()))
+
+    def _block(self, name):
+        def hook(module, args, out):
+            if self.active is None:          # a recomputation in backward
+                return
+            step, mb = self.step, self.active[1]
+            self.records.append((step, "forward", name, mb, out.detach().clone()))
+            if out.requires_grad:
+                out.register_hook(lambda g: self.records.append((step, "backward", name, mb, g.detach().clone())))
+        return hook
+
+    def next_step(self):
+        self.step, self.mb = self.step + 1, {}
+
+
+def _rank(rank, world, build, ids, targets, steps, microbatches, lr, kwargs, bug):
+    from .. import zoo
+    from .step import train_step
+    import contextlib
+    with zoo.inject(bug) if bug else contextlib.nullcontext():
+        model, modules = build(rank, world)
+        rec, grads, losses = _Recorder(model), [], []
+        for _ in range(steps):
+            out = train_step(model, None, modules, ids, targets, microbatches, step=False, **kwargs)
+            losses.append(out.loss)
+            grads.append({k: v.clone() for k, v in model.gather(grads=True).items()})
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-lr)
+            rec.next_step()
+    g = model.grid
+    return {"coords": dict(dp=g.dp_rank, cp=g.cp_rank, tp=g.tp_rank, pp=g.pp_rank, rank=g.rank),
+            "sizes": dict(dp=g.dp_size, cp=g.cp_size, tp=g.tp_size, pp=g.pp_size),
+            "split": model.cp_split, "sp": model.sequence_parallel, "cfg": model.cfg,
+            "seed": model.seed, "moe": model.moe, "records": rec.records, "grads": grads,
+            "losses": losses}
+
+
+def _one_process(cfg, seed, ids, targets, steps, lr, reduction, autocast_dtype):
+    """The same steps in one process: records by (step, phase, name) and gradients per step."""
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    acts, grads, losses = {}, [], []
+    step = 0
+
+    def keep(name):
+        def hook(module, args, out):
+            acts[(step, "forward", name)] = out.detach().clone()
+            out.register_hook(lambda g, s=step: acts.__setitem__((s, "backward", name), g.detach().clone()))
+        return hook
+    for i, block in enumerate(model.blocks):
+        block.register_forward_hook(keep(f"blocks.{i}"))
+    model.blocks[0].register_forward_pre_hook(
+        lambda m, a: acts.__setitem__((step, "forward", "embed"), a[0].detach().clone()))
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        ctx = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+               else torch.autocast("cpu", enabled=False))
+        with ctx:
+            logits = model(ids)[0]
+        acts[(step, "forward", "logits")] = logits.detach().clone()
+        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), targets.reshape(-1),
+                               reduction="sum" if reduction == "sum" else "mean")
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-lr)
+    return acts, grads, losses
+
+
+def bisect(build, world_size: int, ids: torch.Tensor, targets: torch.Tensor, microbatches: int,
+           steps: int = 2, lr: float = 0.1, bug: str | None = None, timeout: float = 300,
+           **step_kwargs) -> Report:
+    """Run ``build`` on ``world_size`` ranks for ``steps`` steps of :func:`~.step.train_step` on
+    the global batch ``ids``/``targets`` ``[B, s]`` (``step_kwargs``: its schedule, dp_mode,
+    loss_reduction, autocast_dtype), then one process; return the :class:`Report`.
+
+    ``build(rank, world_size) -> (HybridGPT, modules)`` (picklable, e.g. a module-level function):
+    the model and ``wrap_stages(model, dp_mode)``. ``bug``: a :mod:`minidist.zoo` bug switched on
+    in every rank. Raises ``ValueError`` for MoE blocks or dropout > 0 (named), and what
+    ``train_step`` raises.
+    """
+    results = run(_rank, world_size, build, ids, targets, steps, microbatches, lr, step_kwargs,
+                  bug, timeout=timeout)
+    head = results[0]
+    cfg = head["cfg"]
+    if head["moe"] is not None:
+        raise ValueError("bisect: MoE blocks are not supported yet (the one process routes the "
+                         "whole batch at once); use moe=None")
+    if cfg.dropout or getattr(cfg, "attn_dropout", 0.0):
+        raise ValueError(f"bisect: dropout={cfg.dropout} draws other masks than one process; "
+                         "build the model with dropout=0")
+    reduction = step_kwargs.get("loss_reduction") or ("per_token" if (targets == -100).any() else "mean")
+    dtype = step_kwargs.get("autocast_dtype")
+    acts, grads, losses = _one_process(cfg, head["seed"], ids, targets, steps, lr, reduction, dtype)
+    layout = dict(B=ids.shape[0], s=ids.shape[1], M=microbatches, V=cfg.vocab_size,
+                  positions=cp_positions, reduction=reduction,
+                  tokens=int((targets != -100).sum()), ignored=targets == -100)
+    divergences, checked = compare_all(results, acts, grads, layout,
+                                       budget(world_size, microbatches, dtype), steps)
+    par = [r for r in results if r["coords"]["rank"] == 0][0]["losses"]
+    return Report(divergences, checked, list(zip(par, losses)))
