@@ -241,19 +241,26 @@ def matrix(argv=None) -> int:
     return matrix_main(argv)
 
 
+def bisect(argv=None) -> int:
+    from .matrix.bisect import main as bisect_main
+    return bisect_main(argv)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": demo, "bench": bench, "doctor": doctor, "plan": plan, "matrix": matrix}
+    commands = {"demo": demo, "bench": bench, "doctor": doctor, "plan": plan, "matrix": matrix,
+                "bisect": bisect}
     if not argv or argv[0] not in commands:
         asked = bool(argv) and argv[0] in ("-h", "--help")
-        print("usage: minidist {demo,bench,doctor,plan,matrix} [options]\n"
+        print("usage: minidist {demo,bench,doctor,plan,matrix,bisect} [options]\n"
               "  demo    run every hand-built collective (and DDP/TP/PP) against torch; exit 1 if wrong\n"
               "  bench   nccl-tests-style table (algbw, busbw, ratio to torch); bench ddp | pp | zero |\n"
               "          alpha-beta (link latency/bandwidth with spreads) | flops (matmul GFLOP/s) |\n"
               "          3d (dp x tp x pp step time, tokens/s, MFU: measured vs the planner)\n"
               "  doctor  what this machine offers: torch, backends, devices, network, launch variables\n"
               "  plan    every valid dp x tp x pp (+ ZeRO, recompute) configuration: memory, step time\n"
-              "  matrix  every pair of training-step features run against one process, or refused",
+              "  matrix  every pair of training-step features run against one process, or refused\n"
+              "  bisect  the first tensor where one configuration leaves one process (rank, pattern)",
               file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
     return commands[argv[0]](argv[1:])

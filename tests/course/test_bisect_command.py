@@ -1,0 +1,33 @@
+"""``minidist bisect``: one configuration of the matrix against one process; silent on every correct
+configuration of the composition matrix (its false-positive test), loud on a bug of the zoo."""
+
+import pytest
+
+from minidist_course.cli import main
+from minidist_course.matrix import covering
+from minidist_course.matrix.bisect import run_bisect
+
+
+def test_the_command_names_a_zoo_bug_and_exits_1(capsys):
+    assert main(["bisect", "--dp", "2", "--tp", "2", "--steps", "1",
+                 "--bug", "dp-sum-not-average"]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence" in out and "step 0, gradients: head.weight" in out
+    assert "≈ dp" in out
+
+
+def test_the_command_refuses_what_the_library_refuses(capsys):
+    assert main(["bisect", "--cp", "ulysses", "--tp", "2+sp"]) == 2
+    assert "refuses" in capsys.readouterr().err
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(900)
+def test_no_correct_configuration_of_the_matrix_diverges():
+    """Every dense configuration of the composition matrix that must run: two steps (SGD between
+    them), nothing beyond budget (MoE blocks: not supported by the bisector yet)."""
+    configs = [c for c in covering.covering_array(0)
+               if covering.refusal(c) is None and c["moe"] == "none"]
+    reports = {i: run_bisect(c, steps=2) for i, c in enumerate(configs)}
+    bad = {i: r.format(2) for i, r in reports.items() if r.first is not None}
+    assert len(configs) >= 20 and not bad, {i: (configs[i], bad[i]) for i in bad}
