@@ -72,7 +72,7 @@ DISPLAYED: dict[str, list[str]] = {
         "minidist.grid:grid_layout", "minidist.hybrid.step:train_step",
         "minidist_course.references.hybrid:batch", "minidist.hybrid.dp_pipeline:_over_replicas",
         "minidist.hybrid.stages:HybridGPT.allreduce_tied_grads",
-        "minidist.hybrid.moe:average_gradients"],
+        "minidist.hybrid.moe:average_gradients", "minidist.hybrid.diagnose:_piece"],
     "course/15_mixture_of_experts.ipynb": [
         "minidist.expert_parallel.router:route", "minidist.expert_parallel.router:expert_capacity",
         "minidist.expert_parallel.router:load_balancing_loss",

@@ -49,11 +49,17 @@ __all__ = ["Divergence", "Report", "bisect", "budget"]
 
 @dataclass
 class Report:
-    """``divergences`` (every tensor beyond budget, report order), ``checked`` (tensors compared),
-    ``losses`` (per step: parallel, one process)."""
+    """``divergences`` (every tensor beyond budget, report order), ``errors`` (every compared
+    tensor's relative error by ``(step, phase, name)``, report order), ``budget``, ``losses`` (per
+    step: parallel, one process)."""
     divergences: list
-    checked: int
+    errors: dict
+    budget: float
     losses: list
+
+    @property
+    def checked(self) -> int:
+        return len(self.errors)
 
     @property
     def first(self) -> Divergence | None:
@@ -206,7 +212,7 @@ def bisect(build, world_size: int, ids: torch.Tensor, targets: torch.Tensor, mic
     layout = dict(B=ids.shape[0], s=ids.shape[1], M=microbatches, V=cfg.vocab_size,
                   positions=cp_positions, reduction=reduction,
                   tokens=int((targets != -100).sum()), ignored=targets == -100)
-    divergences, checked = compare_all(results, acts, grads, layout,
-                                       budget(world_size, microbatches, dtype), steps)
+    limit = budget(world_size, microbatches, dtype)
+    divergences, errors = compare_all(results, acts, grads, layout, limit, steps)
     par = [r for r in results if r["coords"]["rank"] == 0][0]["losses"]
-    return Report(divergences, checked, list(zip(par, losses)))
+    return Report(divergences, errors, limit, list(zip(par, losses)))

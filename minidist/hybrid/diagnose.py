@@ -133,12 +133,13 @@ def _activation_scale(layout: dict, sizes: dict) -> float:
 
 
 def compare_all(results: list, acts: dict, grads: list, layout: dict, budget: float,
-                steps: int) -> tuple[list, int]:
+                steps: int) -> tuple[list, dict]:
     """Every recorded tensor against one process, in report order; returns ``(divergences,
-    number of tensors compared)``."""
+    errors)``: ``errors[(step, phase, name)]`` is every compared tensor's relative error."""
     sizes = results[0]["sizes"]
+    errors: dict = {}
     names = ["embed"] + [f"blocks.{i}" for i in range(results[0]["cfg"].n_layer)] + ["logits"]
-    out, checked = [], 0
+    out: list = []
     for step in range(steps):
         for phase, order in (("forward", names), ("backward", names[::-1])):
             for name in order:
@@ -151,8 +152,8 @@ def compare_all(results: list, acts: dict, grads: list, layout: dict, budget: fl
                     raise RuntimeError(f"bisect: no rank recorded {name} ({phase}, step {step})")
                 if phase == "backward":
                     ref = ref * _activation_scale(layout, sizes)
-                checked += 1
-                d = _compare(pieces, ref, layout, name, sizes, budget, step, phase)
+                d, errors[(step, phase, name)] = _compare(pieces, ref, layout, name, sizes,
+                                                          budget, step, phase)
                 if d is not None:
                     out.append(d)
         ref_grads = grads[step]
@@ -161,8 +162,8 @@ def compare_all(results: list, acts: dict, grads: list, layout: dict, budget: fl
             held = [(res, res["grads"][step][name]) for res in results if name in res["grads"][step]]
             if ref is None or not held:
                 continue
-            checked += 1
             errs = {res["coords"]["rank"]: _rel(t, ref) for res, t in held}
+            errors[(step, "gradients", name)] = max(errs.values())
             bad = sorted(r for r, e in errs.items() if e > budget)
             if bad:
                 got = torch.stack([t for res, t in held if res["coords"]["rank"] in bad])
@@ -181,7 +182,7 @@ def compare_all(results: list, acts: dict, grads: list, layout: dict, budget: fl
                 else:
                     why = diagnose(got, ref.expand_as(got), sizes, budget, bad, sorted(errs))
                 out.append(Divergence(step, "gradients", name, bad, whole, budget, why))
-    return out, checked
+    return out, errors
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -211,7 +212,7 @@ def _compare(pieces, ref, layout, name, sizes, budget, step, phase):
     got, want = torch.cat(got_all), torch.cat(ref_all)
     err = _rel(got, want)
     if err <= budget and not bad:
-        return None
+        return None, err
     bad, holders = sorted(set(bad)), sorted(set(holders))
     return Divergence(step, phase, name, bad or holders, err, budget,
-                      diagnose(got, want, sizes, budget, bad or holders, holders, ignored))
+                      diagnose(got, want, sizes, budget, bad or holders, holders, ignored)), err

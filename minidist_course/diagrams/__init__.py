@@ -10,11 +10,14 @@
   the sequence-parallel regions along the sequence axis (:func:`draw_sequence_parallel`);
 * ``memory.py`` (chapter 09): which parallelism when — model states per device against model size
   for DP, ZeRO-1/2/3, TP and PP (:func:`parallelism_memory`, :func:`largest_fitting`,
-  :func:`draw_parallelism_memory`).
+  :func:`draw_parallelism_memory`);
+* ``bisect.py`` (chapter 12): a bisector's report as tensors × steps coloured by error over budget
+  (:func:`draw_divergence`).
 
 Every function returns the ``matplotlib.figure.Figure`` it drew.
 """
 
+from .bisect import draw_divergence  # noqa: F401
 from .collectives import (COLLECTIVES, collective_layout, draw_collective,  # noqa: F401
                           draw_ring_steps, ring_schedule)
 from .launch import draw_launcher_tree, draw_rank_grid, rank_layout  # noqa: F401
@@ -26,4 +29,5 @@ from .tensor_parallel import (draw_megatron_block, draw_sequence_parallel,  # no
 __all__ = ["COLLECTIVES", "collective_layout", "draw_collective", "ring_schedule",
            "draw_ring_steps", "rank_layout", "draw_rank_grid", "draw_launcher_tree",
            "split_shapes", "draw_weight_split", "draw_megatron_block", "draw_sequence_parallel",
-           "K_MIXED_ADAM", "parallelism_memory", "largest_fitting", "draw_parallelism_memory"]
+           "K_MIXED_ADAM", "parallelism_memory", "largest_fitting", "draw_parallelism_memory",
+           "draw_divergence"]
