@@ -633,6 +633,20 @@ MUTANTS = [
       "rows back in row order"),
     M("15_moe_dispatch", "permutation_grade", "graph", "permutation",
       (("weights.reshape(-1)[order]", "weights.detach().reshape(-1)[order]"),), "weights detached"),
+
+    # 16: an answer whose symptoms differ from the mystery's, per rule; the zoo's own weights
+    M("16_bug_hunt", "diagnosis_grade", "scale", "diagnosis",
+      (('1: "dp-sum-not-average"', '1: "dp-divide-twice"'),), "divided twice, not summed"),
+    M("16_bug_hunt", "diagnosis_grade", "tied", "diagnosis",
+      (('2: "tied-embedding-not-summed"', '2: "sp-grads-not-summed"'),), "a bug with no symptom here"),
+    M("16_bug_hunt", "diagnosis_grade", "weights", "diagnosis",
+      (('3: "microbatch-mean-of-means"', '3: "per-token-local-count"'),), "the per-token count"),
+    M("16_bug_hunt", "loss_weights_grade", "proportional", "loss_weights",
+      (("return [n / batch_size for n in sizes]", "return [1 / M] * M"),), "every micro-batch 1/M"),
+    M("16_bug_hunt", "loss_weights_grade", "count", "loss_weights",
+      (("tensor_split(M)", "chunk(M)"),), "chunk gives fewer pieces"),
+    M("16_bug_hunt", "loss_weights_grade", "order", "loss_weights",
+      (("for n in sizes]", "for n in sizes[::-1]]"),), "the smaller micro-batches first"),
 ]
 
 
