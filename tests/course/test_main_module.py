@@ -8,7 +8,8 @@ import pytest
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--help"], "usage: minidist {demo,bench,doctor,plan,matrix}"),
+    (["--help"], "usage: minidist {demo,bench,doctor,plan,matrix,bisect}"),
+    (["bisect", "--help"], "usage: minidist bisect"),
     (["plan", "--help"], "usage: minidist plan"),
 ])
 def test_python_m_minidist_help_exits_0(args, expected):
