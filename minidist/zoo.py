@@ -37,6 +37,10 @@ BUGS: dict[str, tuple[str, str]] = {
     "microbatch-mean-of-means": (
         "every micro-batch's mean loss is weighted 1/M, also when micro-batches differ in size",
         "the gradient-accumulation loss bug of transformers (2024); torchgpipe's microbatch weights"),
+    "experts-averaged-over-dp": (
+        "expert gradients are averaged over every data-parallel rank, which hold other experts, "
+        "instead of over the replicas of the same expert",
+        "Megatron-core's expert-data-parallel group; DeepSpeed-MoE's expert gradient reduction"),
     "per-token-local-count": (
         "the per-token loss divides each replica's sum by its own token count, not the global one",
         "Megatron-Core's calculate_per_token_loss; transformers' gradient-accumulation loss fix"),

@@ -21,13 +21,17 @@ count of tokens, as the engine backpropagates sums; ``"sum"``: 1).
 The budget of a tensor is relative, ``‖got − ref‖ / ‖ref‖``: in fp32 ``64·ε·sqrt(W·M)`` (sums of
 W·M terms in another order than one process: ε = 2⁻²³), with bf16 autocast ``8·2⁻⁸`` (bf16
 products rounded in another order; measured up to 1.8e-2 after a step on the matrix's dense
-configurations). Diagnoses,
+configurations). No rounding budget covers experts under bf16: a token near a tie between two
+experts goes to the other one when the shards round differently, and those experts' gradients are
+reported "near the budget" (up to 7e-2 measured) or, when a capacity drops other tokens, beyond it
+— a property of routing in low precision, which the bisector shows rather than hides. Diagnoses,
 from :func:`diagnose`: a scale of W, dp, tp or 1/W (an average missing, doubled or divided
 twice), a sign flip, a permutation (the right values in the wrong places), the rows of one rank
 only, the rows whose targets are ignored only.
 
-Model: a dense :class:`~.stages.HybridGPT` without dropout (one process would draw other masks);
-MoE blocks are refused by name. Compare: torchtitan's numerics guide (seed checkpoint,
+Model: a :class:`~.stages.HybridGPT` without dropout (one process would draw other masks); with
+MoE blocks, one process runs micro-batch by micro-batch as the pipeline does (the capacity and the
+aux losses are per micro-batch). Compare: torchtitan's numerics guide (seed checkpoint,
 deterministic mode, loss curves compared by hand) — this automates the comparison per tensor.
 """
 
@@ -149,31 +153,52 @@ def _rank(rank, world, build, ids, targets, steps, microbatches, lr, kwargs, bug
             "losses": losses}
 
 
-def _one_process(cfg, seed, ids, targets, steps, lr, reduction, autocast_dtype):
-    """The same steps in one process: records by (step, phase, name) and gradients per step."""
+def _one_process(cfg, seed, ids, targets, steps, lr, reduction, autocast_dtype, moe=None,
+                 dp=1, microbatches=1):
+    """The same steps in one process: records by (step, phase, name) and gradients per step.
+    With ``moe``, :class:`~minidist.expert_parallel.MoEGPT` runs micro-batch by micro-batch — the
+    m-th micro-batch of every replica together, the capacity applied to each replica's part — and
+    adds ``(n_m/N)·aux(m)`` to the cross-entropy, as the pipeline does."""
+    from ..expert_parallel.gpt import MoEGPT
     torch.manual_seed(seed)
-    model = GPT(cfg)
+    model = GPT(cfg) if moe is None else MoEGPT(cfg, **moe, drop_chunks=dp)
     acts, grads, losses = {}, [], []
-    step = 0
+    B = ids.shape[0]
+    parts = [torch.arange(B)] if moe is None else [
+        torch.cat([r.tensor_split(microbatches)[m] for r in torch.arange(B).tensor_split(dp)])
+        for m in range(microbatches)]
+    step, rows = 0, parts[0]
+
+    def put(key, value, at):   # rows ``at`` of the whole-batch tensor
+        if key not in acts:
+            acts[key] = value.new_zeros((B, *value.shape[1:]))
+        acts[key][at] = value.detach()
 
     def keep(name):
         def hook(module, args, out):
-            acts[(step, "forward", name)] = out.detach().clone()
-            out.register_hook(lambda g, s=step: acts.__setitem__((s, "backward", name), g.detach().clone()))
+            s, at = step, rows
+            put((s, "forward", name), out, at)
+            out.register_hook(lambda g: put((s, "backward", name), g, at))
         return hook
     for i, block in enumerate(model.blocks):
         block.register_forward_hook(keep(f"blocks.{i}"))
-    model.blocks[0].register_forward_pre_hook(
-        lambda m, a: acts.__setitem__((step, "forward", "embed"), a[0].detach().clone()))
+    model.blocks[0].register_forward_pre_hook(lambda m, a: put((step, "forward", "embed"), a[0], rows))
+    ctx = (lambda: torch.autocast("cpu", dtype=autocast_dtype)) if autocast_dtype is not None else (
+        lambda: torch.autocast("cpu", enabled=False))
     for step in range(steps):
         model.zero_grad(set_to_none=True)
-        ctx = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
-               else torch.autocast("cpu", enabled=False))
-        with ctx:
-            logits = model(ids)[0]
-        acts[(step, "forward", "logits")] = logits.detach().clone()
-        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), targets.reshape(-1),
-                               reduction="sum" if reduction == "sum" else "mean")
+        logits, aux = [], 0.0
+        for rows in parts:
+            with ctx():
+                out = model(ids[rows])[0]
+            put((step, "forward", "logits"), out, rows)
+            logits.append(out.float())
+            if moe is not None:
+                aux = aux + rows.numel() / B * model.aux_loss
+        order = torch.cat(parts)
+        loss = F.cross_entropy(torch.cat(logits).reshape(-1, cfg.vocab_size),
+                               targets[order].reshape(-1),
+                               reduction="sum" if reduction == "sum" else "mean") + aux
         loss.backward()
         losses.append(loss.item())
         grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
@@ -193,22 +218,19 @@ def bisect(build, world_size: int, ids: torch.Tensor, targets: torch.Tensor, mic
 
     ``build(rank, world_size) -> (HybridGPT, modules)`` (picklable, e.g. a module-level function):
     the model and ``wrap_stages(model, dp_mode)``. ``bug``: a :mod:`minidist.zoo` bug switched on
-    in every rank. Raises ``ValueError`` for MoE blocks or dropout > 0 (named), and what
-    ``train_step`` raises.
+    in every rank. Raises ``ValueError`` for dropout > 0 (named), and what ``train_step`` raises.
     """
     results = run(_rank, world_size, build, ids, targets, steps, microbatches, lr, step_kwargs,
                   bug, timeout=timeout)
     head = results[0]
     cfg = head["cfg"]
-    if head["moe"] is not None:
-        raise ValueError("bisect: MoE blocks are not supported yet (the one process routes the "
-                         "whole batch at once); use moe=None")
     if cfg.dropout or getattr(cfg, "attn_dropout", 0.0):
         raise ValueError(f"bisect: dropout={cfg.dropout} draws other masks than one process; "
                          "build the model with dropout=0")
     reduction = step_kwargs.get("loss_reduction") or ("per_token" if (targets == -100).any() else "mean")
     dtype = step_kwargs.get("autocast_dtype")
-    acts, grads, losses = _one_process(cfg, head["seed"], ids, targets, steps, lr, reduction, dtype)
+    acts, grads, losses = _one_process(cfg, head["seed"], ids, targets, steps, lr, reduction, dtype,
+                                       head["moe"], head["sizes"]["dp"], microbatches)
     layout = dict(B=ids.shape[0], s=ids.shape[1], M=microbatches, V=cfg.vocab_size,
                   positions=cp_positions, reduction=reduction,
                   tokens=int((targets != -100).sum()), ignored=targets == -100)

@@ -29,7 +29,7 @@ def _build(rank, world, config):
 
 
 def run_bisect(config: dict, steps: int = 2, bug: str | None = None, lr: float = 0.1):
-    """The :class:`~minidist.hybrid.bisect.Report` of one matrix configuration (dense MLPs)."""
+    """The :class:`~minidist.hybrid.bisect.Report` of one matrix configuration."""
     ids, targets = ref_hybrid.batch(BATCH, _cfg(config), _ignore(config))
     return bisect(functools.partial(_build, config=config), world_size(config), ids, targets,
                   config["microbatches"], steps=steps, lr=lr, bug=bug,

@@ -196,12 +196,16 @@ def test_draw_divergence_boxes_the_first_divergence():
     from minidist.hybrid.bisect import Report
     from minidist.hybrid.diagnose import Divergence
     errors = {(0, "forward", "blocks.0"): 0.0, (0, "backward", "blocks.0"): 1.0,
+              (0, "gradients", "blocks.0.attn.qkv.weight"): 1e-6,
+              (0, "gradients", "blocks.0.ln1.bias"): 1e-5,
               (1, "forward", "blocks.0"): 1e-3, (1, "backward", "blocks.0"): 2.0}
     first = Divergence(0, "backward", "blocks.0", [1], 1.0, 1e-5, "scaled")
     fig = diagrams.draw_divergence(Report([first], errors, 1e-5, [(1.0, 1.0)] * 2))
     ax = fig.axes[0]
     image = ax.images[0].get_array()
-    assert image.shape == (2, 2) and image.max() == 4.0 and image.min() == -4.0   # clipped
+    assert image.shape == (3, 2) and image.max() == 4.0 and image.min() == -4.0   # clipped
+    assert image[2, 0] == 0.0                  # a module's row: its worst parameter, 1e-5 / 1e-5
     box = ax.patches[0]
     assert box.get_xy() == (-0.5, 0.5)          # step 0, the second row (backward blocks.0)
     assert [t.get_text() for t in ax.get_xticklabels()] == ["step 0", "step 1"]
+    assert ax.get_yticklabels()[2].get_text() == "grad  blocks.0"

@@ -16,9 +16,10 @@ from minidist.models.gpt import GPTConfig
 CFG = dict(vocab_size=37, block_size=8, n_layer=4, n_head=4, n_embd=16)
 
 
-def _build(rank, world, dp=2, pp=2, tp=1, cp=1, sp=False, tie=False, dp_mode="flat"):
-    model = HybridGPT(GPTConfig(**CFG, tie_embeddings=tie), ProcessGrid(dp, pp, tp, cp=cp),
-                      sequence_parallel=sp)
+def _build(rank, world, dp=2, pp=2, tp=1, cp=1, sp=False, tie=False, dp_mode="flat", ep=1):
+    moe = dict(num_experts=4, top_k=2, aux_loss_coeff=1e-2) if ep > 1 else None
+    model = HybridGPT(GPTConfig(**CFG, tie_embeddings=tie), ProcessGrid(dp, pp, tp, cp=cp, ep=ep),
+                      sequence_parallel=sp, moe=moe)
     return model, wrap_stages(model, dp_mode)
 
 
@@ -70,6 +71,7 @@ def test_tied_embedding_not_summed_is_named_on_the_last_stage():
     ("per-token-local-count", dict(ignore=0.3, loss="per_token"), ("gradients", "head.weight", "")),
     ("ring-diagonal-unmasked", dict(dp=1, cp=2), ("forward", "blocks.0", "")),
     ("microbatch-mean-of-means", dict(microbatches=3), ("backward", "blocks.3", "own factor")),
+    ("experts-averaged-over-dp", dict(ep=2), ("gradients", "blocks.3.mlp.experts.3.fc2.bias", "")),
 ])
 def test_each_zoo_bug_is_found_where_it_lives(bug, grid, where):
     report = _run(bug, **grid)
