@@ -22,6 +22,7 @@ def test_the_command_refuses_what_the_library_refuses(capsys):
 
 
 @pytest.mark.exhaustive
+@pytest.mark.serial        # launches of up to 8 ranks for minutes: beside other trees, theirs starve
 @pytest.mark.timeout(1200)
 def test_no_correct_configuration_of_the_matrix_diverges():
     """Every configuration of the composition matrix that must run, two steps (SGD between them):
