@@ -37,16 +37,19 @@ deterministic mode, loss curves compared by hand) — this automates the compari
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .. import zoo
 from ..context_parallel.sharding import positions as cp_positions
 from ..launch import run
 from ..models.gpt import GPT
 from .diagnose import Divergence, compare_all
+from .step import train_step
 
 __all__ = ["Divergence", "Report", "bisect", "budget"]
 
@@ -130,9 +133,6 @@ class _Recorder:
 
 
 def _rank(rank, world, build, ids, targets, steps, microbatches, lr, kwargs, bug):
-    from .. import zoo
-    from .step import train_step
-    import contextlib
     with zoo.inject(bug) if bug else contextlib.nullcontext():
         model, modules = build(rank, world)
         rec, grads, losses = _Recorder(model), [], []

@@ -19,6 +19,7 @@ two-replica run with uneven micro-batches, which must equal the correct run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -74,21 +75,13 @@ def _run_variants(rank, world, variants, bugs, weights_fn):
                 model = HybridGPT(cfg, ProcessGrid(dp, 2, 1), seed=0)
                 g = torch.Generator().manual_seed(1)
                 ids = torch.randint(0, 37, (BATCH, 8), generator=g)
-                with zoo.inject(bug) if bug else _nothing():
+                with zoo.inject(bug) if bug else contextlib.nullcontext():
                     res = train_step(model, None, wrap_stages(model, "flat"), ids, ids.roll(-1, 1),
                                      M, loss_reduction="mean", step=False)
                     out[(label, bug)] = (res.loss, global_grad_norm(model))
     finally:
         microbatch.loss_weights = original
     return out
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @functools.lru_cache(maxsize=None)
