@@ -39,13 +39,13 @@ VARIANTS = [("one replica", 1, False, 2), ("two replicas", 2, False, 2),
             ("two replicas, tied embedding", 2, True, 2),
             ("two replicas, micro-batches of 2, 1, 1", 2, False, 3)]
 BATCH = 8
+# what to look at in the tables, not the answers: each rule is the reading one mystery needs
 DIAGNOSIS_RULES = {
-    "scale": "a gradient norm exactly dp times the correct one, only with replicas: their "
-             "average is missing (a sum)",
-    "tied": "a difference only with the tied embedding, the loss itself exact: the two copies' "
-            "gradients are not summed across the first and the last stage",
-    "weights": "a difference only when micro-batches differ in size: each micro-batch's mean is "
-               "weighted alike instead of by its share of the samples",
+    "scale": "a ratio that is a clean number (2, 1/2, ...) is a count: which count, and in which "
+             "configurations does it appear?",
+    "tied": "a difference in one configuration only belongs to the feature that configuration adds",
+    "weights": "a loss that is off itself points to how the loss is formed, not to the gradient "
+               "reductions (they run after it)",
 }
 RULE_OF = {1: "scale", 2: "tied", 3: "weights"}
 WEIGHT_RULES = {
@@ -180,7 +180,10 @@ def _weights_in_a_run(fn):
     got = run(_run_variants, 4, [VARIANTS[3]], [None], fn, timeout=240)[0][(label, None)]
     want = _all_symptoms()[(label, None)]
     if abs(got[0] - want[0]) > 1e-6 * abs(want[0]) or abs(got[1] - want[1]) > 1e-6 * abs(want[1]):
-        return "proportional", (f"with your weights, the run with micro-batches of 2, 1, 1 gives loss "
+        per_replica = BATCH // VARIANTS[3][1]
+        mine, right = [float(w) for w in fn(per_replica, 3)], _expected(per_replica, 3)
+        rule = "order" if sorted(mine) == sorted(right) and mine != right else "proportional"
+        return rule, (f"with your weights, the run with micro-batches of 2, 1, 1 gives loss "
                                 f"{got[0]:.6f} and gradient norm {got[1]:.6f}; the correct run "
                                 f"{want[0]:.6f} and {want[1]:.6f}")
     return None

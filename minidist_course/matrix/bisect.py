@@ -67,6 +67,9 @@ def main(argv=None) -> int:
     for step, (par, one) in enumerate(report.losses):
         print(f"  step {step}: loss {par:.6f} (one process {one:.6f})")
     print(report.format(a.top))
+    if a.bug and report.first is None:
+        print(f"(the bug {a.bug!r} — {zoo.BUGS[a.bug][0]} — changes nothing in this "
+              "configuration: choose one that uses what it breaks)")
     return 1 if report.first is not None else 0
 
 
