@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import zoo
-from ..context_parallel.sharding import positions as cp_positions
 from ..launch import run
 from ..models.gpt import GPT
 from .diagnose import Divergence, compare_all
@@ -85,6 +84,15 @@ def budget(world_size: int, microbatches: int, autocast_dtype=None) -> float:
     if autocast_dtype is not None:
         return 8 * 2.0 ** -8
     return 64 * 2.0 ** -23 * math.sqrt(world_size * microbatches)
+
+
+def _sgd(params, lr: float) -> None:
+    """The plain SGD step both sides take between steps (any optimizer would do; this one has no
+    state to keep equal)."""
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
 
 
 class _Recorder:
@@ -135,20 +143,20 @@ class _Recorder:
 def _rank(rank, world, build, ids, targets, steps, microbatches, lr, kwargs, bug):
     with zoo.inject(bug) if bug else contextlib.nullcontext():
         model, modules = build(rank, world)
+        cfg = model.cfg
+        if cfg.dropout or getattr(cfg, "attn_dropout", 0.0):   # every rank, before communicating
+            return {"dropout": max(cfg.dropout, getattr(cfg, "attn_dropout", 0.0))}
         rec, grads, losses = _Recorder(model), [], []
         for _ in range(steps):
             out = train_step(model, None, modules, ids, targets, microbatches, step=False, **kwargs)
             losses.append(out.loss)
             grads.append({k: v.clone() for k, v in model.gather(grads=True).items()})
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.add_(p.grad, alpha=-lr)
+            _sgd(model.parameters(), lr)
             rec.next_step()
     g = model.grid
     return {"coords": dict(dp=g.dp_rank, cp=g.cp_rank, tp=g.tp_rank, pp=g.pp_rank, rank=g.rank),
             "sizes": dict(dp=g.dp_size, cp=g.cp_size, tp=g.tp_size, pp=g.pp_size),
-            "split": model.cp_split, "sp": model.sequence_parallel, "cfg": model.cfg,
+            "split": model.cp_split, "cfg": model.cfg,
             "seed": model.seed, "moe": model.moe, "records": rec.records, "grads": grads,
             "losses": losses}
 
@@ -202,10 +210,7 @@ def _one_process(cfg, seed, ids, targets, steps, lr, reduction, autocast_dtype, 
         loss.backward()
         losses.append(loss.item())
         grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-lr)
+        _sgd(model.parameters(), lr)
     return acts, grads, losses
 
 
@@ -223,16 +228,16 @@ def bisect(build, world_size: int, ids: torch.Tensor, targets: torch.Tensor, mic
     results = run(_rank, world_size, build, ids, targets, steps, microbatches, lr, step_kwargs,
                   bug, timeout=timeout)
     head = results[0]
-    cfg = head["cfg"]
-    if cfg.dropout or getattr(cfg, "attn_dropout", 0.0):
-        raise ValueError(f"bisect: dropout={cfg.dropout} draws other masks than one process; "
+    if "dropout" in head:
+        raise ValueError(f"bisect: dropout={head['dropout']} draws other masks than one process; "
                          "build the model with dropout=0")
+    cfg = head["cfg"]
     reduction = step_kwargs.get("loss_reduction") or ("per_token" if (targets == -100).any() else "mean")
     dtype = step_kwargs.get("autocast_dtype")
     acts, grads, losses = _one_process(cfg, head["seed"], ids, targets, steps, lr, reduction, dtype,
                                        head["moe"], head["sizes"]["dp"], microbatches)
     layout = dict(B=ids.shape[0], s=ids.shape[1], M=microbatches, V=cfg.vocab_size,
-                  positions=cp_positions, reduction=reduction,
+                  reduction=reduction,
                   tokens=int((targets != -100).sum()), ignored=targets == -100)
     limit = budget(world_size, microbatches, dtype)
     divergences, errors = compare_all(results, acts, grads, layout, limit, steps)

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..context_parallel.sharding import positions
+
 __all__ = ["Divergence", "diagnose", "compare_all"]
-
-PHASES = ("forward", "backward", "gradients")
-
 
 @dataclass
 class Divergence:
@@ -113,7 +112,7 @@ def _piece(ref: torch.Tensor, res: dict, mb: int, layout: dict, name: str, tenso
     c, z = res["coords"], res["sizes"]
     samples = torch.arange(layout["B"]).tensor_split(z["dp"])[c["dp"]].tensor_split(layout["M"])[mb]
     s = layout["s"]
-    pos = (layout["positions"](res["split"], s, z["cp"], c["cp"]) if z["cp"] > 1 else torch.arange(s))
+    pos = positions(res["split"], s, z["cp"], c["cp"]) if z["cp"] > 1 else torch.arange(s)
     if tensor.shape[1] != pos.numel():        # a sequence-parallel chunk of the TP group
         pos = pos.chunk(z["tp"])[c["tp"]]
     piece = ref[samples][:, pos]

@@ -123,8 +123,7 @@ def _forward_op(st: _StepState, m: int, s: int) -> None:
         if x.is_floating_point():
             x.requires_grad_()
     start = st.clock()
-    device_type = st.device.type if isinstance(st.device, torch.device) else str(st.device)
-    autocast = (torch.autocast(device_type, dtype=st.autocast_dtype)
+    autocast = (torch.autocast(torch.device(str(st.device)).type, dtype=st.autocast_dtype)
                 if st.autocast_dtype is not None else contextlib.nullcontext())
     with st.meter.forward(s, m), autocast:
         y = st.modules[s](x)

@@ -16,9 +16,11 @@ from minidist.models.gpt import GPTConfig
 CFG = dict(vocab_size=37, block_size=8, n_layer=4, n_head=4, n_embd=16)
 
 
-def _build(rank, world, dp=2, pp=2, tp=1, cp=1, sp=False, tie=False, dp_mode="flat", ep=1):
+def _build(rank, world, dp=2, pp=2, tp=1, cp=1, sp=False, tie=False, dp_mode="flat", ep=1,
+           dropout=0.0):
     moe = dict(num_experts=4, top_k=2, aux_loss_coeff=1e-2) if ep > 1 else None
-    model = HybridGPT(GPTConfig(**CFG, tie_embeddings=tie), ProcessGrid(dp, pp, tp, cp=cp, ep=ep),
+    model = HybridGPT(GPTConfig(**CFG, tie_embeddings=tie, dropout=dropout),
+                      ProcessGrid(dp, pp, tp, cp=cp, ep=ep),
                       sequence_parallel=sp, moe=moe)
     return model, wrap_stages(model, dp_mode)
 
@@ -98,6 +100,11 @@ def test_diagnoses_name_the_pattern():
     weights = torch.tensor([1.0, 1.0, 2.0, 2.0, 0.5, 0.5])[:, None]
     assert "own factor (0.5 to 2)" in diagnose(ref * weights, ref, sizes, 1e-6, [0], [0])
     assert budget(8, 4) < 1e-4 and budget(8, 4, torch.bfloat16) == 8 * 2.0 ** -8
+
+
+def test_dropout_is_refused_by_name_before_training():
+    with pytest.raises(ValueError, match=r"bisect: dropout=0.1 draws other masks than one process"):
+        _run(dp=1, dropout=0.1, steps=1, world=2)
 
 
 def test_an_unknown_bug_is_named():
