@@ -180,6 +180,10 @@ def compare_all(results: list, acts: dict, grads: list, layout: dict, budget: fl
                            "gradient — a sum over their group is missing")
                 else:
                     why = diagnose(got, ref.expand_as(got), sizes, budget, bad, sorted(errs))
+                    if not any(d.step == step for d in out):   # activations all within budget
+                        why += ("; this step's activations and their gradients agree, so the "
+                                "error enters after the local backward: in a gradient reduction "
+                                "or a scale (loss weight, token count) applied to the gradients")
                 out.append(Divergence(step, "gradients", name, bad, whole, budget, why))
     return out, errors
 

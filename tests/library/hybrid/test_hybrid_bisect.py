@@ -70,10 +70,12 @@ def test_tied_embedding_not_summed_is_named_on_the_last_stage():
     ("dp-divide-twice", {}, ("gradients", "head.weight", "1/dp")),
     ("sp-grads-not-summed", dict(dp=1, tp=2, sp=True), ("gradients", "ln_f.bias", "partial")),
     ("cp-contiguous-positions", dict(dp=1, cp=2), ("forward", "embed", "rows differ")),
-    ("per-token-local-count", dict(ignore=0.3, loss="per_token"), ("gradients", "head.weight", "")),
+    ("per-token-local-count", dict(ignore=0.3, loss="per_token"),
+     ("gradients", "head.weight", "error enters after the local backward")),
     ("ring-diagonal-unmasked", dict(dp=1, cp=2), ("forward", "blocks.0", "")),
     ("microbatch-mean-of-means", dict(microbatches=3), ("backward", "blocks.3", "own factor")),
-    ("experts-averaged-over-dp", dict(ep=2), ("gradients", "blocks.3.mlp.experts.3.fc2.bias", "")),
+    ("experts-averaged-over-dp", dict(ep=2),
+     ("gradients", "blocks.3.mlp.experts.3.fc2.bias", "in a gradient reduction")),
 ])
 def test_each_zoo_bug_is_found_where_it_lives(bug, grid, where):
     report = _run(bug, **grid)
