@@ -22,9 +22,9 @@ The budget of a tensor is relative, ``‖got − ref‖ / ‖ref‖``: in fp32 `
 W·M terms in another order than one process: ε = 2⁻²³), with bf16 autocast ``8·2⁻⁸`` (bf16
 products rounded in another order; measured up to 1.8e-2 after a step on the matrix's dense
 configurations). No rounding budget covers experts under bf16: a token near a tie between two
-experts goes to the other one when the shards round differently, and those experts' gradients are
-reported "near the budget" (up to 7e-2 measured) or, when a capacity drops other tokens, beyond it
-— a property of routing in low precision, which the bisector shows rather than hides. Diagnoses,
+experts goes to the other one when the shards round differently, and those experts' gradients
+differ by up to 7e-2 (measured), more when a capacity then drops other tokens — a property of
+routing in low precision, not a bug; MoE under autocast is refused by name (bisect it in fp32). Diagnoses,
 from :func:`diagnose`: a scale of W, dp, tp or 1/W (an average missing, doubled or divided
 twice), a sign flip, a permutation (the right values in the wrong places), the rows of one rank
 only, the rows whose targets are ignored only.
@@ -146,6 +146,8 @@ def _rank(rank, world, build, ids, targets, steps, microbatches, lr, kwargs, bug
         cfg = model.cfg
         if cfg.dropout or getattr(cfg, "attn_dropout", 0.0):   # every rank, before communicating
             return {"dropout": max(cfg.dropout, getattr(cfg, "attn_dropout", 0.0))}
+        if model.moe and kwargs.get("autocast_dtype") is not None:
+            return {"moe_autocast": str(kwargs["autocast_dtype"])}
         rec, grads, losses = _Recorder(model), [], []
         for _ in range(steps):
             out = train_step(model, None, modules, ids, targets, microbatches, step=False, **kwargs)
@@ -223,7 +225,8 @@ def bisect(build, world_size: int, ids: torch.Tensor, targets: torch.Tensor, mic
 
     ``build(rank, world_size) -> (HybridGPT, modules)`` (picklable, e.g. a module-level function):
     the model and ``wrap_stages(model, dp_mode)``. ``bug``: a :mod:`minidist.zoo` bug switched on
-    in every rank. Raises ``ValueError`` for dropout > 0 (named), and what ``train_step`` raises.
+    in every rank. Raises ``ValueError`` for dropout > 0 and for MoE blocks under autocast (each
+    named, before training), and what ``train_step`` raises.
     """
     results = run(_rank, world_size, build, ids, targets, steps, microbatches, lr, step_kwargs,
                   bug, timeout=timeout)
@@ -231,6 +234,12 @@ def bisect(build, world_size: int, ids: torch.Tensor, targets: torch.Tensor, mic
     if "dropout" in head:
         raise ValueError(f"bisect: dropout={head['dropout']} draws other masks than one process; "
                          "build the model with dropout=0")
+    if "moe_autocast" in head:
+        raise ValueError(f"bisect: experts under autocast_dtype={head['moe_autocast']} have no "
+                         "rounding budget — a token near a tie between two experts goes to the "
+                         "other one when the ranks round differently, and those experts' "
+                         "gradients differ by more than rounding; bisect this configuration "
+                         "in fp32 (autocast_dtype=None)")
     cfg = head["cfg"]
     reduction = step_kwargs.get("loss_reduction") or ("per_token" if (targets == -100).any() else "mean")
     dtype = step_kwargs.get("autocast_dtype")

@@ -26,12 +26,16 @@ def test_the_command_refuses_what_the_library_refuses(capsys):
 @pytest.mark.timeout(1200)
 def test_no_correct_configuration_of_the_matrix_diverges():
     """Every configuration of the composition matrix that must run, two steps (SGD between them):
-    nothing beyond budget. Except experts under bf16: a token near a tie between two experts goes
-    to the other one when the shards round differently, so a few experts' gradients leave any
-    rounding budget (measured: 8 of the 11, up to 7e-2, "near the budget"; with a capacity, one
-    expert 0.44 off after a step); fp32 experts are in."""
-    configs = [c for c in covering.covering_array(0) if covering.refusal(c) is None
-               and not (c["moe"] != "none" and c["precision"] == "bf16")]
+    nothing beyond budget. Experts under bf16 are refused by name: a token near a tie between two
+    experts goes to the other one when the shards round differently, so a few experts' gradients
+    leave any rounding budget (measured: 8 of the 11, up to 7e-2; with a capacity, one expert 0.44
+    off after a step); fp32 experts are in."""
+    runs = [c for c in covering.covering_array(0) if covering.refusal(c) is None]
+    moe_bf16 = [c for c in runs if c["moe"] != "none" and c["precision"] == "bf16"]
+    configs = [c for c in runs if c not in moe_bf16]
+    for c in moe_bf16[:1]:
+        with pytest.raises(ValueError, match="no rounding budget"):
+            run_bisect(c, steps=1)
     reports = {i: run_bisect(c, steps=2) for i, c in enumerate(configs)}
     bad = {i: r.format(2) for i, r in reports.items() if r.first is not None}
     assert len(configs) >= 34 and not bad, {i: (configs[i], bad[i]) for i in bad}

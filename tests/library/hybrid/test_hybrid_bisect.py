@@ -109,6 +109,14 @@ def test_dropout_is_refused_by_name_before_training():
         _run(dp=1, dropout=0.1, steps=1, world=2)
 
 
+def test_experts_under_autocast_are_refused_by_name_before_training():
+    ids, targets = _batch()
+    with pytest.raises(ValueError, match=r"experts under autocast_dtype=torch.bfloat16 have no "
+                                         r"rounding budget.*in fp32"):
+        bisect(functools.partial(_build, ep=2), 4, ids, targets, microbatches=2, steps=1,
+               autocast_dtype=torch.bfloat16, timeout=120)
+
+
 def test_an_unknown_bug_is_named():
     with pytest.raises(ValueError, match=r"unknown bug 'nope'; known: \['cp-contiguous"):
         with zoo.inject("nope"):
