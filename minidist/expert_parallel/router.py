@@ -64,8 +64,11 @@ def route(logits: torch.Tensor, k: int, normalize: bool = False):
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor) -> int:
     """Tokens one expert accepts from ``num_tokens`` tokens: ``ceil(T · k · factor / E)``.
 
-    Megatron-LM ``moe_utils.get_capacity(num_tokens * topk, num_experts, capacity_factor)``.
-    Exact rational arithmetic, rounded up. Raises ValueError for a factor <= 0.
+    Megatron-LM's ``moe_utils.get_capacity(num_tokens * topk, num_experts, capacity_factor)``
+    computes the same formula in floats, ``ceil((T·k / E) · factor)``, and can round up once too
+    often: T=100, E=2, factor 1.1 gives 56 there, since ``50 * 1.1`` is 55.00000000000001. This is
+    the exact value (rational arithmetic on the factor's decimal repr, rounded up): 55. Raises
+    ValueError for a factor <= 0.
     """
     f = Fraction(repr(float(capacity_factor)))
     if f <= 0:

@@ -26,6 +26,7 @@ import torch
 
 from minidist.context_parallel import blocks, sharding
 from .core import Report
+from .generated import generated_check, st
 
 __all__ = ["grade_merge", "grade_zigzag", "grade_ring", "MERGE_CASES", "ZIGZAG_CASES",
            "MERGE_RULES", "ZIGZAG_RULES", "RING_RULES"]
@@ -78,7 +79,25 @@ def _partials(seed, scale, dtype, empty):
         oa, la = torch.zeros_like(oa), torch.full_like(la, -math.inf)
     if empty in ("b", "both"):
         ob, lb = torch.zeros_like(ob), torch.full_like(lb, -math.inf)
+    if isinstance(empty, tuple):   # (seed, share): single rows that saw no key, in a, b or both
+        rows = torch.Generator().manual_seed(empty[0])
+        for o, l in ((oa, la), (ob, lb)):
+            off = torch.rand(l.shape, generator=rows) < empty[1]
+            o[off], l[off] = 0.0, -math.inf
     return oa, la, ob, lb
+
+
+def _both_empty_message(lse, out, rows):
+    """What a merge gave for rows where neither block saw a key (``rows``: a bool mask)."""
+    got_l, got_o = lse[rows], out[rows]
+    if bool(torch.isnan(got_l).any() | torch.isnan(got_o).any()):
+        return ("got nan: -inf - (-inf) is nan, so take the max first and handle a max of -inf "
+                "(torch.where on the rows where it is -inf)")
+    bad = got_l[got_l != -math.inf]
+    if bad.numel():
+        return (f"got lse = {float(bad[0]):.4g}, finite: a stand-in for -inf is not -inf — the "
+                "merged result must keep lse = -inf so the next merge and the caller see an empty row")
+    return f"got out with |values| up to {float(got_o.abs().max()):.3g}: expected out = 0"
 
 
 def _merge_check(fn, case):
@@ -98,12 +117,20 @@ def _merge_check(fn, case):
     if out.shape != oa.shape or lse.shape != la.shape:
         return "shape", (f"expected out {tuple(oa.shape)} and lse {tuple(la.shape)}, got "
                 f"{tuple(out.shape)} and {tuple(lse.shape)}")
-    if empty == "both" and not (bool((lse == -math.inf).all()) and bool((out == 0).all())):
-        return "empty", ("with both lse -inf (no key in either block) the merge must give lse = -inf and "
-                "out = 0, got " + ("nan" if bool(torch.isnan(lse).any() | torch.isnan(out).any())
-                                   else "something else") +
-                ": -inf - (-inf) is nan, so take the max first and handle a max of -inf")
+    both = (la == -math.inf) & (lb == -math.inf)
+    if bool(both.any()):
+        rows = both.clone()
+        ok = (lse[rows] == -math.inf).all() and (out[rows] == 0).all()
+        if not bool(ok):
+            where = ("in every row" if bool(both.all()) else
+                     f"in the {int(both.sum())} row(s) of {both.numel()} that neither block saw")
+            return "empty", (f"with both lse -inf {where} the merge must give lse = -inf and out = 0 "
+                             "there: " + _both_empty_message(lse, out, rows))
     if not (torch.isfinite(out).all() and (torch.isfinite(lse) | torch.isinf(want_l)).all()):
+        if isinstance(empty, tuple):
+            return "empty", ("nan or inf in a row where one block saw no key (lse -inf, out 0): "
+                             "exp(-inf - lse) must be 0 and lse the other block's — handle the "
+                             "empty rows one by one, not only whole tensors")
         if empty is not None:
             other = "b" if empty == "a" else "a"
             return "empty", (f"nan or inf where one block saw no key: with lse_{empty} = -inf, "
@@ -128,12 +155,29 @@ def _merge_check(fn, case):
     return None
 
 
+# (name, seed, scale, dtype, (seed, share)): random partial results whose single rows saw no key
+MERGE_INPUTS = st.tuples(st.just("generated"), st.integers(0, 2**16),
+                         st.sampled_from([1.0, 70.0, "0/100"]),
+                         st.sampled_from([torch.float64, torch.float32]),
+                         st.tuples(st.integers(0, 2**16), st.sampled_from([0.0, 0.3, 0.7])))
+
+
+def _describe_merge(case):
+    _, seed, scale, dtype, (rows, share) = case
+    scores = {1.0: "random scores", 70.0: "scores of order 1e4", "0/100": "lse 0 and 100"}[scale]
+    return (f"{scores}, {str(dtype).removeprefix('torch.')} (seed {seed}), each row of each block "
+            f"empty with probability {share} (seed {rows})")
+
+
 def grade_merge(fn, total: float = 2) -> Report:
     """``fn(out_a, lse_a, out_b, lse_b) -> (out, lse)`` against the library's merge."""
     report = Report("Part A: merging two partial attention results", total=total,
                     rules=MERGE_RULES)
     for case in MERGE_CASES:
         report.check(case[0], lambda c=case: _merge_check(fn, c))
+    generated_check(report, "rows of random blocks, some empty", MERGE_INPUTS,
+                    lambda c: _merge_check(fn, c), max_examples=60, describe=_describe_merge,
+                    crash_rule="shape")
     return report
 
 
@@ -169,8 +213,21 @@ def _zigzag_check(fn, seq_len, world):
             return "order", f"{text} — a position appears twice: the two chunks must be different"
         if sorted(got.tolist()) == want.tolist():
             return "order", f"{text} — the right positions in the wrong order: return them increasing"
+        if seq_len % (2 * world) and _right_when_even(fn, world):
+            return "uneven", (f"{text} — right when 2W divides S, wrong here: {seq_len} does not divide "
+                    f"into {2 * world} equal chunks; cut with torch.arange(seq_len).tensor_split(2 * world)")
         return "pairing", text
     return None
+
+
+def _right_when_even(fn, world) -> bool:
+    """Does ``fn`` give every rank's zigzag positions when 2W divides S (S = 2W, 4W, 6W)?"""
+    try:
+        return all(torch.equal(torch.as_tensor(fn(s, world, r)).reshape(-1).long(),
+                               sharding.positions("zigzag", s, world, r))
+                   for s in (2 * world, 4 * world, 6 * world) for r in range(world))
+    except Exception:  # noqa: BLE001 - a crash there is not this check's to explain
+        return False
 
 
 def grade_zigzag(fn, total: float = 2) -> Report:
@@ -178,6 +235,9 @@ def grade_zigzag(fn, total: float = 2) -> Report:
     report = Report("Part B: the zigzag split", total=total, rules=ZIGZAG_RULES)
     for s, w in ZIGZAG_CASES:
         report.check(f"S = {s}, W = {w}", lambda s=s, w=w: _zigzag_check(fn, s, w))
+    generated_check(report, "S and W", st.tuples(st.integers(0, 200), st.integers(1, 8)),
+                    lambda c: _zigzag_check(fn, *c), max_examples=80,
+                    describe=lambda c: "S = {}, W = {}".format(*c), crash_rule="uneven")
     return report
 
 

@@ -3,8 +3,9 @@ mixture-of-experts layer, against :mod:`minidist.expert_parallel` and the dense 
 
 The learner writes (see ``exercises/15_moe_dispatch.ipynb``):
 
-* ``capacity(num_tokens, num_experts, top_k, capacity_factor) -> int``: Megatron-LM's
-  ``ceil(T·k·factor/E)``, exactly (checked on cases where the float formula rounds wrong);
+* ``capacity(num_tokens, num_experts, top_k, capacity_factor) -> int``: ``ceil(T·k·factor/E)``
+  computed exactly (checked on cases where the float formula rounds wrong; Megatron-LM's
+  ``get_capacity`` computes it in floats, see :func:`minidist.expert_parallel.router.expert_capacity`);
 * ``aux_loss(probs, experts, coeff) -> 0-dim tensor``: Switch/GShard ``coeff·E·Σ f_i·P_i``, f
   the fraction of the T·k assignments per expert, P the mean router probability, its gradient
   reaching ``probs``;
@@ -24,6 +25,7 @@ tokens returned to the wrong positions. Each check's failure names its rule of
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 
@@ -31,6 +33,7 @@ from minidist.expert_parallel import permute as lib_permute
 from ..references.expert_parallel import dense_moe
 from minidist.expert_parallel.router import expert_capacity, keep_mask, load_balancing_loss, route
 from .core import Report
+from .generated import generated_check, st
 
 __all__ = ["CAPACITY_CASES", "grade_aux_loss", "grade_capacity", "grade_permutation",
            "CAPACITY_RULES", "AUX_RULES", "PERM_RULES"]
@@ -40,6 +43,7 @@ CAPACITY_RULES = {
     "exact": "the ceil computed exactly, not on floats ((100 / 2) · 1.1 is 55.00000000000001)",
     "top_k": "each token makes k assignments: ceil(T·k·factor/E)",
     "int": "the answer is an int, ceil(T·k·factor/E)",
+    "once": "one ceil, after the factor: ceil(T·k·factor/E), not ceil(ceil(T·k/E)·factor)",
 }
 AUX_RULES = {
     "f": "f_i is the fraction of the T·k assignments that chose expert i (the f_i sum to 1)",
@@ -47,10 +51,13 @@ AUX_RULES = {
     "E": "the factor E: α·E·Σ f_i·P_i, so perfect balance gives α",
     "grad": "the gradient reaches probs through P (f is a count, a constant)",
     "value": "a 0-dim tensor equal to α·E·Σ f_i·P_i within 1e-6",
+    "counts": "f has one entry per expert, 0 for an expert no token chose "
+              "(bincount(..., minlength=E)): a collapsed router is the case the loss is for",
 }
 PERM_RULES = {
     "dropped": "a row over capacity is not sent: counts count the kept assignments only",
     "expert_major": "rows grouped by expert (expert-major), in token order inside an expert",
+    "tokens": "expert e's rows are the tokens that chose e and were kept (each (token, choice) once)",
     "token_index": "token_index holds token ids t, not flat row ids t·k + j (divide by k)",
     "weights": "row_weights follow the rows: row n's weight is its (token, choice)'s",
     "sum": "unpermute sums a token's k weighted rows (index_add), it does not assign them",
@@ -85,16 +92,28 @@ def _capacity_check(fn, case):
         text += (f": floating point — {T}·{k}·{f}/{E} is {exact!r} in floats; compute the ceil "
                  "exactly (fractions.Fraction(str(factor)), or integers)")
         rule = "exact"
+    elif got == round(exact) and (got != math.floor(exact) or exact % 1 == 0.5):
+        text += (": rounded to nearest (Python's round: half to even); the rule rounds up (ceil), "
+                 "so the fair share always fits")
+        rule = "ceil"
     elif got == math.floor(exact):
         text += ": rounded down; the rule rounds up (ceil), so the fair share always fits"
         rule = "ceil"
-    elif got == round(exact):
-        text += ": rounded to nearest; the rule rounds up (ceil)"
-        rule = "ceil"
+    elif got == math.ceil(Fraction(math.ceil(Fraction(T * k, E))) * Fraction(repr(float(f)))):
+        text += (f": the factor applied after a first ceil — ceil({T}·{k}/{E}) = "
+                 f"{math.ceil(Fraction(T * k, E))}, times {f}, rounded up again; scale T·k/E by the "
+                 "factor first, then round up once")
+        rule = "once"
     elif got == expert_capacity(T, E, 1, f):
         text += ": top_k is missing — each token makes k assignments: ceil(T·k·factor/E)"
         rule = "top_k"
     return rule, text
+
+
+# (T, E, k, factor): factors with one or two decimals, where floats round both ways
+CAPACITY_INPUTS = st.integers(1, 64).flatmap(lambda E: st.tuples(
+    st.integers(0, 4096), st.just(E), st.integers(1, min(E, 8)),
+    st.integers(1, 400).map(lambda n: n / 100)))
 
 
 def grade_capacity(fn, total: float = 2) -> Report:
@@ -102,6 +121,9 @@ def grade_capacity(fn, total: float = 2) -> Report:
     for case in CAPACITY_CASES:
         T, E, k, f = case
         report.check(f"T={T} E={E} k={k} factor {f}", lambda c=case: _capacity_check(fn, c))
+    generated_check(report, "T, E, k, factor", CAPACITY_INPUTS, lambda c: _capacity_check(fn, c),
+                    max_examples=300, describe=lambda c: "T={} E={} k={} factor {}".format(*c),
+                    crash_rule="int")
     return report
 
 
@@ -130,10 +152,19 @@ def _aux_variants(probs, experts, weights, coeff):
     }
 
 
-def _aux_check(fn, T, E, k, coeff, seed):
+def _aux_check(fn, T, E, k, coeff, seed, collapse=None):
     probs, experts, weights = _aux_inputs(T, E, k, seed)
+    if collapse is not None:   # the router's choices pile onto the first experts: others get none
+        experts = torch.arange(k).repeat(T, 1) + collapse * 0
+        weights = probs.gather(1, experts)
     p = probs.clone().requires_grad_()
-    got = fn(p, experts, coeff)
+    try:
+        got = fn(p, experts, coeff)
+    except RuntimeError as e:
+        if "must match the size" in str(e) and int(experts.max()) < E - 1:
+            return "counts", (f"{e} — expert {E - 1} got no token, so bincount without "
+                              "minlength returns fewer than E counts")
+        raise
     if not isinstance(got, torch.Tensor) or got.numel() != 1:
         return "value", f"expected a 0-dim tensor, got {type(got).__name__} {got!r}"
     want = load_balancing_loss(probs, torch.bincount(experts.reshape(-1), minlength=E), T * k, coeff)
@@ -142,6 +173,12 @@ def _aux_check(fn, T, E, k, coeff, seed):
         for slip, (rule, value) in _aux_variants(probs, experts, weights, coeff).items():
             if abs(float(got.detach()) - float(value)) <= 1e-6 * max(1.0, abs(float(value))):
                 return rule, f"{text}: {slip}"
+        short = torch.bincount(experts.reshape(-1)).float() / (T * k)   # bincount, no minlength
+        if short.numel() == 1 < E and abs(float(got.detach()) - float(
+                coeff * E * (short * probs.mean(0)).sum())) <= 1e-6 * max(1.0, abs(float(want))):
+            return "counts", (f"{text}: every assignment went to expert 0, and the counts have 1 "
+                              f"entry, not E = {E}, so it broadcast over every P_i — experts no "
+                              "token chose must count 0 (bincount with minlength=E)")
         return "value", text
     if not got.requires_grad:
         return "grad", ("the value is right but it has no gradient: P must be computed from probs with "
@@ -155,11 +192,26 @@ def _aux_check(fn, T, E, k, coeff, seed):
     return None
 
 
+# (T, E, k, coeff, seed, collapse): None for a random router, else every token on experts 0..k-1
+AUX_INPUTS = st.integers(1, 8).flatmap(lambda E: st.tuples(
+    st.integers(1, 40), st.just(E), st.integers(1, E), st.sampled_from([0.01, 0.1, 1.0]),
+    st.integers(0, 2**16), st.one_of(st.none(), st.just(0))))
+
+
+def _describe_aux(a):
+    T, E, k, coeff, seed, collapse = a
+    router = "random router (seed {})".format(seed) if collapse is None else \
+        f"collapsed router: every token chose experts 0..{k - 1}"
+    return f"T={T} E={E} k={k} α={coeff}, {router}"
+
+
 def grade_aux_loss(fn, total: float = 2) -> Report:
     report = Report("Part B: the load-balancing loss", total=total, rules=AUX_RULES)
     for T, E, k, coeff, seed in ((16, 4, 1, 0.01, 0), (30, 8, 2, 0.1, 1), (7, 2, 2, 1.0, 2)):
         report.check(f"T={T} E={E} k={k} α={coeff}: value and gradient",
                      lambda a=(T, E, k, coeff, seed): _aux_check(fn, *a))
+    generated_check(report, "value and gradient", AUX_INPUTS, lambda a: _aux_check(fn, *a),
+                    max_examples=60, describe=_describe_aux, crash_rule="value")
     return report
 
 
@@ -205,12 +257,19 @@ def _perm_table_check(perm_fn, T, E, k, capacity, seed):
         if rows_ok:
             return "expert_major", (f"within an expert the rows must be in token order (Megatron-LM's "
                     f"routing_map.T.nonzero()): expected {want_idx.tolist()}, got {idx.tolist()}")
-        return "expert_major", (f"rows are not grouped by expert (expert-major): expected token_index "
-                f"{want_idx.tolist()}, got {idx.tolist()}")
+        if idx.tolist() == sorted(idx.tolist()):
+            return "expert_major", (f"rows are not grouped by expert (expert-major): expected "
+                    f"token_index {want_idx.tolist()}, got {idx.tolist()} (token order)")
     k = chosen.shape[1]
     if k > 1 and (idx // k).tolist() == want_idx.tolist():
         return "token_index", (f"token_index: expected {want_idx.tolist()}, got {idx.tolist()}: "
                                f"flat row ids, not token indices: divide by k = {k}")
+    per_expert = torch.as_tensor(idx).split(counts.tolist())
+    for e, (a, b) in enumerate(zip(per_expert, want_idx.split(want_counts.tolist()))):
+        if sorted(a.tolist()) != sorted(b.tolist()):
+            return "tokens", (f"expert {e} gets tokens {a.tolist()}, expected {b.tolist()} (the "
+                    f"tokens that chose it and were kept): token_index {idx.tolist()}, expected "
+                    f"{want_idx.tolist()}")
     return "expert_major", f"token_index: expected {want_idx.tolist()}, got {idx.tolist()}"
 
 
@@ -244,9 +303,14 @@ def _unpermute_check(perm_fn, unperm_fn, T, E, k, capacity, seed):
                 return rule, f"output differs from the dense MoE by {err:.3g}: {slip}"
         return "positions", (f"output differs from the dense MoE by {err:.3g}: tokens returned to the wrong "
                 "positions — row n belongs to token token_index[n]")
-    (y * torch.randn(T, 8, generator=torch.Generator().manual_seed(seed))).sum().backward()
-    if router_w.grad is None or router_w.grad.abs().sum() == 0:
-        return "graph", ("the output is right but the router gets no gradient: keep row_weights in the "
+    probe = torch.randn(T, 8, generator=torch.Generator().manual_seed(seed))
+    want = torch.autograd.grad((y_ref * probe).sum(), router_w, allow_unused=True)[0]
+    (y * probe).sum().backward()
+    got = router_w.grad if router_w.grad is not None else torch.zeros_like(router_w)
+    want = want if want is not None else torch.zeros_like(router_w)
+    if not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
+        return "graph", ("the output is right but the router's gradient is not the dense MoE's "
+                f"(largest difference {float((got - want).abs().max()):.3g}): keep row_weights in the "
                 "autograd graph (no .detach(), no .item())")
     return None
 
@@ -260,4 +324,13 @@ def grade_permutation(perm_fn, unperm_fn, total: float = 3) -> Report:
                      lambda a=(T, E, k, cap, seed): _perm_table_check(perm_fn, *a))
         report.check(f"{name}: MoE output and router gradient = dense MoE",
                      lambda a=(T, E, k, cap, seed): _unpermute_check(perm_fn, unperm_fn, *a))
+    inputs = st.integers(1, 6).flatmap(lambda E: st.tuples(
+        st.integers(1, 12), st.just(E), st.integers(1, min(E, 3)),
+        st.one_of(st.none(), st.integers(0, 4)), st.integers(0, 2**16)))
+    describe = "T={} E={} k={} capacity {} (seed {})".format
+    generated_check(report, "permutation tables", inputs, lambda a: _perm_table_check(perm_fn, *a),
+                    max_examples=60, describe=lambda a: describe(*a), crash_rule="expert_major")
+    generated_check(report, "MoE output and router gradient", inputs,
+                    lambda a: _unpermute_check(perm_fn, unperm_fn, *a), max_examples=30,
+                    describe=lambda a: describe(*a), crash_rule="positions")
     return report

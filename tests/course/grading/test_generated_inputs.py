@@ -1,0 +1,149 @@
+"""Generated inputs in the graders (minidist_course/grading/generated.py), and the attempts a
+learner's trial run got past the hand-picked cases or saw named under the wrong rule: each now
+scores below full marks, naming the right rule."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+
+from minidist_course.grading import context_parallel as cp, expert_parallel as moe
+from minidist_course.grading.core import Report
+from minidist_course.grading.generated import generated_check, st
+
+
+def _failed(report):
+    return [r for r in report.results if not r.passed]
+
+
+def test_generated_check_shows_the_smallest_failing_input_and_is_seeded():
+    def check(n):   # wrong from 37 on
+        return None if n < 37 else ("big", f"{n} is too big")
+    messages = []
+    for _ in range(2):
+        report = Report("t", rules={"big": "n stays under 37"})
+        generated_check(report, "n", st.integers(0, 10**6), check, max_examples=50)
+        (bad,) = _failed(report)
+        messages.append(bad.message)
+    assert messages[0] == messages[1]                       # the same inputs every run
+    assert "smallest generated input that fails, 37: 37 is too big" in messages[0]
+    assert messages[0].startswith("[big] n stays under 37")
+
+
+def test_generated_check_shows_a_crash_with_its_input_under_the_crash_rule():
+    report = Report("t", rules={"int": "an int"})
+    generated_check(report, "n", st.integers(0, 100), lambda n: [][n] if n > 4 else None,
+                    max_examples=50, crash_rule="int")
+    (bad,) = _failed(report)
+    assert bad.rule == "int" and "input that fails, 5, your code raised" in bad.message
+    assert "IndexError" in bad.message
+
+
+def test_generated_check_passes_a_right_function():
+    report = Report("t")
+    generated_check(report, "n", st.integers(), lambda n: None, max_examples=20)
+    assert report.passed
+
+
+# ---------------------------------------------------------------- exercise 15, learners' attempts
+
+def _capacity(T, E, k, f):
+    return math.ceil(Fraction(T * k) * Fraction(str(float(f))) / E)
+
+
+def test_factor_after_the_ceiling_is_named_once():
+    """Passed all seven named cases; gives 5 where the rule gives 4 (T=7, E=2, factor 1.1)."""
+    def after(T, E, k, f):
+        return math.ceil(Fraction(math.ceil(Fraction(T * k, E))) * Fraction(str(float(f))))
+    assert all(after(*c) == _capacity(*c) for c in moe.CAPACITY_CASES)   # why it got through
+    report = moe.grade_capacity(after)
+    assert report.score < report.max_score
+    assert [r.rule for r in _failed(report)] == ["once"]
+    assert "scale T·k/E by the factor first" in _failed(report)[0].message
+
+
+def test_round_half_to_even_is_named_as_such_not_rounded_down():
+    report = moe.grade_capacity(lambda T, E, k, f: round(T * k * f / E))
+    first = _failed(report)[0]
+    assert first.name.startswith("T=10 E=4") and "half to even" in first.message
+
+
+def test_bincount_without_minlength_is_named_counts():
+    """Silently 0.0400 instead of 0.0336 when the router collapses onto expert 0; a crash when a
+    trailing expert gets no token."""
+    def aux(probs, experts, coeff):
+        T, E = probs.shape
+        f = torch.bincount(experts.reshape(-1)).float() / experts.numel()
+        return coeff * E * (f * probs.mean(dim=0)).sum()
+    report = moe.grade_aux_loss(aux)
+    assert report.score < report.max_score
+    assert {r.rule for r in _failed(report)} == {"counts"}
+    probs = torch.softmax(torch.randn(5, 3, generator=torch.Generator().manual_seed(0)), -1)
+    crash = moe._aux_check(aux, 5, 3, 1, 0.1, 0, collapse=None)
+    assert crash is None or crash[0] == "counts"
+    collapsed = moe._aux_check(aux, 6, 4, 2, 0.1, 0, collapse=0)   # experts 0, 1 only: 2 < E
+    assert collapsed[0] == "counts" and "minlength" in collapsed[1]
+    del probs
+
+
+def test_wrong_tokens_per_expert_are_named_tokens_not_grouping():
+    def perm(experts, weights, kept, num_experts):
+        T, k = experts.shape
+        key = torch.where(kept, experts, torch.full_like(experts, num_experts)).t().reshape(-1)
+        order = torch.sort(key, stable=True).indices
+        counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+        order = order[: int(counts.sum())]
+        return order // k, weights.t().reshape(-1)[order], counts
+    out = moe._perm_table_check(perm, 10, 4, 2, None, 1)
+    assert out is not None and out[0] == "tokens" and "expert" in out[1]
+
+
+# ---------------------------------------------------------------- exercise 14, learners' attempts
+
+def _merge_ok(out_a, lse_a, out_b, lse_b):
+    m = torch.maximum(lse_a, lse_b)
+    empty = torch.isinf(m) & (m < 0)
+    m_safe = torch.where(empty, torch.zeros_like(m), m)
+    lse = m_safe + torch.log1p(torch.exp(-(lse_a - lse_b).abs().nan_to_num(nan=math.inf)))
+    lse = torch.where(empty, m, lse)
+    lse_safe = torch.where(empty, torch.zeros_like(lse), lse)
+    return (torch.exp(lse_a - lse_safe)[..., None] * out_a
+            + torch.exp(lse_b - lse_safe)[..., None] * out_b), lse
+
+
+def test_empty_blocks_tested_as_whole_tensors_are_caught_on_single_rows():
+    """Passed every named case (whole tensors empty); single rows that saw no key in either block
+    were nan."""
+    def merge(out_a, lse_a, out_b, lse_b):
+        if torch.isinf(lse_a).all():
+            return out_b, lse_b
+        if torch.isinf(lse_b).all():
+            return out_a, lse_a
+        m = torch.maximum(lse_a, lse_b)
+        lse = m + torch.log1p(torch.exp(-(lse_a - lse_b).abs()))
+        return (torch.exp(lse_a - lse)[..., None] * out_a
+                + torch.exp(lse_b - lse)[..., None] * out_b), lse
+    report = cp.grade_merge(merge)
+    (bad,) = _failed(report)
+    assert bad.rule == "empty" and "row(s)" in bad.message and "got nan" in bad.message
+    assert cp.grade_merge(_merge_ok).passed
+
+
+def test_a_finite_stand_in_for_minus_inf_is_not_told_about_nan():
+    def merge(out_a, lse_a, out_b, lse_b):
+        return _merge_ok(out_a, lse_a.clamp_min(-1e30), out_b, lse_b.clamp_min(-1e30))
+    report = cp.grade_merge(merge)
+    for bad in _failed(report):
+        assert bad.rule == "empty" and "-1e+30, finite" in bad.message
+        assert "got nan" not in bad.message and "is nan" not in bad.message
+
+
+def test_chunks_of_ceil_length_are_named_uneven_not_pairing():
+    def zigzag(S, W, r):
+        n = -(-S // (2 * W))
+        chunks = [torch.arange(S)[i * n:(i + 1) * n] for i in range(2 * W)]
+        return torch.cat([chunks[r], chunks[2 * W - 1 - r]])
+    report = cp.grade_zigzag(zigzag)
+    assert report.score < report.max_score and {r.rule for r in _failed(report)} == {"uneven"}
