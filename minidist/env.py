@@ -303,7 +303,8 @@ def plan_devices(device: str | None, backend: str, local_world_size: int, gpus: 
     rank can have its own GPU, else gloo on the CPU). ``device="cpu"``: gloo. ``device="cuda"``:
     every rank computes on a GPU; with fewer GPUs than ranks they share (rank i on GPU
     ``i % gpus``, ``ceil(ranks / gpus)`` per GPU) and the backend is gloo, because NCCL refuses
-    two ranks on one device ("Duplicate GPU detected"; NCCL troubleshooting guide).
+    two ranks on one device by default ("Duplicate GPU detected" before NCCL 2.30, "Multiple Ranks
+    are using the same GPU" since; NCCL troubleshooting guide).
 
     Raises:
         ValueError: unknown device/backend; ``device="cuda"`` with no GPU; nccl with

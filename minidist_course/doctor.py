@@ -162,8 +162,9 @@ def _interface_rows(environ) -> Rows:
     set_vars = [f"{v}={environ[v]}" for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
                 if environ.get(v)]
     return rows + [("socket ifname", "ok", ", ".join(set_vars) + " exist" if set_vars else
-                    "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unset (the backend picks the "
-                    "interface the hostname resolves to)")]
+                    "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unset (gloo binds to the address "
+                    "the hostname resolves to; NCCL picks ib* interfaces first, then any but "
+                    "lo and docker*)")]
 
 
 def _launch_rows(environ):

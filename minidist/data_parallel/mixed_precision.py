@@ -2,8 +2,9 @@
 
 * **Default, CPU and GPU:** bf16 autocast. bf16 keeps fp32's exponent range, so no loss scaling
   is needed; every NVIDIA GPU since Ampere (A100, H100) computes in bf16 at fp16's speed.
-* **fp16, only where bf16 is unsupported** (``torch.cuda.is_bf16_supported()`` is false: V100,
-  T4 and older): fp16 autocast with dynamic loss scaling (``torch.amp.GradScaler``): the loss is
+* **fp16, only where the GPU has no native bf16** (compute capability below 8.0: V100, T4 and
+  older; ``torch.cuda.is_bf16_supported()`` says True there too, by emulation, unless asked with
+  ``including_emulation=False`` — torch/cuda/__init__.py): fp16 autocast with dynamic loss scaling (``torch.amp.GradScaler``): the loss is
   multiplied by S before backward so small gradients do not flush to zero in fp16; the optimizer
   step unscales, and is skipped (S halved) when a gradient is inf/NaN.
 
@@ -29,10 +30,16 @@ __all__ = ["MixedPrecision", "default_dtype"]
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
-    """bf16, except on a CUDA device without bf16 support, where fp16 (with loss scaling)."""
+    """bf16, except on a CUDA device without native bf16 (emulated bf16 is slow), where fp16
+    (with loss scaling)."""
     device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return torch.float16
+    if device.type == "cuda":
+        try:
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:   # a torch without the argument counts no emulation
+            native = torch.cuda.is_bf16_supported()
+        if not native:
+            return torch.float16
     return torch.bfloat16
 
 

@@ -3,7 +3,8 @@
 ``torch.nn.utils.clip_grad_norm_`` on one process computes ``‖g‖ = sqrt(Σ_p ‖g_p‖²)`` over every
 parameter once, then multiplies every gradient by ``min(1, max_norm / (‖g‖ + 1e-6))``. Split over a
 ``dp x pp x tp`` grid, each rank holds part of the sum; counting each parameter exactly once
-(Megatron-LM's ``clip_grad_norm_fp32``, with ``param_is_not_shared`` and
+(Megatron-LM's ``get_grad_norm_fp32`` in ``megatron/core/optimizer/clip_grads.py``, on the
+gradients ``get_main_grads_for_grad_norm`` keeps with ``param_is_not_shared`` and
 ``param_is_not_tensor_parallel_duplicate``; Shoeybi et al. 2019):
 
 * a tensor-parallel shard (``tensor_model_parallel``) counts on every TP rank (disjoint shards;

@@ -1,6 +1,7 @@
 """The efficiency wall of the input pipeline: a data-parallel loop whose data comes from image files.
 
-"Data loading and preprocessing often become the bottleneck." To see it, the course's digits are
+CPU data-processing pipelines "have become a bottleneck, limiting the performance and scalability
+of training and inference" (NVIDIA/DALI, README.rst). To see it, the course's digits are
 written to disk as PNG files (:func:`write_digit_pngs`, upscaled to ``size`` x ``size`` pixels),
 and :class:`PNGDigits` opens, decodes, augments and resizes one file per sample (a random
 rotation and shift, then a resize to the model's ``out_size`` x ``out_size``, with PIL — the way a

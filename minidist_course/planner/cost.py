@@ -38,8 +38,9 @@ PRICES = {
     "as_of": "2026-11",
     "currency": "USD",
     "source": ("illustrative round numbers of the kind specialised GPU clouds list per GPU-hour "
-               "(a large cloud's on-demand 8-GPU instance lists at several times these per GPU); "
-               "not fetched, not a quote: edit these"),
+               "(a large cloud's on-demand 8-GPU instance listed at about 12 USD per H100-hour at "
+               "AWS p5's launch in 2023, then up to 45 % less from June 2025); not fetched, not "
+               "a quote: edit these"),
     "gpu_hour": {   # per GPU-hour; reserved = a 1-3 year commitment, spot = can be interrupted
         "V100-32GB": {"on_demand": 1.50, "reserved": 1.00, "spot": 0.60},
         "A100-80GB": {"on_demand": 2.50, "reserved": 1.60, "spot": 1.20},
@@ -47,7 +48,7 @@ PRICES = {
     },
     "cpu_core_hour": 0.04,          # one CPU core (vCPU pair) for an hour
     "egress_per_gb": 0.09,          # out of the cloud, to the internet
-    "inter_zone_per_gb": 0.01,      # between availability zones of one region
+    "inter_zone_per_gb": 0.02,      # between availability zones: 0.01 out + 0.01 in (AWS)
     "intra_zone_per_gb": 0.0,       # inside one zone / one cluster's fabric
     "storage_per_gb_month": 0.023,  # object storage
 }

@@ -16,3 +16,10 @@ def test_cuda_default_follows_bf16_support(monkeypatch):
     assert default_dtype("cuda") == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     assert default_dtype("cuda:1") == torch.float16
+
+
+def test_emulated_bf16_counts_as_unsupported(monkeypatch):
+    """A V100 or T4: torch's is_bf16_supported() is True by emulation (slow); only native counts."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation)
+    assert default_dtype("cuda") == torch.float16
