@@ -5,14 +5,19 @@ Long Sequence Transformer Models", §3. On a context-parallel group of ``W`` ran
 ``q``/``k``/``v`` ``[b, H, S_r, d]`` for its positions (any split of :mod:`.sharding`). One
 all-to-all per tensor turns that into ``[b, H/W, S, d]``: every position, this rank's heads (put
 back in sequence order, so the local attention is the plain one-process attention); a second
-all-to-all returns the output ``[b, H, S_r, d]``. Heads must divide by ``W``: ``H % W != 0`` is a
-``ValueError`` naming both numbers (no uneven head split). Grouped-query K/V heads ``H_kv``
-follow DeepSpeed's rule ``H_kv % W == 0 or W % H_kv == 0``: in the second case each K/V head is
-sent to the ``W / H_kv`` ranks whose query heads use it, and its gradient is summed back.
+all-to-all returns the output ``[b, H, S_r, d]``. minidist requires ``W`` to divide the heads:
+``H % W != 0`` is a ``ValueError`` naming both numbers. DeepSpeed does not: its
+``DistributedAttention`` (``deepspeed/sequence/layer.py``) splits uneven heads since PR #6392
+(v0.15.4), still with ``W <= H``. Grouped-query K/V heads ``H_kv`` follow the rule of DeepSpeed's
+``UlyssesSPAttentionHF`` (``deepspeed/runtime/sequence_parallel/ulysses_sp.py``),
+``H_kv % W == 0 or W % H_kv == 0``: in the second case each K/V head is sent to the ``W / H_kv``
+ranks whose query heads use it, and its gradient is summed back.
 
 The all-to-alls are autograd Functions whose backward is the reverse all-to-all (the adjoint);
 the local attention is differentiated by plain autograd (no communication inside it).
 Per rank and all-to-all, ``W - 1`` messages (minidist's all-to-all sends nothing to itself).
+Every all-to-all here blocks: nothing overlaps it. DeepSpeed can overlap the backward
+all-to-alls with gradient computation on a side stream (``sp_stream``, PR #5691, v0.14.5).
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ __all__ = ["ulysses_attention", "check_heads", "heads_of"]
 
 def check_heads(heads: int, kv_heads: int, world: int, rank: int = 0) -> None:
     """Raise ``ValueError`` (naming the numbers) unless ``heads % world == 0`` and
-    ``kv_heads % world == 0 or world % kv_heads == 0`` (and ``heads % kv_heads == 0``)."""
+    ``kv_heads % world == 0 or world % kv_heads == 0`` (and ``heads % kv_heads == 0``).
+
+    The first rule is minidist's; DeepSpeed's ``DistributedAttention`` accepts uneven heads
+    since PR #6392 (see the module docstring)."""
     where = f"ulysses_attention (rank {rank} of {world})"
     if heads % world:
         raise ValueError(f"{where}: {heads} attention heads do not divide over {world} ranks; "

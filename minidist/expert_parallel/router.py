@@ -1,24 +1,28 @@
 """The router of a mixture-of-experts layer: scores, top-k choice, capacity, dropping, aux losses.
 
 Shapes: ``T`` tokens (batch x sequence flattened), ``h`` the model width, ``E`` experts, ``k``
-experts per token. Everything here runs in fp32 whatever the model's dtype (the router's softmax
-decides which expert a token goes to; bf16 rounding would flip close calls: Switch Transformer,
-Fedus et al. 2021, §2.4 "selective precision").
+experts per token. Everything here runs in fp32 whatever the model's dtype: the router's softmax
+decides which expert a token goes to. Switch Transformer (Fedus et al. 2021, §2.4 "selective
+precision") computes the router in fp32 because a bf16 router trained unstably; ST-MoE (Zoph et
+al. 2022, §3.4) shows bf16 roundoff in the router's exponentials changing the routing.
 
 * :func:`route` — logits → softmax → top-k. **Ties go to the lower expert index** (a stable
   descending sort), so every process and every reference makes the same choice.
-* :func:`expert_capacity` — Megatron-LM's ``get_capacity``: ``ceil(T · k · capacity_factor / E)``,
-  rounded **up**, computed exactly (the factor is read as the decimal it prints as, so 1.1 is
-  11/10: 100 tokens over 2 experts at 1.1 is 55 rows, where the float ``ceil((100/2)·1.1)`` gives
-  56).
+* :func:`expert_capacity` — ``ceil(T · k · capacity_factor / E)``, rounded **up**: the formula of
+  Megatron-LM's ``get_capacity`` (``megatron/core/transformer/moe/moe_utils.py``). minidist
+  computes it exactly (the factor is read as the decimal it prints as, so 1.1 is 11/10): 100
+  tokens over 2 experts at 1.1 is 55 rows. Megatron-LM computes it in floats,
+  ``ceil((100/2)·1.1)``, and gets 56.
 * :func:`keep_mask` — which (token, choice) assignments fit. ``"position"`` (GShard, Lepikhin et
-  al. 2020, Algorithm 1; Megatron's ``moe_token_drop_policy="position"``): all first choices in
-  token order, then all second choices; ``"probs"`` (Megatron's default): highest router
+  al. 2020, Algorithm 1): all first choices in token order, then all second choices. (Megatron's
+  ``moe_token_drop_policy="position"`` differs for k > 1: it keeps each expert's earliest tokens,
+  first and second choices alike.) ``"probs"`` (Megatron's default policy): highest router
   probability first, ties by the same (choice, token) order.
 * :func:`load_balancing_loss` — Switch/GShard ``α · E · Σ_i f_i · P_i`` with ``f_i`` the fraction of
   the ``T·k`` assignments routed to expert i (before dropping, as Megatron-LM's
   ``switch_load_balancing_loss_func``) and ``P_i`` the mean router probability of expert i.
-* :func:`z_loss` — ST-MoE's router z-loss (Zoph et al. 2022, §3.1): ``coeff · mean_t logsumexp²``.
+* :func:`z_loss` — ST-MoE's router z-loss (Zoph et al. 2022, §3.3, eq. 5):
+  ``coeff · mean_t logsumexp²``.
 """
 
 from __future__ import annotations
@@ -45,7 +49,11 @@ def route(logits: torch.Tensor, k: int, normalize: bool = False):
 
     ``experts[t, j]`` is token t's j-th choice; ties in probability go to the lower expert index.
     ``weights`` are the chosen probabilities, renormalised to sum to 1 per token if ``normalize``
-    (Mixtral / GShard top-2); else the raw softmax probabilities (Switch, Megatron's default).
+    (Mixtral, GShard top-2); else the raw softmax probabilities (Switch; Megatron-core with
+    ``moe_router_pre_softmax=True``). Megatron-core's default (``moe_router_pre_softmax=False``)
+    takes the top-k of the logits and softmaxes over those k: the ``normalize=True`` weights, up to
+    rounding (``topk_routing_with_score_function`` in ``megatron/core/transformer/moe/moe_utils.py``;
+    ``topk_softmax_with_capacity`` before core_v0.14).
 
     Raises:
         ValueError: ``k`` not in ``1..E``.

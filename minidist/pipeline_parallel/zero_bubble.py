@@ -2,23 +2,27 @@
 
 B is on the critical path — the stage above waits for its result — and W is not: it may run
 whenever the rank would otherwise idle, as long as it follows its own B (Qi et al. 2023, "Zero
-Bubble Pipeline Parallelism", ICLR 2024). Costs below: F, B, W each one unit.
+Bubble Pipeline Parallelism", arXiv:2401.10241, ICLR 2024). Costs below: F, B, W each one unit.
 
-* :func:`zb_h1` — 1F1B's order of F and B, with W ops delayed to fill the bubble (§3.1, "ZB-H1").
+* :func:`zb_h1` — 1F1B's order of F and B, with W ops delayed to fill the bubble (§2.1, "ZB-H1").
   Rank ``r`` runs its first ``r`` backwards as B alone and then one W per B, lagging ``r``
   behind; the remaining W close the step. Every rank holds at most ``min(P, M)`` micro-batches,
   1F1B's peak (the paper's ``p·M_B``): the last ranks hold more than in 1F1B, the first the same.
   With ``M >= P`` and equal costs the step takes ``3M + P - 1`` units, against 1F1B's
   ``3(M + P - 1)``: a third of the bubble.
 * :func:`zb_v` — two chunks per rank in a V (stage ``r`` and ``2P-1-r`` on rank ``r``: the last
-  stage, with the loss, is on rank 0 next to the first), §6 "ZB-V". The V makes the way down and
-  back up meet on the same rank, so B of chunk 1 can start as soon as its F ends; W fills the
-  rest. At most ``2P`` chunk-micro-batches (``P`` rank-shares, 1F1B's peak) in flight per rank.
+  stage, with the loss, is on rank 0 next to the first), §6 of arXiv:2401.10241, "ZB-V". The V
+  makes the way down and back up meet on the same rank, so B of chunk 1 can start as soon as its
+  F ends; W fills the rest. At most ``2P`` chunk-micro-batches (``P`` rank-shares, 1F1B's peak)
+  in flight per rank.
 * :func:`dualpipe_v` — DeepSeek-V3's DualPipe folded into a V (DeepSeek-AI 2024, §3.2.1; the
   "cut-in-half" DualPipeV of github.com/deepseek-ai/DualPipe): same placement as ZB-V, but in
   the steady state each rank pairs the forward of one micro-batch on one chunk with the backward
-  of another on the other chunk, so one direction's compute can hide the other's communication;
-  W ops are deferred into the cool-down (:func:`dualpipe_v`).
+  of another on the other chunk, so one direction's compute can hide the other's communication.
+  Steady-state backwards are fused; B and W are split outside it: in the warm-up (rank ``r``'s
+  first ``P-1-r`` backwards of chunk 1, each W right after its B) and in the cool-down (the
+  second half of the last backwards, their W deferred to fill the end), as steps 3 and 6-8 of
+  ``dualpipev.py`` in github.com/deepseek-ai/DualPipe (:func:`dualpipe_v`).
 
 ZB-H1 and ZB-V take any ``M >= 1`` (smaller ``M`` only shortens the phases); DualPipe-V needs
 ``M >= 2P``. With equal costs and no communication time, ZB-V and DualPipe-V take
