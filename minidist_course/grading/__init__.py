@@ -37,7 +37,8 @@ against ``minidist.expert_parallel`` and the dense MoE; names the slip a wrong a
 or not), ``state.py`` (optimizer state measured over every optimizer an object holds), ``rules.py``
 (``RULES``: what each exercise part checks, one rule per check, printed in the exercise's
 introduction),
-``zero_bubble.py`` (exercise 07 part C: ZB-H1 from 1F1B by placing W ops, by the simulator's
+``generated.py`` (every part also compares on inputs hypothesis draws, seeded: the smallest
+failing one is shown), ``zero_bubble.py`` (exercise 07 part C: ZB-H1 from 1F1B by placing W ops, by the simulator's
 memory and bubble against ``minidist.pipeline_parallel.zb_h1``; names the misplaced op),
 ``bug_hunt.py`` (exercise 16: zoo bugs named from their symptoms, checked by the answer's own
 symptoms; the micro-batch weights fixed, on every small case and in a run).
@@ -52,7 +53,8 @@ from .data_parallel import grade_bucket_layout, grade_ddp  # noqa: F401
 from .core import (Report, Result, check, check_on_ranks, check_rules, compare,  # noqa: F401
                    describe_exception, rules_text)
 from . import rules, spy, state, sharding  # noqa: F401,E402  (what each part checks; watchers)
+from .generated import generated_check, generated_on_ranks, st  # noqa: F401  (generated inputs)
 
 __all__ = ["Result", "Report", "check", "compare", "check_on_ranks", "grade_collective",
            "REFERENCES", "describe_exception", "grade_bucket_layout", "grade_ddp", "check_rules",
-           "rules_text"]
+           "rules_text", "generated_check", "generated_on_ranks", "st"]

@@ -22,6 +22,7 @@ from minidist.launch import run
 from ..diagrams import ring_schedule
 from minidist.launch import RankError, RankTimeoutError
 from .core import Report, compare, describe_exception
+from .generated import examples, st
 from .waits import wait_problem, watch_waits
 
 __all__ = ["grade_collective", "REFERENCES", "collective_rules"]
@@ -108,6 +109,37 @@ def _collective_rank(rank, world, fn, reference, n, op, dtype, traffic, watch=Fa
         if not w.waited:
             w.wait()
     return got, expected, t.bytes_sent // x.element_size(), unwaited
+
+
+def _collective_batch_rank(rank, world, fn, reference, sizes, op, dtype):
+    """Every size of ``sizes`` in one launch: ``[(got, expected), ...]``."""
+    case = REFERENCES[reference][0]
+    return [case(fn, _rank_data(rank, world, n, dtype), rank, world, op) for n in sizes]
+
+
+def _generated_sizes(learner_fn, reference, world_sizes, sizes, op, dtype, timeout):
+    """The learner's collective on ``sizes`` (drawn by hypothesis) at every world size, one launch
+    per world size; ``(rule, message)`` for the smallest failing (world size, size), or None."""
+    for world in world_sizes:
+        try:
+            outs = run(_collective_batch_rank, world, learner_fn, reference, sizes, op, dtype,
+                       timeout=timeout)
+        except RankError as e:
+            for n in sorted(sizes):   # which size crashes? the smallest, one launch each
+                try:
+                    run(_collective_batch_rank, world, learner_fn, reference, [n], op, dtype,
+                        timeout=timeout)
+                except RankError as one:
+                    return "sizes", (f"world size {world}, {n} elements (generated): "
+                                     f"{describe_exception(one)}")
+            return "equal", f"world size {world}, sizes {sorted(sizes)}: {describe_exception(e)}"
+        for i in sorted(range(len(sizes)), key=lambda i: sizes[i]):
+            wrong = [m for r, results in enumerate(outs) if (m := compare(*results[i], r))]
+            if wrong:
+                n = sizes[i]
+                rule = "sizes" if n % world != 0 or n // world < 2 else "equal"
+                return rule, f"world size {world}, {n} elements (generated):\n" + "\n".join(wrong)
+    return None
 
 
 PEER_LEFT = ("(gloo's 'Connection closed by peer' and no other error: a rank returned or exited "
@@ -360,6 +392,11 @@ def grade_collective(learner_fn, reference: str = "all_reduce", world_sizes=(1, 
                     extra = _diagnose_sum(learner_fn, reference, world, n, timeout, ring)
                 if extra:
                     result.message += "\n" + "\n".join(extra)
+    if not report.failed:   # the named sizes pass: sizes hypothesis draws, one launch per W
+        drawn = examples(st.integers(0, 5000), 10)
+        report.check(f"world sizes {', '.join(map(str, world_sizes))}: {len(drawn)} generated sizes "
+                     f"(0-5000 elements) each", lambda: _generated_sizes(
+                         learner_fn, reference, world_sizes, drawn, op, dtype, timeout), points)
     if any(r.rule == "equal" for r in report.failed):   # wrong on even sizes too: not the sizes
         report.relabel("sizes", "equal")
     if report.failed and requires:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from minidist.launch import run
 from .collectives import grade_collective
 from .core import Report
+from .generated import generated_check, st
 
 __all__ = ["grade_composed", "grade_busbw_factor", "BUSBW_FACTOR", "BUSBW_RULES",
            "composed_rules"]
@@ -136,4 +137,14 @@ def grade_busbw_factor(fn, total: float = 2) -> Report:
                     return f"{op}, W={w}: expected {want:.6g}, got {got!r}{hint}"
             return None
         report.check(f"{op}", one, rule=_BUSBW_RULE.get(op, "one_phase"))
+
+    def generated(case):
+        op, w = case
+        got, want = fn(op, w), BUSBW_FACTOR[op](w)
+        if not isinstance(got, (int, float)) or abs(got - want) > 1e-12:
+            return _BUSBW_RULE.get(op, "one_phase"), f"expected {want:.6g}, got {got!r}"
+        return None
+    generated_check(report, "every op, W = 1-4096", st.tuples(
+        st.sampled_from(sorted(BUSBW_FACTOR)), st.integers(1, 4096)), generated, max_examples=60,
+        describe=lambda c: f"{c[0]}, W={c[1]}")
     return report

@@ -26,7 +26,8 @@ import torch
 
 from minidist.context_parallel import blocks, sharding
 from .core import Report
-from .generated import generated_check, st
+from .core import tagged
+from .generated import generated_check, generated_on_ranks, st
 
 __all__ = ["grade_merge", "grade_zigzag", "grade_ring", "MERGE_CASES", "ZIGZAG_CASES",
            "MERGE_RULES", "ZIGZAG_RULES", "RING_RULES"]
@@ -284,6 +285,25 @@ def _ring_check(merge_fn, positions_fn, world, seq_len, scale):
     return None
 
 
+def _ring_rank_check(rank, world, merge_fn, positions_fn, case):
+    """One generated case on this rank: its output against full attention, or a message."""
+    seq_len, scale = case
+    pos, out = _ring_rank(rank, world, merge_fn, positions_fn, seq_len, scale)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, seq_len, 4, generator=g) for _ in range(3))
+    ref, ref_lse = blocks.attention_reference((q * scale).double(), (k * scale).double(),
+                                              v.double(), scale=0.5)
+    tol = 1e-5 if scale == 1.0 else 8 * torch.finfo(torch.float32).eps * float(ref_lse.abs().max())
+    if not torch.isfinite(out).all():
+        return tagged(RING_RULES, "finite", "non-finite output (see Part A: lse -inf at the "
+                                            "start, large scores)")
+    err = float((out.double() - ref[:, :, pos]).abs().max()) if pos.numel() else 0.0
+    if err > tol:
+        return tagged(RING_RULES, "equal", f"positions {pos.tolist()}: output differs from full "
+                                           f"attention by {err:.2e}")
+    return None
+
+
 def grade_ring(merge_fn, positions_fn, total: float = 2) -> Report:
     """Ring attention with the learner's ``merge`` and ``zigzag_positions`` on 1–4 ranks."""
     report = Report("Part C: ring attention from your merge and split", total=total,
@@ -294,4 +314,8 @@ def grade_ring(merge_fn, positions_fn, total: float = 2) -> Report:
                 (", scores of order 1e4" if scale != 1.0 else "") + " vs full attention")
         report.check(name, lambda w=world, s=seq_len, c=scale: _ring_check(merge_fn, positions_fn,
                                                                           w, s, c))
+    generated_on_ranks(report, "S = 1-64, scores of order 1 or 1e4", _ring_rank_check,
+                       st.tuples(st.integers(1, 64), st.sampled_from([1.0, 70.0])), 8,
+                       args=(merge_fn, positions_fn), timeout=60,
+                       describe=lambda c: f"S = {c[0]}" + (", scores of order 1e4" if c[1] != 1.0 else ""))
     return report

@@ -24,6 +24,7 @@ import math
 from ..planner import calc
 from ..planner import cost as reference
 from .core import Report
+from .generated import generated_check, st
 
 __all__ = ["DEADLINE_CASES", "SPOT_CASES", "YOUNG_CASES", "grade_gpus_for_deadline",
            "grade_spot_wall_time", "grade_young_interval", "DEADLINE_RULES", "SPOT_RULES",
@@ -220,6 +221,10 @@ def grade_gpus_for_deadline(fn, total: float = 2) -> Report:
     report = Report("Part A: GPUs for a deadline", total=total, rules=DEADLINE_RULES)
     for case in DEADLINE_CASES:
         report.check(_deadline_name(case), lambda c=case: _deadline_check(fn, c))
+    generated_check(report, "random runs, deadlines and nodes", st.tuples(
+        st.floats(1.0, 1e26), st.floats(60.0, 1e8), st.floats(1e12, 5e15), st.floats(0.01, 1.0),
+        st.sampled_from([1, 2, 4, 8, 16])), lambda c: _deadline_check(fn, c), max_examples=60,
+        describe=_deadline_name)
     return report
 
 
@@ -230,6 +235,10 @@ def grade_spot_wall_time(fn, total: float = 3) -> Report:
                     rules=SPOT_RULES)
     for case in SPOT_CASES:
         report.check(_spot_name(case), lambda c=case: _spot_check(fn, c))
+    generated_check(report, "random runs and interruption rates", st.tuples(
+        st.floats(60.0, 1e7), st.floats(0.0, 4.0), st.floats(60.0, 20000.0), st.floats(0.0, 600.0),
+        st.floats(0.0, 3600.0)), lambda c: _spot_check(fn, c), max_examples=60,
+        describe=_spot_name)
     return report
 
 
@@ -238,4 +247,7 @@ def grade_young_interval(fn, total: float = 1) -> Report:
     report = Report("Part C: Young's checkpoint interval", total=total, rules=YOUNG_RULES)
     for case in YOUNG_CASES:
         report.check(f"C = {case[0]:g} s, MTBF = {case[1]:.6g} s", lambda c=case: _young_check(fn, c))
+    generated_check(report, "C and MTBF", st.tuples(st.floats(0.01, 3600.0), st.floats(1.0, 1e8)),
+                    lambda c: _young_check(fn, c), max_examples=40,
+                    describe=lambda c: f"C = {c[0]!r} s, MTBF = {c[1]!r} s")
     return report

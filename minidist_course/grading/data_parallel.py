@@ -35,7 +35,9 @@ from torch import nn
 from ..references.data_parallel import global_batch, make_model, max_abs_diff, shard, torch_ddp
 from ..references.data_parallel import train_ddp, train_single
 from minidist.models import MLP
+from minidist.data_parallel.buckets import pack_by_size
 from .core import Report, check_rules
+from .generated import examples, generated_check, st
 from .spy import CollectiveSpy
 
 __all__ = ["grade_bucket_layout", "grade_ddp", "HeadFirst", "TOL", "LAYOUT_RULES", "DDP_RULES"]
@@ -72,39 +74,52 @@ _LAYOUT_CASES = [(600, [[20, 160, 32], [512, 64], [768]]), (1, [[s] for s in _SI
                  (2**20, [_SIZES[::-1]])]
 
 
+def _layout_problem(build_buckets, params: list, cap: int, expected: list):
+    """``(rule, message)`` for the learner's buckets of ``params`` under ``cap`` bytes against the
+    expected sizes (bytes per parameter, bucket by bucket), or ``None``."""
+    try:
+        got = build_buckets(list(params), cap)
+    except Exception as e:  # noqa: BLE001
+        return "whole", f"cap {cap}: build_buckets raised {type(e).__name__}: {e}"
+    if not isinstance(got, list) or not all(isinstance(b, list) for b in got):
+        return "whole", f"build_buckets should return a list of lists, got {type(got).__name__}"
+    sizes = [[4 * p.numel() for p in b] for b in got]
+    flat = [id(p) for b in got for p in b]
+    if sizes == expected:
+        return None
+    said = f"cap {cap} bytes: bucket sizes {sizes}, expected {expected}"
+    if sorted(flat) != sorted(id(p) for p in params) or any(not b for b in got):
+        return "whole", said + (": an empty bucket (close a bucket only when it is not empty)"
+                                if any(not b for b in got) else
+                                ": every parameter exactly once, whole")
+    if flat != [id(p) for p in reversed(params)]:
+        return "reverse", said + (": walk the parameters in reverse (backward produces the last "
+                                  "layer's gradients first)")
+    if any(sum(b) > cap and len(b) > 1 for b in sizes):
+        return "cap", said + (": a bucket went over the cap (close it *before* adding the "
+                              "parameter that would overflow it)")
+    return "cap", said + ": buckets closed too early"
+
+
 def _layout_rank(build_buckets) -> dict:
     """Every rule of :data:`LAYOUT_RULES` on caps 600, 1 and 1 MiB; ``{rule: message}``."""
-    broken = {}
+    broken: dict = {}
     for cap, expected in _LAYOUT_CASES:
-        model = MLP(12, (16, 8), 5)
-        params = list(model.parameters())
-        try:
-            got = build_buckets(list(params), cap)
-        except Exception as e:  # noqa: BLE001
-            broken.setdefault("whole", f"cap {cap}: build_buckets raised {type(e).__name__}: {e}")
-            continue
-        if not isinstance(got, list) or not all(isinstance(b, list) for b in got):
-            broken.setdefault("whole", f"build_buckets should return a list of lists, got "
-                                       f"{type(got).__name__}")
-            continue
-        sizes = [[4 * p.numel() for p in b] for b in got]
-        flat = [id(p) for b in got for p in b]
-        if sizes == expected:
-            continue
-        said = f"cap {cap} bytes: bucket sizes {sizes}, expected {expected}"
-        if sorted(flat) != sorted(id(p) for p in params) or any(not b for b in got):
-            broken.setdefault("whole", said + (": an empty bucket (close a bucket only when it is "
-                                               "not empty)" if any(not b for b in got) else
-                                               ": every parameter exactly once, whole"))
-        elif flat != [id(p) for p in reversed(params)]:
-            broken.setdefault("reverse", said + ": walk the parameters in reverse (backward "
-                                                "produces the last layer's gradients first)")
-        elif any(sum(b) > cap and len(b) > 1 for b in sizes):
-            broken.setdefault("cap", said + ": a bucket went over the cap (close it *before* "
-                                            "adding the parameter that would overflow it)")
-        else:
-            broken.setdefault("cap", said + ": buckets closed too early")
+        problem = _layout_problem(build_buckets, list(MLP(12, (16, 8), 5).parameters()), cap,
+                                  expected)
+        if problem is not None:
+            broken.setdefault(*problem)
     return broken
+
+
+def _generated_layout(build_buckets, case):
+    """Parameters of ``case[0]`` elements each (fp32), cap ``case[1]`` bytes, against
+    :func:`minidist.data_parallel.buckets.pack_by_size`."""
+    numels, cap = case
+    params = [torch.zeros(n, requires_grad=True) for n in numels]
+    nbytes = [4 * n for n in reversed(numels)]
+    expected = [[nbytes[i] for i in g] for g in pack_by_size(nbytes, cap)]
+    return _layout_problem(build_buckets, params, cap, expected)
 
 
 def grade_bucket_layout(build_buckets, total: float = 3) -> Report:
@@ -114,6 +129,12 @@ def grade_bucket_layout(build_buckets, total: float = 3) -> Report:
     found = _layout_rank(build_buckets)
     for key, text in LAYOUT_RULES.items():
         report.check(f"[{key}] {text}", lambda k=key: found.get(k), rule=key)
+    generated_check(report, "1-10 parameters of 1-300 elements, caps of 1-2048 bytes",
+                    st.tuples(st.lists(st.integers(1, 300), min_size=1, max_size=10),
+                              st.integers(1, 2048)),
+                    lambda c: _generated_layout(build_buckets, c), max_examples=60,
+                    describe=lambda c: f"parameters of {c[0]} elements (fp32), cap {c[1]} bytes",
+                    crash_rule="whole")
     return report
 
 
@@ -289,6 +310,32 @@ def _ddp_rank(rank, world, my_ddp):
     return broken
 
 
+def _ddp_caps_rank(rank, world, my_ddp, caps):
+    out = []
+    for cap in caps:
+        broken: dict[str, str] = {}
+        _against_torch(rank, world, my_ddp, cap, broken)
+        out.append(broken)
+    return out
+
+
+def _generated_caps(my_ddp, timeout):
+    """Bucket caps hypothesis draws (1 to all of the model's parameters per bucket), one launch
+    per world size 2-4, against torch's DDP; ``(rule, message)`` for the first that breaks one."""
+    from minidist.launch import run
+
+    from .core import _merge_rank_messages
+    caps = examples(st.integers(1, 4000).map(lambda b: b / 2**20), 3)   # bytes -> MiB
+    for world in (2, 3, 4):
+        per_rank = run(_ddp_caps_rank, world, my_ddp, caps, timeout=3 * timeout)
+        for i, cap in enumerate(caps):
+            for key in DDP_RULES:
+                merged = _merge_rank_messages([d[i].get(key) for d in per_rank])
+                if merged:
+                    return key, f"W={world}, bucket cap {cap * 2**20:.0f} bytes (generated): {merged}"
+    return None
+
+
 def grade_ddp(my_ddp, total: float = 7, timeout: float = 60.0, build_buckets=None) -> Report:
     """Grade ``MyDDP`` (see the module docstring): one launch per world size 1-4, one check per
     rule of :data:`DDP_RULES`. ``build_buckets``: Part A's function (default: the one ``MyDDP``
@@ -300,4 +347,8 @@ def grade_ddp(my_ddp, total: float = 7, timeout: float = 60.0, build_buckets=Non
         report.notes.append("fails because build_buckets (Part A) fails: "
                             + "; ".join(f"[{k}] {v}" for k, v in layout.items())
                             + " — fix Part A first")
-    return check_rules(report, DDP_RULES, _ddp_rank, (1, 2, 3, 4), my_ddp, timeout=timeout)
+    check_rules(report, DDP_RULES, _ddp_rank, (1, 2, 3, 4), my_ddp, timeout=timeout)
+    if not report.failed:   # the rules hold at the named caps: caps hypothesis draws
+        report.check("3 generated bucket caps at W = 2, 3, 4 against torch's DDP",
+                     lambda: _generated_caps(my_ddp, timeout))
+    return report

@@ -24,6 +24,7 @@ from minidist.data_parallel import BucketedDDP, broadcast_module
 from minidist.grid import ProcessGrid
 from minidist.sharding import ShardedOptimizer, fully_shard
 from .core import Report
+from .generated import generated_check, st
 
 __all__ = ["CHOICES", "CONSTRUCTS", "grade_framework_map", "grade_logged_loss",
            "grade_clip_factor", "CLIP_NORMS"]
@@ -158,6 +159,9 @@ def grade_logged_loss(fn, total: float = 2) -> Report:
 
     for losses in LOSS_CASES:
         report.check(f"{len(losses)} worker(s): {losses}", lambda ls=losses: one(ls))
+    generated_check(report, "1 to 8 workers' losses", st.lists(
+        st.floats(0.0, 20.0), min_size=1, max_size=8), one, max_examples=50,
+        describe=lambda ls: f"losses {ls}", crash_rule="mean")
     return report
 
 
@@ -205,4 +209,9 @@ def grade_clip_factor(fn, total: float = 3) -> Report:
         report.check(f"grad norm {norm:g}, max_norm 1.0", lambda n=norm: one(n, 1.0))
     report.check("grad norm 3, max_norm 5 (a config that sets 5.0)", lambda: one(3.0, 5.0))
     report.check("grad norm 12, max_norm 5", lambda: one(12.0, 5.0))   # max_norm / norm, not 1 / norm
+    # not within 1e-4 of max_norm, where torch's eps (max_norm / (norm + 1e-6)) decides "changes"
+    cases = st.tuples(st.floats(0.0, 100.0), st.floats(0.1, 10.0)).filter(
+        lambda c: abs(c[0] - c[1]) > 1e-4 * c[1])
+    generated_check(report, "grad norms and max_norms", cases, lambda c: one(*c), max_examples=50,
+                    describe=lambda c: f"grad norm {c[0]!r}, max_norm {c[1]!r}", crash_rule="factor")
     return report

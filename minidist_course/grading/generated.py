@@ -70,3 +70,51 @@ def generated_check(report: Report, name: str, strategy, check, max_examples: in
             return crash_rule, f"{where}, your code raised: {describe_exception(error)}"
         return rule, f"{where}: {message}"
     return report.check(f"{name} (generated inputs, {max_examples})", run, points)
+
+
+def examples(strategy, n: int) -> list:
+    """``n`` inputs hypothesis draws from ``strategy``, the same on every call (seeded): for checks
+    that run many inputs in one launch of ranks, where shrinking one at a time would cost a launch
+    per try. Boundary values come first, as hypothesis draws them (0, 1, empty, the minimum)."""
+    out: list = []
+
+    @settings(max_examples=n, derandomize=True, database=None, deadline=None,
+              verbosity=Verbosity.quiet, suppress_health_check=list(HealthCheck),
+              phases=(Phase.generate,))
+    @given(strategy)
+    def collect(example):
+        if example not in out:
+            out.append(example)
+
+    collect()
+    return out
+
+
+def _batch_rank(rank, world, rank_check, drawn, args):
+    return [rank_check(rank, world, *args, example) for example in drawn]
+
+
+def generated_on_ranks(report: Report, name: str, rank_check, strategy, n: int,
+                       world_sizes=(1, 2, 3, 4), args: tuple = (), describe=repr,
+                       timeout: float = 60.0, rule: str = "", points: float = 1.0):
+    """Add one check to ``report``: ``rank_check(rank, W, *args, example)`` (``None`` when right,
+    else a message, ``[rule] ...``-tagged or not) on ``n`` inputs :func:`examples` draws from
+    ``strategy``, at every world size — one launch per world size, all inputs in it (a launch is
+    seconds; shrinking would cost one per try). The first failing input in the drawn order
+    (hypothesis draws boundaries and small sizes first) is shown with its failing ranks."""
+    from minidist.launch import run
+
+    from .core import _merge_rank_messages
+
+    drawn = examples(strategy, n)
+
+    def one():
+        for world in world_sizes:
+            per_rank = run(_batch_rank, world, rank_check, drawn, args, timeout=timeout)
+            for i, example in enumerate(drawn):
+                merged = _merge_rank_messages([msgs[i] for msgs in per_rank])
+                if merged:
+                    return f"W={world}, {describe(example)} (generated): {merged}"
+        return None
+    return report.check(f"{name} (generated inputs, {len(drawn)} per world size)", one, points,
+                        rule=rule)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from minidist.env import plan_devices
 from .core import Report
+from .generated import generated_check, st
 
 __all__ = ["CASES", "expected", "grade_place", "PLACE_RULES"]
 
@@ -85,4 +86,9 @@ def grade_place(fn, total: float = 4) -> Report:
     report = Report("Who computes where, over what", total=total, rules=PLACE_RULES)
     for case in CASES:
         report.check(_name(case), lambda c=case: _check(fn, c))
+    cases = st.tuples(st.integers(1, 64), st.integers(0, 16),
+                      st.sampled_from(["gloo", "nccl", "auto"])).flatmap(
+        lambda c: st.tuples(st.integers(0, c[0] - 1), st.just(c[0]), st.just(c[1]), st.just(c[2])))
+    generated_check(report, "1 to 64 ranks on 0 to 16 GPUs", cases, lambda c: _check(fn, c),
+                    max_examples=80, describe=_name, crash_rule="device")
     return report

@@ -34,6 +34,7 @@ import math
 import torch
 
 from .core import Report
+from .generated import examples, st
 
 __all__ = ["GRIDS", "grade_global_grad_norm", "NORM_RULES"]
 
@@ -50,14 +51,14 @@ def _cfg():
                      tie_embeddings=True)
 
 
-def _rank(rank, world, dims, fn):
+def _rank(rank, world, dims, fn, cfg=None):
     import torch.distributed as dist
 
     from minidist.grid import ProcessGrid
     from minidist.hybrid import HybridGPT, train_step, wrap_stages
     from ..references.hybrid import batch
     dp, tp, pp = dims
-    cfg = _cfg()
+    cfg = cfg or _cfg()
     grid = ProcessGrid(dp, pp, tp)
     model = HybridGPT(cfg, grid, seed=0)
     ids, targets = batch(N, cfg)
@@ -86,9 +87,36 @@ def _run(dims, fn, timeout):
     return run(_rank, dims[0] * dims[1] * dims[2], dims, fn, timeout=timeout)
 
 
-def _reference_norm() -> float:
+def _reference_norm(cfg=None) -> float:
     from ..references.hybrid import reference
-    return reference(max_norm=float("inf"), cfg=_cfg(), n=N)["grad_norm"]
+    return reference(max_norm=float("inf"), cfg=cfg or _cfg(), n=N)["grad_norm"]
+
+
+def _rank_many(rank, world, dims, fn, cfgs):
+    return [_rank(rank, world, dims, fn, cfg) for cfg in cfgs]
+
+
+# (vocab_size, n_embd, n_layer, tied): odd vocabularies are padded at tp = 2
+MODELS = st.tuples(st.integers(17, 41), st.sampled_from([8, 16]), st.sampled_from([2, 4]),
+                   st.booleans())
+
+
+def _generated_models(fn, timeout, dims=(1, 2, 2)):
+    """Models hypothesis draws, all in one launch of the grid ``dims``; the first whose norm is
+    off, explained as the named grids are."""
+    from dataclasses import replace
+    from minidist.launch import run
+    drawn = examples(MODELS, 4)
+    cfgs = [replace(_cfg(), vocab_size=v, n_embd=e, n_layer=n, tie_embeddings=t)
+            for v, e, n, t in drawn]
+    per_rank = run(_rank_many, dims[0] * dims[1] * dims[2], dims, fn, cfgs, timeout=timeout)
+    for i, (cfg, (v, e, n, t)) in enumerate(zip(cfgs, drawn)):
+        problem = _explain(dims, [results[i] for results in per_rank], _reference_norm(cfg))
+        if problem:
+            return problem[0], (f"(dp,tp,pp)=({dims[0]},{dims[1]},{dims[2]}), vocabulary {v}, "
+                                f"width {e}, {n} layers, {'tied' if t else 'untied'} (generated): "
+                                f"{problem[1]}")
+    return None
 
 
 def _explain(dims, results, want) -> tuple[str, str] | None:
@@ -226,4 +254,6 @@ def grade_global_grad_norm(fn, total: float = 5, grids=GRIDS, timeout: float = 6
             result.rule = "collective"
             result.message = (f"[collective] {NORM_RULES['collective']}: "
                               + DEADLOCK.format(timeout=timeout) + "\n" + result.message)
+    report.check("(dp,tp,pp)=(1,2,2): 4 generated models (vocabulary, width, depth, tied) in one "
+                 "launch", lambda: _generated_models(fn, 2 * timeout))
     return report

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from minidist.env import detect
 from .core import Report
+from .generated import generated_check, st
 
 __all__ = ["ENV_CASES", "LOGS", "FIXES", "grade_who_am_i", "grade_diagnosis", "WHO_RULES",
            "DIAGNOSIS_RULES"]
@@ -106,11 +107,55 @@ def _check_env(fn, environ, want):
     return None
 
 
+def _tasks_per_node(tasks: list) -> str:
+    """Slurm's compressed form: [2, 2, 1] -> '2(x2),1'."""
+    out, i = [], 0
+    while i < len(tasks):
+        j = i
+        while j < len(tasks) and tasks[j] == tasks[i]:
+            j += 1
+        out.append(f"{tasks[i]}(x{j - i})" if j - i > 1 else str(tasks[i]))
+        i = j
+    return ",".join(out)
+
+
+def _allocation(draw):
+    """A Slurm allocation and one task of it: (description, environment, expected answer)."""
+    tasks = draw(st.lists(st.integers(1, 4), min_size=1, max_size=5))
+    prefix = draw(st.sampled_from(["gpu", "cn", "node", "a"]))
+    width = draw(st.integers(1, 3))
+    if draw(st.booleans()):                      # consecutive hosts: prefix[07-09]
+        start = draw(st.integers(1, 20))
+        numbers = list(range(start, start + len(tasks)))
+        body = f"{numbers[0]:0{width}d}-{numbers[-1]:0{width}d}"
+    else:                                        # a list: prefix[1,5,9]
+        numbers = sorted(draw(st.sets(st.integers(1, 99), min_size=len(tasks), max_size=len(tasks))))
+        body = ",".join(f"{n:0{width}d}" for n in numbers)
+    nodelist = f"{prefix}{numbers[0]:0{width}d}" if len(tasks) == 1 else f"{prefix}[{body}]"
+    rank = draw(st.integers(0, sum(tasks) - 1))
+    node = next(i for i in range(len(tasks)) if rank < sum(tasks[:i + 1]))
+    local = rank - sum(tasks[:node])
+    environ = dict(SLURM_PROCID=str(rank), SLURM_LOCALID=str(local), SLURM_NTASKS=str(sum(tasks)),
+                   SLURM_NODEID=str(node), SLURM_NNODES=str(len(tasks)),
+                   SLURM_TASKS_PER_NODE=_tasks_per_node(tasks), SLURM_JOB_NODELIST=nodelist)
+    if len(set(tasks)) == 1:
+        environ["SLURM_NTASKS_PER_NODE"] = str(tasks[0])
+    want = dict(rank=rank, local_rank=local, world_size=sum(tasks), local_world_size=tasks[node],
+                node_rank=node, master_addr=f"{prefix}{numbers[0]:0{width}d}")
+    return f"srun, tasks per node {tasks}, nodes {nodelist}, task {rank}", environ, want
+
+
+ALLOCATIONS = st.composite(_allocation)()
+
+
 def grade_who_am_i(fn, total: float = 6) -> Report:
     """``fn(environ)`` on :data:`ENV_CASES`."""
     report = Report("Part A: who am I?", total=total, rules=WHO_RULES, default_rule="ids")
     for name, environ, want in ENV_CASES:
         report.check(name, lambda e=environ, w=want: _check_env(fn, e, w))
+    generated_check(report, "Slurm allocations of 1-5 nodes, 1-4 tasks each", ALLOCATIONS,
+                    lambda c: _check_env(fn, c[1], c[2]), max_examples=80,
+                    describe=lambda c: f"{c[0]} ({c[1]})")
     return report
 
 

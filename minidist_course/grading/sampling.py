@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler as TorchSampler
 
 from .core import Report, check_on_ranks, tagged
+from .generated import generated_check, generated_on_ranks, st
 
 __all__ = ["grade_sampler", "grade_evaluation", "eval_model", "eval_data", "SAMPLER_RULES",
            "EVAL_RULES"]
@@ -87,6 +88,10 @@ def grade_sampler(cls, total: float = 4) -> Report:
             note = " (fewer samples than ranks)" if n < w else ""
             report.check(f"n={n}, W={w}, shuffle={shuffle}{note}",
                          lambda n=n, w=w, s=shuffle: _check_sampler(cls, n, w, s))
+    generated_check(report, "n = 1-100 samples, W = 1-8, shuffled or not",
+                    st.tuples(st.integers(1, 100), st.integers(1, 8), st.booleans()),
+                    lambda c: _check_sampler(cls, *c), max_examples=40,
+                    describe=lambda c: "n={}, W={}, shuffle={}".format(*c), crash_rule="equal")
     return report
 
 
@@ -143,4 +148,6 @@ def grade_evaluation(fn, total: float = 4, timeout: float = 20.0) -> Report:
                    rule="reduce")
     check_on_ranks("3 samples (fewer than ranks)", _check_eval, (4,), fn, 3, timeout=timeout,
                    report=report, rule="join")
+    generated_on_ranks(report, "0-60 samples", _check_eval, st.integers(0, 60), 8, args=(fn,),
+                       describe=lambda n: f"{n} samples", timeout=timeout, rule="reduce")
     return report

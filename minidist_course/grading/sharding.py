@@ -26,7 +26,9 @@ import re
 
 import torch
 
-from .core import Report, check_rules
+from ..references.sharding import make_model
+from .core import Report, _merge_rank_messages, check_rules
+from .generated import examples, st
 from .spy import CollectiveSpy
 from .state import optimizer_state, state_elements_per_element
 
@@ -273,10 +275,44 @@ def _rank_check(rank, world, cls, stage):
     return broken
 
 
+def _rank_check_widths(rank, world, cls, stage, widths):
+    """:func:`_rank_check` on the model at each width of ``widths`` (this rank's process only)."""
+    global MODEL
+    saved, out = MODEL, []
+    try:
+        for dim in widths:
+            MODEL = {"dim": dim}
+            out.append(_rank_check(rank, world, cls, stage))
+    finally:
+        MODEL = saved
+    return out
+
+
+def _generated_widths(cls, stage, timeout):
+    """Models of widths hypothesis draws (other element counts, other padding), one launch per
+    world size; ``(rule, message)`` for the first width that breaks a rule, or None."""
+    from minidist.launch import run
+    widths = examples(st.integers(2, 9), 3)
+    rules = ZERO1_RULES if stage == 1 else ZERO2_RULES
+    for world in (2, 3, 4):
+        per_rank = run(_rank_check_widths, world, cls, stage, widths, timeout=3 * timeout)
+        for i, dim in enumerate(widths):
+            for key in rules:
+                merged = _merge_rank_messages([(d[i] or {}).get(key) for d in per_rank])
+                if merged:
+                    n = sum(p.numel() for p in make_model(dim=dim).parameters() if p.requires_grad)
+                    return key, f"W={world}, model width {dim} ({n} elements, generated): {merged}"
+    return None
+
+
 def _grade(cls, stage, total, timeout) -> Report:
     report = Report(f"ZeRO-{stage} ({cls.__name__})", total=total)
     rules = ZERO1_RULES if stage == 1 else ZERO2_RULES
-    return check_rules(report, rules, _rank_check, (1, 2, 3, 4), cls, stage, timeout=timeout)
+    check_rules(report, rules, _rank_check, (1, 2, 3, 4), cls, stage, timeout=timeout)
+    if not report.failed:   # the rules hold on the named model: other widths, W = 2-4
+        report.check("3 generated model widths at W = 2, 3, 4",
+                     lambda: _generated_widths(cls, stage, timeout))
+    return report
 
 
 def grade_zero1(cls, total: float = 5, timeout: float = 60.0) -> Report:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from ..planner import calc
 from .core import Report
+from .generated import generated_check, st
 
 __all__ = ["grade_bytes_per_param", "grade_training_memory", "grade_flops_and_days",
            "PRIMER_MODEL", "BYTES_RULES", "MEMORY_RULES", "FLOPS_RULES"]
@@ -122,6 +123,16 @@ def grade_training_memory(fn, total: float = 2) -> Report:
         report.check(f"{label}: {calc.human_bytes(want)}",
                      lambda p=params, m=mixed, w=want, lb=label:
                      None if _close(fn(p, m), w) else _wrong(lb, fn(p, m), w, "total"))
+
+    def one(case):
+        params, mixed = case
+        want = calc.training_memory(params, "bf16" if mixed else "fp32", "adam").total
+        got = fn(params, mixed)
+        return None if _close(got, want) else _wrong(f"{params:g} parameters", got, want, "total")
+    generated_check(report, "parameter counts 1 to 1e13", st.tuples(
+        st.one_of(st.integers(1, 10**13), st.floats(1, 1e13)), st.booleans()), one,
+        max_examples=50, describe=lambda c: f"params={c[0]!r}, mixed_precision={c[1]}",
+        crash_rule="total")
     return report
 
 
@@ -148,4 +159,18 @@ def grade_flops_and_days(flops_fn, days_fn, total: float = 4) -> Report:
                      lambda a=(params, tokens, n, peak, mfu), w=want, lb=label:
                      None if _close(days_fn(*a), w, 1e-6) else _wrong(lb, days_fn(*a), w, "days",
                                                                       mfu=a[4]))
+
+    def one(case):
+        params, tokens, n, peak, mfu = case
+        flops, want = calc.training_flops(params, tokens), _days(*case)
+        got = flops_fn(params, tokens)
+        if not _close(got, flops):
+            return _wrong("training FLOPs", got, flops, "six")
+        got = days_fn(*case)
+        return None if _close(got, want, 1e-6) else _wrong("days", got, want, "days", mfu=mfu)
+    big = st.floats(1e6, 1e13)
+    generated_check(report, "FLOPs and days of random runs", st.tuples(
+        big, big, st.integers(1, 100_000), st.floats(1e12, 5e15), st.floats(0.01, 1.0)), one,
+        max_examples=50, crash_rule="six",
+        describe=lambda c: "N={:.4g}, D={:.4g}, {} GPUs at {:.4g} FLOP/s, MFU {:.3g}".format(*c))
     return report

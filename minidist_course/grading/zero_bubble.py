@@ -12,6 +12,7 @@ from __future__ import annotations
 from minidist.pipeline_parallel import (Op, PipelineDeadlock, ScheduleError, one_f_one_b, simulate,
     validate, zb_h1)
 from .core import Report
+from .generated import generated_check, st
 
 __all__ = ["check_zb_h1", "grade_zb_h1", "CASES", "ZB_RULES"]
 
@@ -108,4 +109,7 @@ def grade_zb_h1(fn, points: float = 3.0, cases=CASES, report: Report | None = No
     for P, M in cases:
         report.check(f"ZB-H1 P={P}, M={M}: 1F1B's F/B order, W placed: memory and bubble",
                      lambda P=P, M=M: check_zb_h1(fn, P, M), points=points / len(cases))
+    generated_check(report, "P = 1-8, M = 1-24", st.tuples(st.integers(1, 8), st.integers(1, 24)),
+                    lambda c: check_zb_h1(fn, *c), max_examples=40, crash_rule="valid",
+                    describe=lambda c: "P={}, M={}".format(*c), points=points / len(cases))
     return report

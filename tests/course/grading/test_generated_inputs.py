@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import pytest
 import torch
 
 from minidist_course.grading import context_parallel as cp, expert_parallel as moe
@@ -147,3 +148,80 @@ def test_chunks_of_ceil_length_are_named_uneven_not_pairing():
         return torch.cat([chunks[r], chunks[2 * W - 1 - r]])
     report = cp.grade_zigzag(zigzag)
     assert report.score < report.max_score and {r.rule for r in _failed(report)} == {"uneven"}
+
+
+# ---------------------------------------------------------------- held back: memorised answers
+
+import _solutions  # noqa: E402
+
+from minidist_course.grading import generated  # noqa: E402
+
+# (notebook, grading cell, the names of the functions it grades): graders of pure functions
+PURE = [
+    ("00_memory_and_time", "training_memory_grade", ["training_memory_bytes"]),
+    ("00_memory_and_time", "flops_and_days_grade", ["training_flops", "training_days"]),
+    ("02_collectives_by_composition", "busbw_factor_grade", ["busbw_factor"]),
+    ("07_one_f_one_b", "one_f_one_b_grade", ["my_one_f_one_b"]),
+    ("07_one_f_one_b", "zb_h1_grade", ["my_zb_h1"]),
+    ("08_launch_environment", "who_am_i_grade", ["who_am_i"]),
+    ("10_framework_map", "logged_loss_grade", ["logged_loss"]),
+    ("10_framework_map", "clip_factor_grade", ["clip_factor"]),
+    ("11_gpu_placement", "place_grade", ["place"]),
+    ("13_cost", "gpus_for_deadline_grade", ["gpus_for_deadline"]),
+    ("13_cost", "spot_wall_time_grade", ["spot_wall_time"]),
+    ("13_cost", "young_interval_grade", ["young_interval"]),
+    ("14_context_parallel", "merge_grade", ["merge"]),
+    ("14_context_parallel", "zigzag_positions_grade", ["zigzag_positions"]),
+    ("15_moe_dispatch", "capacity_grade", ["capacity"]),
+    ("15_moe_dispatch", "aux_loss_grade", ["aux_loss"]),
+]
+
+
+def _memoriser(correct, seen: dict, recording: list):
+    """Right on every input seen while recording (the named cases); elsewhere the answer of the
+    first named case: a solution that learned the grader's printout, not the rule."""
+    def fn(*args):
+        key = repr(args)
+        if recording[0]:
+            seen[key] = args
+        return correct(*(args if key in seen else next(iter(seen.values()))))
+    return fn
+
+
+@pytest.mark.parametrize("notebook, grade_id, names", PURE, ids=[p[1] for p in PURE])
+def test_a_memorised_solution_passes_the_named_cases_and_fails_the_generated_ones(
+        notebook, grade_id, names, monkeypatch):
+    ns = _solutions.load(f"{notebook}.ipynb")
+    seen, recording = {}, [True]
+    for name in names:
+        ns[name] = _memoriser(ns[name], seen.setdefault(name, {}), recording)
+    with monkeypatch.context() as m:   # the named cases only: record their answers
+        m.setattr(generated, "_smallest", lambda *a, **k: None)
+        _, error = _solutions.grade(f"{notebook}.ipynb", grade_id, ns)
+    assert error is None, "the memoriser must pass every named case"
+    recording[0] = False
+    text, error = _solutions.grade(f"{notebook}.ipynb", grade_id, ns)
+    # (ZB-H1's engine checks call it inside rank processes, where nothing was recorded: not counted)
+    failed = [line for line in text.splitlines() if line.lstrip().startswith("✗")
+              and "on the engine" not in line]
+    assert error is not None and failed, text
+    assert all("generated inputs" in line for line in failed), text
+
+
+def _cell(notebook, grade_id):
+    return next(src for meta, src in _solutions._cells(f"{notebook}.ipynb")
+                if meta.get("grade_id") == grade_id)
+
+
+@pytest.mark.exhaustive   # ring launches: 20 named checks, then the generated sizes
+@pytest.mark.timeout(300)
+def test_a_fixed_size_receive_buffer_passes_the_named_sizes_and_fails_generated_ones():
+    """A receive buffer of 1024 elements: every named size fits (1001 at most), larger chunks
+    cannot be received."""
+    src = _cell("03_ring_allreduce", "ring_reduce_scatter").replace(
+        "incoming = torch.empty_like(chunks[recv_idx])",
+        "incoming = torch.empty(1024, dtype=chunks[recv_idx].dtype)[:chunks[recv_idx].numel()]")
+    ns = _solutions.load("03_ring_allreduce.ipynb", {"ring_reduce_scatter": src})
+    text, error = _solutions.grade("03_ring_allreduce.ipynb", "ring_reduce_scatter_grade", ns)
+    failed = [line for line in text.splitlines() if line.lstrip().startswith("✗")]
+    assert error is not None and failed and all("generated sizes" in f for f in failed), text
