@@ -43,7 +43,7 @@ FLOORS = {
         "minidist.sharding", "minidist.hybrid", "minidist.expert_parallel", "minidist.context_parallel"),
     3.0: ("minidist_course.references", "minidist_course.planner", "minidist_course.diagrams",
           "minidist_course.data", "minidist_course.text"),
-    3.1: ("minidist_course.bench", "minidist_course.matrix"),
+    3.1: ("minidist_course.bench", "minidist_course.matrix", "minidist_course.problems"),
     3.2: ("minidist_course.lessons", "minidist_course.grading", "minidist_course.exercises",
           "minidist_course.doctor"),
     3.3: ("minidist_course.cli", "minidist.__main__"),
