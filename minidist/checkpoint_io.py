@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .comm.p2p import group_rank_world
+from .resume_rule import choose_generation, generations_to_retire
 
 __all__ = ["save_generation", "open_generation", "list_generations", "verify", "read_part",
            "check_tensors", "agree", "newest", "generations", "rank_name", "signature",
@@ -253,17 +254,14 @@ def save_generation(path, parts: dict, *, where: str, kind: str, meta: dict | No
 
 
 def _retire(path: str, new: str, keep: int) -> None:
-    """Keep ``new`` and the ``keep - 1`` newest older generations that verify; remove the older
-    ones. A corrupt generation does not count (it would push out a good one) and is removed once
-    it is older than the last good one kept."""
-    good = 1
-    for _, folder, complete in reversed(generations(path)):
-        if folder == new:
-            continue
-        if good >= keep:
-            shutil.rmtree(folder, ignore_errors=True)
-            continue
-        good += complete and _problem(folder, "save") is None
+    """Remove what :func:`~minidist.resume_rule.generations_to_retire` says: ``new`` and the
+    ``keep - 1`` newest older generations that verify stay; a corrupt one does not count."""
+    gens = generations(path)
+    folder_of = {n: f for n, f, _ in gens}
+    number = next(n for n, f, _ in gens if f == new)
+    for n in generations_to_retire([(n, c) for n, _, c in gens], number, keep,
+                                   lambda n: _problem(folder_of[n], "save") is None):
+        shutil.rmtree(folder_of[n], ignore_errors=True)
 
 
 def _write_manifest(folder: str, manifest: dict, where: str) -> None:
@@ -340,33 +338,36 @@ def _pick(path: str, where: str, generation, fallback: bool) -> str:
                                     "finish; it cannot be loaded")
         return path
     gens = generations(path)
-    done = [g for g in gens if g[2]]
-    if generation is not None:
-        found = [f for n, f, c in done if n == generation]
-        if not found:
+    folder_of = {n: f for n, f, _ in gens}
+    done = [n for n, _, c in gens if c]
+    problems: dict = {}
+
+    def verifies(n: int) -> bool:
+        problems[n] = _problem(folder_of[n], where)
+        if problems[n] is not None:
+            message = (f"{where}: generation {n} ({folder_of[n]}) is corrupt — {problems[n]}; "
+                       "falling back to the next older generation (fallback=True)")
+            logger.warning(message)
+            warnings.warn(message, stacklevel=5)
+        return problems[n] is None
+
+    try:
+        number = choose_generation([(n, c) for n, _, c in gens], generation, fallback, verifies)
+    except FileNotFoundError:
+        if generation is not None:
             raise FileNotFoundError(f"{where}: no complete generation {generation} under "
-                                    f"{path!r} (complete: {[n for n, _, _ in done]})")
-        return found[0]
-    if not done:
+                                    f"{path!r} (complete: {done})") from None
         unfinished = f" ({len(gens)} unfinished save(s) without {MANIFEST})" if gens else ""
-        raise FileNotFoundError(f"{where}: no complete checkpoint under {path!r}{unfinished}")
-    number, folder, _ = done[-1]
+        raise FileNotFoundError(f"{where}: no complete checkpoint under {path!r}{unfinished}") \
+            from None
+    except ValueError:
+        raise ValueError(f"{where}: every complete generation under {path!r} is corrupt "
+                         f"({done}); nothing to fall back to") from None
     skipped = [os.path.basename(f) for n, f, c in gens if n > number and not c]
-    if skipped:
+    if skipped and generation is None:
         warnings.warn(f"{where}: skipped {skipped} (no {MANIFEST}: a save that did not finish); "
-                      f"loading {os.path.basename(folder)}", stacklevel=4)
-    if not fallback:
-        return folder
-    for number, folder, _ in reversed(done):
-        bad = _problem(folder, where)
-        if bad is None:
-            return folder
-        message = (f"{where}: generation {number} ({folder}) is corrupt — {bad}; falling back "
-                   "to the next older generation (fallback=True)")
-        logger.warning(message)
-        warnings.warn(message, stacklevel=4)
-    raise ValueError(f"{where}: every complete generation under {path!r} is corrupt "
-                     f"({[n for n, _, _ in done]}); nothing to fall back to")
+                      f"loading {os.path.basename(folder_of[number])}", stacklevel=4)
+    return folder_of[number]
 
 
 def open_generation(path, where: str, kind: str, world_size: int | None = None,

@@ -38,6 +38,7 @@ FLOORS = {
         "minidist.zoo",
         "minidist.grid", "minidist.models"),
     1: ("minidist.collectives", "minidist.communicator", "minidist.launch", "minidist.checkpoint_io",
+        "minidist.resume_rule",
         "minidist.state"),
     2: ("minidist.data_parallel", "minidist.tensor_parallel", "minidist.pipeline_parallel",
         "minidist.sharding", "minidist.hybrid", "minidist.expert_parallel", "minidist.context_parallel"),
