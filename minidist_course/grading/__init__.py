@@ -40,7 +40,8 @@ introduction),
 ``generated.py`` (every part also compares on inputs hypothesis draws, seeded: the smallest
 failing one is shown), ``zero_bubble.py`` (exercise 07 part C: ZB-H1 from 1F1B by placing W ops, by the simulator's
 memory and bubble against ``minidist.pipeline_parallel.zb_h1``; names the misplaced op),
-``bug_hunt.py`` (exercise 16: zoo bugs named from their symptoms, checked by the answer's own
+``checkpoints.py`` (exercise 16: the resume and retire rules of checkpoint generations, against
+``minidist.resume_rule``), ``bug_hunt.py`` (exercise 12b: zoo bugs named from their symptoms, checked by the answer's own
 symptoms; the micro-batch weights fixed, on every small case and in a run).
 """
 
@@ -48,7 +49,8 @@ from .collectives import REFERENCES, grade_collective  # noqa: F401
 from . import (composition, cost, hybrid, launch_env, expert_parallel, sampling, walls)  # noqa: F401  (exercises 02, 13, 12, 08, 15, 05, 00)
 from . import context_parallel  # noqa: F401  (exercise 14)
 from . import zero_bubble  # noqa: F401  (exercise 07, part C)
-from . import bug_hunt  # noqa: F401  (exercise 16)
+from . import bug_hunt  # noqa: F401  (exercise 12b)
+from . import checkpoints  # noqa: F401  (exercise 16)
 from .data_parallel import grade_bucket_layout, grade_ddp  # noqa: F401
 from .core import (Report, Result, check, check_on_ranks, check_rules, compare,  # noqa: F401
                    describe_exception, rules_text)

@@ -1,4 +1,4 @@
-"""Grade exercise 16, the bug hunt: name three bugs of :mod:`minidist.zoo` from their symptoms
+"""Grade exercise 12b, the bug hunt: name three bugs of :mod:`minidist.zoo` from their symptoms
 alone, then fix one of them.
 
 Part A. Each *mystery* is a zoo bug switched on in a 3-D run of the tiny GPT. The learner sees only

@@ -101,11 +101,15 @@ def generated_on_ranks(report: Report, name: str, rank_check, strategy, n: int,
     else a message, ``[rule] ...``-tagged or not) on ``n`` inputs :func:`examples` draws from
     ``strategy``, at every world size — one launch per world size, all inputs in it (a launch is
     seconds; shrinking would cost one per try). The first failing input in the drawn order
-    (hypothesis draws boundaries and small sizes first) is shown with its failing ranks."""
+    (hypothesis draws boundaries and small sizes first) is shown with its failing ranks. Added
+    only once the part's named checks pass: their feedback comes first, and a wrong solution
+    does not wait for more launches."""
     from minidist.launch import run
 
     from .core import _merge_rank_messages
 
+    if report.failed:
+        return None
     drawn = examples(strategy, n)
 
     def one():

@@ -10,7 +10,7 @@ plausible wrong solution that the grader must reject by naming that rule
 
 from __future__ import annotations
 
-from . import (bug_hunt, composition, context_parallel, cost, data_parallel as ddp, frameworks_map,
+from . import (bug_hunt, checkpoints, composition, context_parallel, cost, data_parallel as ddp, frameworks_map,
     gpu_placement, hybrid, launch_env, expert_parallel as moe, sampling, walls, sharding as zero,
     zero_bubble)
 from .collectives import collective_rules
@@ -79,7 +79,9 @@ RULES: dict[str, dict[str, dict[str, str]]] = {
                             "ring_grade": context_parallel.RING_RULES},
     "15_moe_dispatch": {"capacity_grade": moe.CAPACITY_RULES, "aux_loss_grade": moe.AUX_RULES,
                         "permutation_grade": moe.PERM_RULES},
-    "16_bug_hunt": {"diagnosis_grade": bug_hunt.DIAGNOSIS_RULES,
+    "16_checkpoint_generations": {"pick_grade": checkpoints.PICK_RULES,
+                                  "retire_grade": checkpoints.RETIRE_RULES},
+    "12b_bug_hunt": {"diagnosis_grade": bug_hunt.DIAGNOSIS_RULES,
                     "loss_weights_grade": bug_hunt.WEIGHT_RULES},
 }
 

@@ -111,20 +111,13 @@ def _classroom(rounds: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.exhaustive   # 55 s of twelve launches at once; the default tier keeps two at once
-@pytest.mark.timeout(900)  # (test_launcher.py::test_two_launches_at_the_same_moment_do_not_collide)
-def test_a_classroom_of_concurrent_launches_never_fails():
-    """12 separate interpreters call minidist.run(f, W=2..4) at the same instant; f returns at once
-    (the case that raced), with the start-up retry off so a first-start failure cannot hide.
-    One round here; the integration tier repeats it (below)."""
-    _classroom(1)
-
-
-@pytest.mark.exhaustive
-@pytest.mark.timeout(1800)
+@pytest.mark.exhaustive   # ~80 s a round of twelve launches at once; the default tier keeps two at
+@pytest.mark.timeout(1800)  # once (test_launcher.py::test_two_launches_at_the_same_moment_do_not_collide)
 def test_a_classroom_of_concurrent_launches_never_fails_round_after_round():
-    """The same, MINIDIST_CLASSROOM_ROUNDS times (default 3): a race that shows once in a few
-    rounds (12 torch imports at once each: minutes on 2 cores)."""
+    """12 separate interpreters call minidist.run(f, W=2..4) at the same instant; f returns at once
+    (the case that raced), with the start-up retry off so a first-start failure cannot hide;
+    MINIDIST_CLASSROOM_ROUNDS rounds (default 3): a race that shows once in a few rounds (12 torch
+    imports at once each: minutes on 2 cores)."""
     _classroom(int(os.environ.get("MINIDIST_CLASSROOM_ROUNDS", "3")))
 
 
