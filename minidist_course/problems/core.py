@@ -11,8 +11,9 @@ In a notebook:
   learner opens after trying;
 * ``check("03.2", 0.5)`` compares the learner's own number with the answer (within the
   problem's tolerance) and records it in the ledger;
-* ``predict("03.busbw", 1.2)`` before a cell that measures, ``compare("03.busbw", measured)``
-  after it: the guess against the measurement, recorded too;
+* a guess before a cell that measures — ``MY_GUESS = 1.2`` in the chapter's prediction cell,
+  then ``compare("03.busbw", measured, MY_GUESS)`` after it (or ``predict`` / ``compare``
+  separately): the guess against the measurement, recorded too;
 * ``ledger_summary()``: how far off the learner's numbers were across the course.
 
 The ledger is a JSON file per learner: ``$MINIDIST_LEDGER`` or ``~/.minidist/ledger.json``.
@@ -140,14 +141,16 @@ def predict(key: str, value: float) -> None:
     print(f"prediction for {key}: {_number(float(value))}")
 
 
-def compare(key: str, measured: float) -> float | None:
-    """The prediction for ``key`` against ``measured``: prints the ratio, records, returns it
-    (None when nothing was predicted)."""
+def compare(key: str, measured: float, prediction: float | None = None) -> float | None:
+    """The prediction for ``key`` (``prediction``, else the one :func:`predict` recorded) against
+    ``measured``: prints the ratio, records, returns it (None when nothing was predicted)."""
+    if prediction is not None:
+        _record(key, "prediction", prediction=float(prediction))
     guess = _load().get(key, {}).get("prediction")
-    _record(key, "prediction", truth=float(measured))
-    if guess is None:
+    if guess is None:   # nothing to compare: the ledger is not touched
         print(f"{key}: measured {_number(float(measured))} (no prediction recorded)")
         return None
+    _record(key, "prediction", truth=float(measured))
     ratio = guess / measured if measured else math.inf
     print(f"{key}: predicted {_number(guess)}, measured {_number(float(measured))} "
           f"(prediction/measurement = {ratio:.3g})")

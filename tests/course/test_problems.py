@@ -65,3 +65,13 @@ def test_the_ledger_records_answers_and_predictions(tmp_path, monkeypatch, capsy
     assert "predicted 1, measured 0.5" in out and "no prediction recorded" in out
     assert problems.ledger_summary() == ("problems: 1, median factor off 2, worst 2\n"
                                          "predictions: 1, median factor off 2, worst 2")
+
+
+def test_a_measurement_without_a_prediction_leaves_no_ledger(tmp_path, monkeypatch):
+    """Running a chapter (as the tests do) with no guess entered writes nothing to the home."""
+    ledger = tmp_path / "ledger.json"
+    monkeypatch.setenv("MINIDIST_LEDGER", str(ledger))
+    assert problems.compare("07.bubble", 0.3, None) is None and not ledger.exists()
+    assert problems.compare("07.bubble", 0.3, 0.27) == pytest.approx(0.9)
+    assert json.loads(ledger.read_text())["07.bubble"] == {"kind": "prediction",
+                                                            "prediction": 0.27, "truth": 0.3}
