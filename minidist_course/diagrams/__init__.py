@@ -18,6 +18,7 @@ Every function returns the ``matplotlib.figure.Figure`` it drew.
 """
 
 from .bisect import draw_divergence  # noqa: F401
+from .roofline import draw_roofline  # noqa: F401
 from .collectives import (COLLECTIVES, collective_layout, draw_collective,  # noqa: F401
                           draw_ring_steps, ring_schedule)
 from .launch import draw_launcher_tree, draw_rank_grid, rank_layout  # noqa: F401
@@ -30,4 +31,4 @@ __all__ = ["COLLECTIVES", "collective_layout", "draw_collective", "ring_schedule
            "draw_ring_steps", "rank_layout", "draw_rank_grid", "draw_launcher_tree",
            "split_shapes", "draw_weight_split", "draw_megatron_block", "draw_sequence_parallel",
            "K_MIXED_ADAM", "parallelism_memory", "largest_fitting", "draw_parallelism_memory",
-           "draw_divergence"]
+           "draw_divergence", "draw_roofline"]
