@@ -12,7 +12,7 @@ from ..planner.published import LINKS
 __all__ = ["machines"]
 
 
-def machines(measure: bool = True, budget_s: float = 3.0) -> dict:
+def machines(measure: bool = True, budget_s: float = 1.0) -> dict:
     """``{label: (flop_rate, alpha, beta)}`` for :func:`~minidist_course.diagrams.draw_roofline`;
     with ``measure``, this machine too (``budget_s`` seconds for each measurement)."""
     half = GPUS["H100-80GB"]["peak_flops"] * 0.5
