@@ -1,0 +1,19 @@
+"""`minidist bench pp-torch`: every schedule both engines share runs on the same split in one
+launch; rows carry both step times, their ratio and the measured and simulated bubbles (no timing
+asserts: performance lives in the report)."""
+
+from __future__ import annotations
+
+from minidist.pipeline_parallel.catalog import make_schedule
+from minidist.pipeline_parallel.simulator import simulate
+from minidist_course.bench.pipeline_torch import TORCH_SCHEDULES, bench_pp_torch
+
+
+def test_every_shared_schedule_runs_beside_torchs(capsys):
+    rows = bench_pp_torch(2, 4, steps=1, warmup=0, t_f=0.002, t_b=0.004)
+    assert [r["schedule"] for r in rows] == list(TORCH_SCHEDULES)
+    for r in rows:
+        assert r["minidist_ms"] > 0 and r["torch_ms"] > 0 and r["ratio"] > 0
+        sched = make_schedule(r["schedule"], 2, 4, 2)
+        assert r["bubble_simulated"] == simulate(sched, 0.002 / sched.v, 0.004 / sched.v).bubble
+    assert "minidist bench pp-torch: P=2, M=4" in capsys.readouterr().out
