@@ -31,6 +31,7 @@ def choose_generation(listing: Iterable[tuple[int, bool]], generation: int | Non
 
     Raises ``FileNotFoundError`` when the asked generation is not complete or when none is
     complete, ``ValueError`` when every complete one fails ``verifies`` (with ``fallback``)."""
+    listing = list(listing)
     done = sorted(n for n, complete in listing if complete)
     if generation is not None:
         if generation not in done:

@@ -88,18 +88,24 @@ def _pick_check(fn, case):
         got, got_error = f"{type(e).__name__}: {e}", None
     status = dict(listing)
     expected = want_error.__name__ if want_error else f"generation {want}"
-    text = f"expected {expected}, got " + (got_error.__name__ if got_error else repr(got))
+    gave = got_error.__name__ if got_error else repr(got)
+    text = f"expected {expected}, got {gave}"
     if got_error is want_error and (want_error or got == want):
         return None
     if generation is not None:
-        return "asked", text
+        return "asked", text + (" (generation= is answered before fallback is looked at)"
+                                if fallback else "")
     if want_error is FileNotFoundError:
-        return "none", text + ": no generation here is complete"
+        return "none", text + ": no generation here is complete (with or without fallback)"
     if status.get(got) == U:
         return "complete", text + f": generation {got} has no manifest (the save never finished)"
+    if fallback and C in status.values():
+        return "fallback", (f"expected {expected} — the newest complete one that verifies, "
+                            f"however many corrupt ones are newer — got {gave}")
     if want_error is ValueError or status.get(got) == C or (not fallback and status.get(want) == C):
         return "fallback", text
-    return "newest", text + " (the largest number among the complete ones)"
+    return "newest", (f"expected {expected} — the largest number among the complete ones — "
+                      f"got {gave}")
 
 
 def _describe_pick(case):
@@ -141,6 +147,15 @@ def _retire_check(fn, case):
     if sorted(got) == sorted(want):
         return "list", text + ": the right numbers, not oldest first"
     kept = sorted(set(status) - set(got) - {new})
+    good = 1 + sum(s == V for n, s in status.items() if n != new)
+    if good < keep and got:
+        return "older", text + (f": only {good} good generation(s) exist (the new one included), "
+                                f"fewer than keep = {keep}: nothing is removed yet")
+    for off in (1, -1):
+        if keep + off >= 1 and got == generations_to_retire(
+                [(n, s != U) for n, s in listing], new, keep + off, lambda n: status[n] == V):
+            return "good", text + (f": that keeps {keep + off} good ones, not {keep} — the new "
+                                   "generation counts as the first of them")
     if any(status[n] != V for n in set(want) - set(got)) and set(got) <= set(want):
         return "older", text + ": an unfinished or corrupt generation older than the last good " \
                                "one kept must go too"
@@ -149,8 +164,8 @@ def _retire_check(fn, case):
         return "older", text + f": {newer} are newer than the last good one kept: they stay"
     if len([n for n in kept if status[n] == V]) + 1 != min(keep, 1 + sum(
             status[n] == V for n in status if n != new)):
-        return "good", text + f" (kept {kept}: only complete generations that verify count " \
-                              f"toward keep = {keep})"
+        return "good", text + f" (you kept {kept} besides the new one: only complete " \
+                              f"generations that verify count toward keep = {keep})"
     return "good", text
 
 

@@ -33,7 +33,8 @@ __all__ = ["grade_merge", "grade_zigzag", "grade_ring", "MERGE_CASES", "ZIGZAG_C
            "MERGE_RULES", "ZIGZAG_RULES", "RING_RULES"]
 
 MERGE_RULES = {
-    "shape": "returns (out, lse) shaped like out_a and lse_a: the [b, h, s] weights broadcast over d",
+    "shape": "returns (out, lse) shaped and typed like out_a and lse_a: the [b, h, s] weights "
+             "broadcast over d",
     "lse": "lse = log(exp(lse_a) + exp(lse_b)), more than their max",
     "weights": "out = exp(lse_a - lse)·out_a + exp(lse_b - lse)·out_b: each weighted by its share",
     "stable": "no overflow: log-add-exp as max + log1p(exp(-|a - b|)) (scores of order 1e4, fp32)",
@@ -115,6 +116,10 @@ def _merge_check(fn, case):
     if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
         return "shape", f"expected a tuple (out, lse) of two tensors, got {type(got).__name__}"
     out, lse = got
+    if out.dtype != oa.dtype or lse.dtype != la.dtype:
+        return "shape", (f"expected out and lse in the inputs' dtype ({oa.dtype}), got {out.dtype} "
+                         f"and {lse.dtype}: compute in the dtype you were given (a float32 merge "
+                         "of float64 inputs loses digits the ring needs)")
     if out.shape != oa.shape or lse.shape != la.shape:
         return "shape", (f"expected out {tuple(oa.shape)} and lse {tuple(la.shape)}, got "
                 f"{tuple(out.shape)} and {tuple(lse.shape)}")
@@ -144,7 +149,8 @@ def _merge_check(fn, case):
     scale_l = max(1.0, float(want_l.abs().max()))
     err_l = float((lse.double() - want_l).abs().max()) / scale_l
     if err_l > tol:
-        if torch.allclose(lse.double(), torch.maximum(la, lb).double()):
+        if torch.allclose(lse.double(), torch.maximum(la, lb).double()) and \
+                not torch.allclose(want_l, torch.maximum(la, lb).double()):
             return "lse", "lse is max(lse_a, lse_b): the log of a sum of exponentials is more than its max"
         return "lse", f"lse wrong by {err_l:.2e} (relative): it is log(exp(lse_a) + exp(lse_b))"
     err_o = float((out.double() - want_o).abs().max())

@@ -92,21 +92,24 @@ def _capacity_check(fn, case):
         text += (f": floating point — {T}·{k}·{f}/{E} is {exact!r} in floats; compute the ceil "
                  "exactly (fractions.Fraction(str(factor)), or integers)")
         rule = "exact"
-    elif got == round(exact) and (got != math.floor(exact) or exact % 1 == 0.5):
+    elif got in (math.ceil(Fraction(math.ceil(Fraction(T * k, E))) * Fraction(repr(float(f)))),
+                 math.floor(math.ceil(Fraction(T * k, E)) * Fraction(repr(float(f))))) \
+            and got != math.floor(exact):
+        text += (f": the factor applied after a first ceil — ceil({T}·{k}/{E}) = "
+                 f"{math.ceil(Fraction(T * k, E))}, times {f}, rounded again; scale T·k/E by the "
+                 "factor first, then round up once")
+        rule = "once"
+    elif k > 1 and got == expert_capacity(T, E, 1, f):
+        text += ": top_k is missing — each token makes k assignments: ceil(T·k·factor/E)"
+        rule = "top_k"
+    elif got == round(exact) and got != math.floor(exact):
         text += (": rounded to nearest (Python's round: half to even); the rule rounds up (ceil), "
                  "so the fair share always fits")
         rule = "ceil"
     elif got == math.floor(exact):
-        text += ": rounded down; the rule rounds up (ceil), so the fair share always fits"
+        both = " (or to nearest, half to even: both give that here)" if got == round(exact) else ""
+        text += f": rounded down{both}; the rule rounds up (ceil), so the fair share always fits"
         rule = "ceil"
-    elif got == math.ceil(Fraction(math.ceil(Fraction(T * k, E))) * Fraction(repr(float(f)))):
-        text += (f": the factor applied after a first ceil — ceil({T}·{k}/{E}) = "
-                 f"{math.ceil(Fraction(T * k, E))}, times {f}, rounded up again; scale T·k/E by the "
-                 "factor first, then round up once")
-        rule = "once"
-    elif got == expert_capacity(T, E, 1, f):
-        text += ": top_k is missing — each token makes k assignments: ceil(T·k·factor/E)"
-        rule = "top_k"
     return rule, text
 
 

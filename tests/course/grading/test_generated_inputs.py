@@ -225,3 +225,63 @@ def test_a_fixed_size_receive_buffer_passes_the_named_sizes_and_fails_generated_
     text, error = _solutions.grade("03_ring_allreduce.ipynb", "ring_reduce_scatter_grade", ns)
     failed = [line for line in text.splitlines() if line.lstrip().startswith("✗")]
     assert error is not None and failed and all("generated sizes" in f for f in failed), text
+
+
+# ------------------------------------------------- a learner's trial: messages that blamed wrongly
+
+from minidist_course.grading import checkpoints as ck  # noqa: E402
+
+
+def test_pick_mistakes_of_fallback_are_named_fallback_not_newest():
+    def one_back(listing, generation=None, fallback=False):   # falls back exactly one generation
+        done = sorted(n for n, s in listing if s != "unfinished")
+        if generation is not None:
+            if generation not in done:
+                raise FileNotFoundError
+            return generation
+        if not done:
+            raise FileNotFoundError
+        if fallback and dict(listing)[done[-1]] == "corrupt":
+            if len(done) < 2 or dict(listing)[done[-2]] == "corrupt":
+                raise ValueError
+            return done[-2]
+        return done[-1]
+    out = ck._pick_check(one_back, ([(0, "verified"), (1, "corrupt"), (2, "corrupt")], None, True))
+    assert out[0] == "fallback" and "newest complete one that verifies" in out[1]
+
+
+def test_retire_messages_for_keep_not_filled_and_off_by_one():
+    def removes_bad(listing, new, keep):
+        return sorted(n for n, s in listing if s != "verified")
+    out = ck._retire_check(removes_bad, ([(0, "corrupt"), (20, "verified")], 20, 2))
+    assert out[0] == "older" and "nothing is removed yet" in out[1]
+
+    def new_not_counted(listing, new, keep):
+        status, good, out = dict(listing), 0, []
+        for n in sorted(status, reverse=True):
+            if n == new:
+                continue
+            if good >= keep:
+                out.append(n)
+            elif status[n] == "verified":
+                good += 1
+        return sorted(out)
+    out = ck._retire_check(new_not_counted, ([(1, "verified"), (2, "verified"), (3, "verified")], 3, 1))
+    assert out[0] == "good" and "counts as the first" in out[1]
+
+
+def test_a_float32_merge_of_float64_inputs_is_named_by_its_dtype():
+    report = cp.grade_merge(lambda oa, la, ob, lb: _merge_ok(oa.float(), la.float(), ob.float(),
+                                                                 lb.float()))
+    failed = _failed(report)
+    assert failed and all(r.rule == "shape" for r in failed), report
+    assert "inputs' dtype (torch.float64)" in failed[0].message
+
+
+def test_capacity_slips_named_once_and_top_k_where_floor_also_fits():
+    # int(ceil(T·k/E)·factor) is wrong exactly where it equals the floor: "rounded down" is right
+    floor_like = moe._capacity_check(lambda T, E, k, f: int(math.ceil(T * k / E) * f), (10, 4, 2, 1.25))
+    assert floor_like[0] == "ceil" and "rounded down" in floor_like[1]
+    no_k = moe._capacity_check(lambda T, E, k, f: math.ceil(Fraction(T) * Fraction(str(f)) / E),
+                               (3, 2, 2, 0.34))
+    assert no_k[0] == "top_k"
