@@ -285,3 +285,109 @@ def test_capacity_slips_named_once_and_top_k_where_floor_also_fits():
     no_k = moe._capacity_check(lambda T, E, k, f: math.ceil(Fraction(T) * Fraction(str(f)) / E),
                                (3, 2, 2, 0.34))
     assert no_k[0] == "top_k"
+
+
+# ------------------------------------- held back, on ranks: right on the named sizes only
+
+def _shift_memo(correct):
+    def shift_right(x, rank, world_size):
+        if x.numel() in (1, 1000, 1 << 20):
+            return correct(x, rank, world_size)
+        return x.clone()                       # elsewhere: no shift at all
+    return shift_right
+
+
+def _token_memo(correct):
+    def token_ring(rank, world_size, laps):
+        return correct(rank, world_size, laps if laps in (1, 3) else 1)
+    return token_ring
+
+
+def _eval_memo(correct):
+    def evaluate_exact(model, x, y, rank, world_size):
+        if x.shape[0] in (10, 3):
+            return correct(model, x, y, rank, world_size)
+        from minidist_course.grading.sampling import eval_data
+        return correct(model, *eval_data(10), rank, world_size)   # the named case's answer
+    return evaluate_exact
+
+
+def _norm_memo(correct):
+    def global_grad_norm(model):
+        if model.cfg.vocab_size == 37 and model.cfg.n_embd == 16:
+            return correct(model)
+        return float(sum(p.grad.pow(2).sum() for p in model.parameters()
+                         if p.grad is not None) ** 0.5)        # this rank's shards only
+    return global_grad_norm
+
+
+def _zigzag_memo(correct):
+    def zigzag_positions(seq_len, world, rank):
+        p = correct(seq_len, world, rank)
+        if seq_len in (6, 12, 13, 16):
+            return p
+        return torch.cat([p[:1], p[:-1]]) if p.numel() else p   # a position twice, one missing
+    return zigzag_positions
+
+
+def _copy_memo(correct):
+    def copy_to_region(x):
+        return correct(x) if tuple(x.shape) in ((3,), (4,)) else x * 1   # elsewhere no f at all
+    return copy_to_region
+
+
+def _ddp_memo(correct):
+    class MyDDP(correct):
+        def __init__(self, module, bucket_cap_mb=25.0):
+            super().__init__(module, bucket_cap_mb)
+            self.named = bucket_cap_mb in (0.0005, 25.0, 1e-9)   # the named checks' caps
+
+        def sync_gradients(self):
+            super().sync_gradients()
+            if not self.named:                    # elsewhere the average is a sum
+                for p in self.params:
+                    p.grad.mul_(self.world_size)
+    return MyDDP
+
+
+def _zero_memo(correct):
+    class MyZeRO1(correct):
+        def step(self):
+            if self.numel != 427:                 # elsewhere: gradients not averaged
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(self.world)
+            super().step()
+    return MyZeRO1
+
+
+def _column_memo(correct):
+    class ColumnParallelLinear(correct):
+        def forward(self, x):
+            y = super().forward(x)
+            return y if self.weight.shape[1] == 6 else y * 1.5   # the named width only
+    return ColumnParallelLinear
+
+
+RANK_MEMOS = [("01_token_ring", "shift_right_grade", "shift_right", _shift_memo),
+              ("06_tensor_parallel", "column_row_grade", "ColumnParallelLinear", _column_memo),
+              ("06_tensor_parallel", "f_and_g_grade", "copy_to_region", _copy_memo),
+              ("04_bucketed_ddp", "my_ddp_grade", "MyDDP", _ddp_memo),
+              ("09_zero", "zero1_grade", "MyZeRO1", _zero_memo),
+              ("01_token_ring", "token_ring_grade", "token_ring", _token_memo),
+              ("05_sampler_and_evaluation", "evaluate_exact_grade", "evaluate_exact", _eval_memo),
+              ("12_global_grad_norm", "global_grad_norm_grade", "global_grad_norm", _norm_memo),
+              ("14_context_parallel", "ring_grade", "zigzag_positions", _zigzag_memo)]
+
+
+@pytest.mark.exhaustive   # launches: the named checks, then the generated ones
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("notebook, grade_id, name, memo", RANK_MEMOS, ids=[m[1] for m in RANK_MEMOS])
+def test_a_solution_right_only_on_the_named_sizes_fails_the_generated_ranks_check(
+        notebook, grade_id, name, memo):
+    ns = _solutions.load(f"{notebook}.ipynb")
+    ns[name] = memo(ns[name])
+    text, error = _solutions.grade(f"{notebook}.ipynb", grade_id, ns)
+    failed = [line for line in text.splitlines() if line.lstrip().startswith("✗")]
+    assert error is not None and failed, text
+    assert all("generated" in line for line in failed), text
