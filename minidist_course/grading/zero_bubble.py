@@ -106,10 +106,11 @@ def grade_zb_h1(fn, points: float = 3.0, cases=CASES, report: Report | None = No
     """One check per ``(P, M)`` of ``cases``, ``points`` in all; a failed one names its rule of
     :data:`ZB_RULES`."""
     report = report or Report("Part C: ZB-H1 from 1F1B", rules=ZB_RULES, default_rule="valid")
+    share = points / (len(cases) + 1)   # the named cases and the generated ones: ``points`` in all
     for P, M in cases:
         report.check(f"ZB-H1 P={P}, M={M}: 1F1B's F/B order, W placed: memory and bubble",
-                     lambda P=P, M=M: check_zb_h1(fn, P, M), points=points / len(cases))
+                     lambda P=P, M=M: check_zb_h1(fn, P, M), points=share)
     generated_check(report, "P = 1-8, M = 1-24", st.tuples(st.integers(1, 8), st.integers(1, 24)),
                     lambda c: check_zb_h1(fn, *c), max_examples=40, crash_rule="valid",
-                    describe=lambda c: "P={}, M={}".format(*c), points=points / len(cases))
+                    describe=lambda c: "P={}, M={}".format(*c), points=share)
     return report

@@ -547,7 +547,7 @@ def test_ex10_rejects_stage3_as_zero2_a_true_loss_and_clipping_that_scales_up():
 def logged_loss(worker_losses):
     return sum(worker_losses) / len(worker_losses)      # the true loss, not what is logged
 '''}, "that is the true global loss", "expected 4, got 2")
-    assert "score: 0.4/2" in text, text
+    assert "score: 0.33/2" in text, text      # 1 of 6: one worker, where the two agree
     _rejects("10_framework_map.ipynb", "clip_factor_grade", {"clip_factor": '''
 def clip_factor(grad_norm, max_norm=1.0):
     return True, max_norm / grad_norm if grad_norm else 1.0   # also scales small gradients up
@@ -660,7 +660,7 @@ def unpermute(rows, token_index, row_weights, num_tokens):
 def unpermute(rows, token_index, row_weights, num_tokens):
     w = rows * row_weights.unsqueeze(-1)
     return w.new_zeros(num_tokens, rows.shape[-1]).index_add(0, token_index, w)
-''', "router gets no gradient"),
+''', "the router's gradient is not the dense MoE's"),
 ])
 def test_ex15_permutation_slips_are_named(code, needle):
     _rejects(EX15, "permutation_grade", {"permutation": code}, needle)
@@ -684,7 +684,7 @@ def merge(out_a, lse_a, out_b, lse_b):
     return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse
 '''
     _rejects("14_context_parallel.ipynb", "merge_grade", {"merge": no_both},
-             "with both lse -inf (no key in either block)")
+             "with both lse -inf in every row")
     # the [b, h, s] weights not broadcast over d: a hint, not only torch's shape error
     _rejects("14_context_parallel.ipynb", "merge_grade", {"merge": '''
 def merge(out_a, lse_a, out_b, lse_b):
