@@ -132,6 +132,6 @@ def test_resume_matrix_on_four_ranks_is_bitwise(tmp_path):
 @pytest.mark.serial        # twice the launches of the composition matrix
 @pytest.mark.timeout(2400)
 def test_every_configuration_resumes_bitwise(tmp_path):
-    rows = run_resume(covering_array(0), str(tmp_path), timeout=900)
+    rows = run_resume(covering_array(0), str(tmp_path), timeout=600)
     bad = [r for r in rows if r["status"] != "✓"]
     assert len(rows) > 30 and not bad, bad
