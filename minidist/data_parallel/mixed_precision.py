@@ -4,8 +4,8 @@
   is needed; every NVIDIA GPU since Ampere (A100, H100) computes in bf16 at fp16's speed.
 * **fp16, only where the GPU has no native bf16** (compute capability below 8.0: V100, T4 and
   older; ``torch.cuda.is_bf16_supported()`` says True there too, by emulation, unless asked with
-  ``including_emulation=False`` — torch/cuda/__init__.py): fp16 autocast with dynamic loss scaling (``torch.amp.GradScaler``): the loss is
-  multiplied by S before backward so small gradients do not flush to zero in fp16; the optimizer
+  ``including_emulation=False`` — torch/cuda/__init__.py): fp16 autocast with dynamic loss
+  scaling (``torch.amp.GradScaler``): the loss is multiplied by S before backward so small gradients do not flush to zero in fp16; the optimizer
   step unscales, and is skipped (S halved) when a gradient is inf/NaN.
 
 Parameters stay fp32 (autocast casts per op), so ``p.grad`` is fp32 and DDP averages it in fp32

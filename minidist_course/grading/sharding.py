@@ -69,9 +69,9 @@ def _clean(text: str) -> str:
     return " ".join(text.split())
 
 
-def _model():
+def _model(dim: int = MODEL["dim"]):
     from ..references.sharding import make_model
-    return make_model(**MODEL)
+    return make_model(dim=dim)
 
 
 def _flat_params(model) -> torch.Tensor:
@@ -81,9 +81,9 @@ def _flat_params(model) -> torch.Tensor:
 class _Reference:
     """torch's ZeroRedundancyOptimizer on averaged gradients, scaled by ``scale`` (1: correct)."""
 
-    def __init__(self, klass, hyper, scale=1.0):
+    def __init__(self, klass, hyper, scale=1.0, dim: int = MODEL["dim"]):
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        self.model, self.scale = _model(), scale
+        self.model, self.scale = _model(dim), scale
         self.opt = ZeroRedundancyOptimizer(self.model.parameters(), klass, **hyper)
 
     def step(self, x, y, world):
@@ -108,16 +108,17 @@ def _differs(model, ref_model) -> tuple[str, float] | None:
     return None
 
 
-def _diagnose(rank, world, cls, klass, hyper, stage, bad_step) -> tuple[str, str] | None:
+def _diagnose(rank, world, cls, klass, hyper, stage, bad_step,
+              dim: int = MODEL["dim"]) -> tuple[str, str] | None:
     """Retrain the learner's class and references with the gradient x W and / W: which matches?"""
     from ..references.sharding import local_batch, loss_fn
     if world == 1:
         return None
     for scale, rule, why in ((world, "average", "summed, not averaged: divide by W"),
                              (1 / world, "average", "divided by W twice")):
-        model = _model()
+        model = _model(dim)
         opt = cls(model.parameters(), klass, **hyper)
-        ref = _Reference(klass, hyper, scale)
+        ref = _Reference(klass, hyper, scale, dim)
         same = True
         for step in range(STEPS):
             x, y = local_batch(step, rank, world)
@@ -132,7 +133,7 @@ def _diagnose(rank, world, cls, klass, hyper, stage, bad_step) -> tuple[str, str
     return None
 
 
-def _rank_check(rank, world, cls, stage):
+def _rank_check(rank, world, cls, stage, dim: int = MODEL["dim"]):
     import torch.distributed as dist
 
     from ..references.sharding import local_batch, loss_fn
@@ -141,13 +142,13 @@ def _rank_check(rank, world, cls, stage):
     def fail(rule, msg):
         broken.setdefault(rule, msg)
 
-    n = sum(p.numel() for p in _model().parameters() if p.requires_grad)
+    n = sum(p.numel() for p in _model(dim).parameters() if p.requires_grad)
     S = -(-n // world)
     sgd_wrong_by_scale = False
     for opt_name, (klass, hyper) in OPTIMIZERS.items():
-        model = _model()
+        model = _model(dim)
         params = {id(p) for p in model.parameters()}
-        ref = _Reference(klass, hyper)
+        ref = _Reference(klass, hyper, dim=dim)
         try:
             opt = cls(model.parameters(), klass, **hyper)
         except Exception as e:  # noqa: BLE001
@@ -247,7 +248,7 @@ def _rank_check(rank, world, cls, stage):
             step, name, d = first_bad
             msg = (f"{opt_name}: after step {step} parameter {name} differs from torch's by "
                    f"{d:.2e}")
-            diag = _diagnose(rank, world, cls, klass, hyper, stage, step)
+            diag = _diagnose(rank, world, cls, klass, hyper, stage, step, dim)
             if diag:
                 fail(diag[0], f"{opt_name}: {diag[1]}")
                 msg += f" — {diag[1]}"
@@ -276,16 +277,8 @@ def _rank_check(rank, world, cls, stage):
 
 
 def _rank_check_widths(rank, world, cls, stage, widths):
-    """:func:`_rank_check` on the model at each width of ``widths`` (this rank's process only)."""
-    global MODEL
-    saved, out = MODEL, []
-    try:
-        for dim in widths:
-            MODEL = {"dim": dim}
-            out.append(_rank_check(rank, world, cls, stage))
-    finally:
-        MODEL = saved
-    return out
+    """:func:`_rank_check` on the model at each width of ``widths``."""
+    return [_rank_check(rank, world, cls, stage, dim) for dim in widths]
 
 
 def _generated_widths(cls, stage, timeout):
