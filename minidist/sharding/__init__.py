@@ -5,6 +5,12 @@
   :mod:`.fsdp_param`; the flat-parameter first design with ``per_parameter=False``,
   :mod:`.fsdp_flat`, whose unit hooks both layouts share);
   full and sharded checkpoints, global-norm clipping (:mod:`.fsdp_state`);
+* HSDP — ``fully_shard(module, mesh=hsdp_mesh(R, S))``: sharded inside each group of S ranks
+  (a node), replicated across the R groups; gradients reduce-scattered in the shard group, then
+  all-reduced across the replicate group (:mod:`.hsdp`; Zhao et al. 2023 §3.2.2, FSDP2's 2-D
+  mesh);
+* :func:`replicate` — a replicated unit: whole parameters, gradients all-reduced (torch's
+  composable ``replicate``; e.g. norms kept whole beside sharded linears) (:mod:`.replicate`);
 * :func:`checkpoint` — activation recomputation, RNG replayed (:mod:`.recompute`);
 * :func:`account`, :class:`ActivationMeter`, :func:`zero_formula` — memory per rank
   (:mod:`.memory`);
@@ -13,7 +19,9 @@
   :mod:`minidist.communicator`'s (the ones DDP uses).
 
 Source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models", §5; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel".
+Models", §5; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel"
+(§3.2.2: hybrid sharding); Wang et al. 2023, "ZeRO++", §3.2 (hpZ: parameters gathered inside a
+node).
 """
 
 from .flat import FlatBuffer, padded_numel, plan_buckets
@@ -21,6 +29,8 @@ from .zero import ShardedOptimizer
 from .fsdp import (FlatParamUnit, MixedPrecisionPolicy, fully_shard,
                    set_requires_gradient_sync, units)
 from .fsdp_param import ParamShardUnit
+from .hsdp import HSDPMesh, hsdp_mesh
+from .replicate import ReplicateUnit, replicate, replicated_units
 from .fsdp_state import (clip_grad_norm_, full_optim_state_dict, full_state_dict,
                          load_full_optim_state_dict, load_full_state_dict)
 from .recompute import Checkpointed, checkpoint
@@ -28,7 +38,7 @@ from .memory import ActivationMeter, account, zero_formula
 
 __all__ = ["FlatBuffer", "padded_numel", "plan_buckets", "ShardedOptimizer", "FlatParamUnit",
            "ParamShardUnit", "MixedPrecisionPolicy", "fully_shard", "set_requires_gradient_sync",
-           "units",
+           "units", "HSDPMesh", "hsdp_mesh", "ReplicateUnit", "replicate", "replicated_units",
            "clip_grad_norm_", "full_optim_state_dict", "full_state_dict",
            "load_full_optim_state_dict", "load_full_state_dict",
            "Checkpointed", "checkpoint", "ActivationMeter", "account", "zero_formula"]

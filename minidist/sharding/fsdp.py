@@ -47,12 +47,15 @@ activations makes them fp32.
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
 from ..communicator import Communicator
+from . import hsdp
 from .fsdp_flat import FlatParamUnit, _Context
 from .fsdp_param import ParamShardUnit
 from .mixed_precision import MixedPrecisionPolicy
+from .replicate import replicated_units
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FlatParamUnit", "units", "set_requires_gradient_sync"]
 
@@ -64,16 +67,18 @@ def units(module: nn.Module) -> list[FlatParamUnit]:
 
 def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
     """``False``: backward accumulates full gradients locally, without communication (gradient
-    accumulation, like DDP's ``no_sync``); the next backward with ``True`` reduce-scatters the
-    sum."""
-    for u in units(module):
+    accumulation, like DDP's ``no_sync``; under HSDP neither the reduce-scatter nor the all-reduce
+    runs, and replicated units, :mod:`.replicate`, do not all-reduce); the next backward with
+    ``True`` reduces the sum."""
+    for u in units(module) + replicated_units(module):
         u.sync = sync
 
 
 def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built",
                 auto_wrap: tuple = (), mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool = True, prefetch: bool = True,
-                per_parameter: bool = True, algorithm: str = "auto") -> nn.Module:
+                per_parameter: bool = True, algorithm: str = "auto", replicate_group=None,
+                mesh=None) -> nn.Module:
     """Shard ``module`` as one unit (after sharding its submodules of the classes in
     ``auto_wrap`` as units of their own) and return it. Call on children first, then the root.
 
@@ -83,28 +88,65 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
     ``reshard_after_forward`` (free after forward; False keeps it gathered until backward),
     ``prefetch`` (all-gather the next unit on the comm thread), ``per_parameter`` (True: dim-0
     shards per parameter, FSDP2; False: one flat shard per unit, FSDP1 — see the module doc).
+
+    HSDP (:mod:`.hsdp`): ``replicate_group`` (with ``group`` the shard group), or ``mesh`` — an
+    :class:`~.hsdp.HSDPMesh` from ``hsdp_mesh(R, S)``, a ``(replicate, shard)`` pair of groups,
+    or torch's 2-D ``DeviceMesh`` (dims replicate, shard, as FSDP2's) — shards over the shard
+    group and all-reduces each reduce-scattered gradient piece over the replicate group.
+    Per-parameter units only; every unit under one root has the same replicate group.
+
     Syncs parameters (and, per parameter, frozen ones and buffers) from rank 0. Raises
-    ``ValueError`` for a module sharded twice, a parameter tied across two units, and (per
-    parameter) a 0-d parameter or mixed dtypes without ``mp_policy.param_dtype``.
+    ``ValueError`` for a module sharded twice or already replicated (:func:`~.replicate.replicate`),
+    a parameter tied across two units, and (per parameter) a 0-d parameter or mixed dtypes
+    without ``mp_policy.param_dtype``; for HSDP, a replicate group that does not fit the shard
+    groups (:func:`~.hsdp.check_layout`: on every rank of it), a flat layout, or units below with
+    another replicate group.
     """
     if getattr(module, "_fsdp", None) is not None:
         raise ValueError(f"fully_shard: {type(module).__name__} is already a unit")
+    if getattr(module, "_replicate", None) is not None:
+        raise ValueError(f"fully_shard: {type(module).__name__} is already replicated "
+                         "(replicate(...)); a module is either sharded or replicated")
+    group, replicate_group = hsdp.resolve(mesh, group, replicate_group)
+    if replicate_group is not None and dist.get_world_size(replicate_group) == 1:
+        replicate_group = None          # R = 1: plain FSDP over the shard group
+    if replicate_group is not None:
+        if not per_parameter:
+            raise ValueError(f"fully_shard (rank {dist.get_rank()}): HSDP (replicate_group / a "
+                             "2-D mesh) needs per_parameter=True; the flat layout is FSDP1's "
+                             "teaching design and has no replicate dimension here")
+        hsdp.check_layout("fully_shard", group, replicate_group, collectives)
     opts = dict(group=group, collectives=collectives, mp_policy=mp_policy,
                 reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-                per_parameter=per_parameter, algorithm=algorithm)
+                per_parameter=per_parameter, algorithm=algorithm,
+                replicate_group=replicate_group)
     if auto_wrap:
         for sub in list(module.modules())[1:][::-1]:
             if isinstance(sub, tuple(auto_wrap)) and getattr(sub, "_fsdp", None) is None:
                 fully_shard(sub, **opts)
-    cls = ParamShardUnit if per_parameter else FlatParamUnit
-    unit = cls(module, Communicator(collectives, group, where="sharding", algorithm=algorithm),
-               mp_policy or MixedPrecisionPolicy(),
-               reshard_after_forward, prefetch)
+    comm = Communicator(collectives, group, where="sharding", algorithm=algorithm)
+    rep = (None if replicate_group is None else
+           Communicator(collectives, replicate_group, where="sharding", algorithm=algorithm))
+    below = units(module)
+    mine = hsdp.replicate_ranks(rep)
+    other = [u for u in below if hsdp.replicate_ranks(getattr(u, "rep", None)) != mine]
+    if other:
+        raise ValueError(f"fully_shard (rank {comm.rank}): units "
+                         f"{[u.unit_name() for u in other]} below {type(module).__name__} "
+                         f"replicate over {hsdp.replicate_ranks(getattr(other[0], 'rep', None))}, "
+                         f"this one over {mine}; every unit under one root shares its replicate "
+                         "group (None: plain FSDP)")
+    if per_parameter:
+        unit = ParamShardUnit(module, comm, mp_policy or MixedPrecisionPolicy(),
+                              reshard_after_forward, prefetch, rep=rep)
+    else:
+        unit = FlatParamUnit(module, comm, mp_policy or MixedPrecisionPolicy(),
+                             reshard_after_forward, prefetch)
     module._fsdp = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
-    below = units(module)
-    ctx = _Context(unit.comm)        # the newest outer unit's context is the shared one
+    below = [unit] + below
+    ctx = _Context(unit.comm, rep)   # the newest outer unit's context is the shared one
     for u in below:
         if u.ctx is not None:
             u.ctx.close()

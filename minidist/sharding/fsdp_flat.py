@@ -18,6 +18,7 @@ from torch import nn
 
 from ..communicator import CommThread, Communicator
 from .flat import FlatBuffer
+from .hsdp import release, thread_copy
 from .mixed_precision import MixedPrecisionPolicy, cast_floating
 
 __all__ = ["FlatParamUnit"]
@@ -26,8 +27,10 @@ __all__ = ["FlatParamUnit"]
 class _Context:
     """What the units under one root share: the comm thread, the order, pending reduce-scatters."""
 
-    def __init__(self, comm: Communicator):
+    def __init__(self, comm: Communicator, rep: Communicator | None = None):
         self.comm = comm                 # the root unit's: its group, implementation, algorithm
+        self.rep = rep                   # HSDP: the root's replicate group (main thread), or None
+        self.rep_thread: Communicator | None = None   # ... its copy for the comm thread
         self._worker: CommThread | None = None
         self.order: list = []            # units in forward order (recorded in step 1)
         self.recording = True
@@ -40,11 +43,16 @@ class _Context:
         """Created at first use (the first forward, on every rank): only the root's is ever made."""
         if self._worker is None:
             self._worker = CommThread(self.comm, name="fsdp-comm")
+            if self.rep is not None:
+                self.rep_thread = thread_copy(self.rep)
         return self._worker
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self.rep_thread is not None:
+            release(self.rep_thread)
+            self.rep_thread = None
 
 
 class FlatParamUnit:
@@ -264,10 +272,11 @@ def _slots(module: nn.Module, shard) -> tuple[list, list, list]:
 
 
 def _own_modules(module: nn.Module, prefix: str = ""):
-    """(qualified name prefix, submodule) of ``module`` and its descendants outside other units."""
+    """(qualified name prefix, submodule) of ``module`` and its descendants outside other units
+    (sharded ones, ``_fsdp``, and replicated ones, ``_replicate``: :mod:`.replicate`)."""
     yield prefix, module
     for name, child in module.named_children():
-        if getattr(child, "_fsdp", None) is None:
+        if getattr(child, "_fsdp", None) is None and getattr(child, "_replicate", None) is None:
             yield from _own_modules(child, f"{prefix}{name}.")
 
 

@@ -85,8 +85,9 @@ class ParamShardUnit(FlatParamUnit):
     uses). Everything else (hooks, prefetch, freeing, no_sync) is :class:`~.fsdp_flat.FlatParamUnit`'s.
     """
 
-    def __init__(self, module, comm, mp, reshard_after_forward: bool, prefetch: bool):
+    def __init__(self, module, comm, mp, reshard_after_forward: bool, prefetch: bool, rep=None):
         self.module, self.comm, self.mp = module, comm, mp
+        self.rep = rep                      # HSDP: the replicate group's communicator, or None
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.rank, self.world_size = comm.rank, comm.world_size
         self.slots, params, self.names = _slots(module, lambda p: True)   # frozen ones too
@@ -126,7 +127,8 @@ class ParamShardUnit(FlatParamUnit):
         self._free()
 
     def _sync_at_wrap(self, module) -> None:
-        """Every rank starts from rank 0's parameters (trainable and frozen) and buffers."""
+        """Every rank starts from rank 0's parameters (trainable and frozen) and buffers (under
+        HSDP: from rank 0 of the replicate group, then of the shard group — global rank 0's)."""
         with torch.no_grad():
             tensors = list(self.params) + [b for _, sub in _own_modules(module)
                                            for b in sub._buffers.values() if b is not None]
@@ -137,6 +139,8 @@ class ParamShardUnit(FlatParamUnit):
                 flat = torch.cat([t.reshape(-1) for t in group]) if group else None
                 if flat is None or flat.numel() == 0:
                     continue
+                if self.rep is not None:
+                    self.rep.broadcast(flat, 0)
                 self.comm.broadcast(flat, 0)
                 o = 0
                 for t in group:
@@ -192,11 +196,19 @@ class ParamShardUnit(FlatParamUnit):
         """The reduce-scatter, then which parameters got a gradient on *any* rank (an all-reduce
         of a 0/1 flag per parameter, on the same thread so the collectives stay in order): a
         parameter one rank used and another did not (an expert no token of this rank chose) must
-        get the averaged gradient on both, or the replicas' shards part ways."""
+        get the averaged gradient on both, or the replicas' shards part ways.
+
+        HSDP: then the [S] average over the shard group is all-reduced (average) over the
+        replicate group — the ranks that hold the same piece — and the flags too (``max``), on
+        the comm thread's copy of that group (:class:`~.fsdp_flat._Context`)."""
         used = torch.tensor([float(i in self._got_grad) for i in range(len(self.params))],
                             device=out.device)
         _reduce_scatter(comm, out, grad)
         comm.all_reduce(used, "max")
+        rep = self.ctx.rep_thread if self.rep is not None else None
+        if rep is not None:
+            rep.all_reduce(out, "avg")
+            rep.all_reduce(used, "max")
         self._agreed = {i for i, u in enumerate(used.tolist()) if u > 0}
 
     def _accept_grad(self, out: torch.Tensor) -> None:

@@ -12,7 +12,14 @@
 * :func:`clip_grad_norm_` — the global p-norm of all gradients is (all-reduce of every rank's
   sum of |g|^p over its slices)^(1/p), the max over ranks for p = inf (the zero padding adds
   nothing); every rank scales its slices by ``min(1, max_norm / (norm + 1e-6))``, as
-  ``torch.nn.utils.clip_grad_norm_``.
+  ``torch.nn.utils.clip_grad_norm_``. The sums are reduced over the *shard* group: under HSDP
+  (:mod:`.hsdp`) the R replicas of a piece hold the same averaged values, and summing over all
+  W ranks would count each R times (VeOmni#184, fixed there in VeOmni#862). Replicated units'
+  gradients (:mod:`.replicate`) are whole and equal on every rank: added once, locally, after
+  that reduction (mindspore hyper-parallel#279; FSDP1's NO_SHARD, pytorch/pytorch#88955).
+
+Replicated units are covered by every function here: their parameters are whole, so the state
+dict holds them as they are and the optimizer state is theirs, unsharded.
 
 Both unit layouts (per-parameter and flat, :mod:`.fsdp`) are handled; dict keys are the names of
 the unsharded model either way.
@@ -21,9 +28,11 @@ the unsharded model either way.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .fsdp import units
+from .replicate import replicated_units
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_optim_state_dict",
            "load_full_optim_state_dict", "clip_grad_norm_", "full_gradients",
@@ -51,21 +60,23 @@ def check_covered(module: nn.Module, what: str) -> list:
     unit owns (wrap the root too: ``fully_shard(model)`` after its blocks owns what no block
     owns, as FSDP2's root does). Frozen parameters outside units are fine (they never change)."""
     us = units(module)
-    owned: set[int] = set()
+    reps = replicated_units(module)
+    owned: set[int] = {id(p) for r in reps for p in r.params}
     for u in us:
         owned.update(id(p) for p in getattr(u, "params", []))
         owned.update(id(p) for _, p in u.frozen)
         if getattr(u, "flat_shard", None) is not None:
             owned.add(id(u.flat_shard))
     outside = [n for n, p in module.named_parameters() if id(p) not in owned and p.requires_grad]
-    if outside or not us:
+    if outside or not (us or reps):
         mods = sorted({n.rpartition(".")[0] or "<root>" for n in outside})
         raise ValueError(f"{what}: parameters {', '.join(outside) or '(none)'} of modules "
                          f"{', '.join(mods) or '(none)'} belong to no fully_shard unit"
-                         + (" (the model has no unit at all)" if not us else "")
-                         + "; their gradients would never be averaged and they would be left "
-                           "out. Call fully_shard(model) on the root after its blocks: the root "
-                           "owns what no unit below it owns")
+                         + (" (the model has no unit at all)" if not (us or reps) else "")
+                         + " and to no replicate unit; their gradients would never be averaged "
+                           "and they would be left out. Call fully_shard(model) on the root "
+                           "after its blocks (the root owns what no unit below it owns), or "
+                           "replicate(module) on those that should stay whole")
     return us
 
 
@@ -109,8 +120,20 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
         full = [_gather_param(u, i, p) for i, p in enumerate(u.params)]
         for name, i in entries:
             out[name] = full[i]
-    rank = next((u.rank for u in units(module)), 0)
-    return {} if rank0_only and rank != 0 else out
+    return {} if rank0_only and _rank(module) != 0 else out
+
+
+def _rank(module: nn.Module) -> int:
+    """This rank's global rank (0 outside a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _replicated_entries(module: nn.Module):
+    """(qualified name, parameter) of every replicated unit's parameters."""
+    prefix = _prefix(module)
+    for r in replicated_units(module):
+        for n, p in zip(r.names, r.params):
+            yield prefix[id(r.module)] + n, p
 
 
 def full_gradients(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -124,6 +147,9 @@ def full_gradients(module: nn.Module) -> dict[str, torch.Tensor]:
         for name, i in entries:
             if u.params[i].grad is not None:
                 out[name] = _gather_param(u, i, u.params[i].grad)
+    for name, p in _replicated_entries(module):
+        if p.grad is not None:
+            out[name] = p.grad.detach().clone()
     return out
 
 
@@ -175,6 +201,9 @@ def full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -
                 for name, j in entries:
                     if j == i:
                         state.setdefault(name, {})[key] = val
+    for name, p in _replicated_entries(module):
+        for key, val in optimizer.state.get(p, {}).items():
+            state.setdefault(name, {})[key] = val.clone() if torch.is_tensor(val) else val
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return {"state": state, "param_groups": groups}
 
@@ -210,6 +239,11 @@ def load_full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimiz
                 else:
                     new[key] = val.clone() if torch.is_tensor(val) else val
             optimizer.state[u.params[i]] = new
+    for name, p in _replicated_entries(module):
+        saved = osd["state"].get(name)
+        if saved:
+            optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else v
+                                  for k, v in saved.items()}
 
 
 @torch.no_grad()
@@ -222,8 +256,9 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     of the norm), ``RuntimeError`` for a non-finite norm with ``error_if_nonfinite``.
     """
     us = [u for u in check_covered(module, "clip_grad_norm_") if u.layout is not None]
+    whole = [q.grad for _, q in _replicated_entries(module) if q.grad is not None]
     p = float(norm_type)
-    if not us:
+    if not us and not whole:
         return torch.zeros(())
     grads = []
     for u in us:
@@ -231,25 +266,33 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
             grads += [q.grad for q in u.params if q.grad is not None]
         elif u.flat_shard.grad is not None:
             grads.append(u.flat_shard.grad)
-    device = us[0].full.device
+    device = (grads + whole)[0].device if grads + whole else torch.device("cpu")
     if p == float("inf"):
         local = torch.zeros(1, dtype=torch.float32, device=device)
         for g in grads:
             if g.numel():
                 local = torch.maximum(local, g.detach().abs().max().float().view(1))
-        every = torch.empty(us[0].world_size, dtype=torch.float32, device=device)
-        us[0].comm.all_gather(every, local)
-        norm = every.max()
+        if us:
+            every = torch.empty(us[0].world_size, dtype=torch.float32, device=device)
+            us[0].comm.all_gather(every, local)
+            local = every.max().view(1)
+        for g in whole:                   # equal on every rank: after the reduction
+            if g.numel():
+                local = torch.maximum(local, g.detach().abs().max().float().view(1))
+        norm = local[0]
     else:
         sq = torch.zeros(1, dtype=torch.float32, device=device)
         for g in grads:
             sq += g.detach().float().abs().pow(p).sum()
-        us[0].comm.all_reduce(sq, "sum")
+        if us:
+            us[0].comm.all_reduce(sq, "sum")     # the shard group: each piece once
+        for g in whole:                   # equal on every rank: once, after the reduction
+            sq += g.detach().float().abs().pow(p).sum()
         norm = sq.pow(1.0 / p)[0]
     if error_if_nonfinite and not torch.isfinite(norm):
-        raise RuntimeError(f"clip_grad_norm_ (rank {us[0].rank}): the total norm of order {p} "
+        raise RuntimeError(f"clip_grad_norm_ (rank {_rank(module)}): the total norm of order {p} "
                            "is non-finite; pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
+    for g in grads + whole:
         g.mul_(coef.to(g.dtype))
     return norm
