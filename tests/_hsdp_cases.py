@@ -1,0 +1,151 @@
+"""Models, data and one-process references for tests/library/sharding/test_hsdp.py.
+
+* the awkward model of the FSDP tests (``minidist_course.references.sharding.TiedLM``: tied
+  embedding and head, a frozen parameter, a buffer, no parameter size divisible by 2, 3 or 4);
+* :class:`NormNet`: LayerNorms (replicated) beside linears and an embedding (sharded), as in
+  Stanford CS336's assignment 2, plus two :class:`Gated` modules whose ``bonus`` is used only on
+  rows whose first token is 0 — only the last rank's rows — so one rank has its gradient and the
+  others have none (pytorch/pytorch#158719: parameters used differently across ranks).
+
+``train(model, opt, batch, rank, world, ...)`` runs the same steps for every way: one process
+(``world=1``, plain torch clipping and gradients) and minidist's (``fsdp_state``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minidist.sharding import fsdp, fsdp_state
+from minidist_course.references.sharding import global_batch, loss_fn
+
+V, D, H, T, BATCH = 11, 7, 13, 5, 12
+HYPER = {"lr": 1e-2, "weight_decay": 0.1}   # AdamW
+
+
+class NormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.fc1, self.fc2 = nn.Linear(D, H), nn.Linear(H, D)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
+
+
+class Gated(nn.Module):
+    """LayerNorm, then ``+ bonus`` on the rows ``mask`` marks (not used at all if none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.bonus = nn.Parameter(0.1 * torch.randn(D))
+
+    def forward(self, x, mask):
+        out = self.ln(x)
+        if mask.any():
+            out = out + self.bonus * mask[:, None, None].to(out.dtype)
+        return out
+
+
+class NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(NormBlock() for _ in range(2))
+        self.gate_s, self.gate_r = Gated(), Gated()     # one sharded, one replicated
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, idx):
+        mask = idx[:, 0] == 0
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = b(h)
+        h = self.gate_r(self.gate_s(h, mask), mask)
+        return self.head(self.ln_f(h))
+
+
+def make_norm_net(seed: int = 0) -> NormNet:
+    torch.manual_seed(seed)
+    return NormNet()
+
+
+def norm_batch(step: int):
+    """Tokens [12, 5]; the first token is 0 only in rows 9-11 (the last rank's at W = 2 or 4)."""
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randint(1, V, (BATCH, T + 1), generator=g)
+    x[9:, 0] = 0
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def shard_norm_net(model: NormNet, **where) -> NormNet:
+    """Norms replicated (and ``gate_r``), linears sharded (blocks, ``gate_s``, the root's
+    embedding and head); ``where``: ``mesh=`` or ``group=`` for both kinds."""
+    from minidist.sharding import replicate
+    rep = {"mesh": where["mesh"]} if "mesh" in where else {"group": where.get("group")}
+    for b in model.blocks:
+        replicate(b.ln, **rep)
+        fsdp.fully_shard(b, **where)
+    replicate(model.gate_r, **rep)
+    replicate(model.ln_f, **rep)
+    fsdp.fully_shard(model.gate_s, **where)
+    return fsdp.fully_shard(model, **where)
+
+
+def train(model, opt, batch, rank, world, steps, clip=None, accumulate=1, start=0):
+    """``steps`` optimizer steps on this rank's rows of ``batch(step)``; returns
+    ``(gradients after the first step's backward, before clipping, {name: tensor};
+    norms clipping returned)``. ``world=1``: one process, torch's clipping."""
+    grads, norms = None, []
+    single = world == 1 and not fsdp.units(model)
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        x, y = batch(step)
+        n = x.shape[0] // world
+        x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+        for k, (xk, yk) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+            if not single:
+                fsdp.set_requires_gradient_sync(model, k == accumulate - 1)
+            (loss_fn(model(xk), yk) / accumulate).backward()
+        if grads is None:
+            grads = ({n: p.grad.detach().clone() for n, p in model.named_parameters()
+                      if p.grad is not None} if single else fsdp_state.full_gradients(model))
+        if clip is not None:
+            max_norm, p = clip
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, p)
+                               if single else fsdp_state.clip_grad_norm_(model, max_norm, p)))
+        opt.step()
+    return grads, norms
+
+
+def state(model) -> dict:
+    """The full state: one process's ``state_dict``, or minidist's ``full_state_dict``."""
+    if fsdp.units(model):
+        return fsdp_state.full_state_dict(model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), **HYPER)
+
+
+def tied_batch(step: int):
+    return global_batch(step)
+
+
+def tied_batch24(step: int):
+    """24 rows: 6 per rank at W = 4, two micro-batches of 3 (equal means: accumulation)."""
+    return global_batch(step, size=24)
+
+
+def rel(a: dict, b: dict) -> float:
+    """max over b's names of max|a - b| / max|b| (a must have every name of b)."""
+    missing = sorted(set(b) - set(a))
+    assert not missing, f"missing {missing}"
+    out = 0.0
+    for k, v in b.items():
+        if v.numel():
+            out = max(out, (a[k].float() - v.float()).abs().max().item()
+                      / max(v.float().abs().max().item(), 1e-12))
+    return out

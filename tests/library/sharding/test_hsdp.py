@@ -1,0 +1,307 @@
+"""HSDP (``fully_shard`` over a 2-D mesh) and replicated units (``replicate``) against one process
+on the global batch and against torch's own FSDP2 HSDP, on gloo.
+
+Tolerance ``REL`` = 1e-6, relative to each tensor's largest magnitude, fp32: the same sums in
+another order (minidist's ring vs one process vs torch's reductions). Models
+(tests/_hsdp_cases.py): ``TiedLM`` (tied weights, a frozen parameter, a buffer, no size divisible
+by the shard size) and ``NormNet`` (LayerNorms replicated, linears and embedding sharded, a
+parameter only one rank uses in a sharded and in a replicated unit).
+
+One launch of 4 ranks runs every check of the default tier (a launch costs seconds); the sweep
+over more meshes and world sizes is in the integration tier.
+
+Field reports turned into checks (each named where it is checked):
+
+* pytorch/pytorch#155903 — FSDP2's gradient divide factor behaved differently under HSDP than
+  under FSDP: the gradients must be one process's, neither summed over the replicas nor averaged
+  twice (a unit that sums across replicas is run on purpose and must be caught);
+* pytorch/pytorch#125484 — with accumulation, the micro-batches' gradients must be summed before
+  the all-reduce across replicas, or earlier micro-batches never cross;
+* VeOmni#184 / VeOmni#862, mindspore hyper-parallel#279, pytorch/pytorch#88955 — the global
+  gradient norm under HSDP summed over every rank (each piece counted R times), and replicated
+  (unsharded) gradients counted once per rank of the shard group;
+* pytorch/pytorch#140183 — HSDP replicas never synced at initialisation train apart: here every
+  rank starts from a different seed and must end on one process's numbers;
+* pytorch/pytorch#158719 / pytorch/pytorch#98281 — a parameter used on some ranks only, and
+  parameters left out of the sharded units (FSDP1's ignored modules), must still be averaged.
+"""
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it)
+
+import minidist
+from _hsdp_cases import (adamw, make_norm_net, norm_batch, rel, shard_norm_net, state,
+                         tied_batch, tied_batch24, train)
+from minidist.comm import p2p
+from minidist.sharding import fsdp, fsdp_param, fsdp_state, hsdp_mesh, replicate
+from minidist_course.references.sharding import Block, make_model
+
+REL, STEPS = 1e-6, 2
+TORCH_REL = 1e-6     # minidist's HSDP against torch's FSDP2 HSDP
+
+
+def _single(make, batch, steps=STEPS, clip=None, accumulate=1):
+    model = make()
+    grads, norms = train(model, adamw(model), batch, 0, 1, steps, clip=clip, accumulate=accumulate)
+    return grads, norms, state(model)
+
+
+# ------------------------------------------------------------------ what each rank runs
+def _hsdp_tied(rank, world, mesh, seed=None, batch=tied_batch, **kw):
+    model = fsdp.fully_shard(make_model(seed=rank if seed is None else seed), auto_wrap=(Block,),
+                             mesh=mesh)
+    grads, norms = train(model, adamw(model), batch, rank, world, STEPS, **kw)
+    return grads, norms, state(model)
+
+
+def _torch_hsdp(rank, world):
+    """torch's FSDP2 on a (replicate=2, shard=2) DeviceMesh: gradients of step 1 and the state."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from minidist_course.references.sharding import loss_fn
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = make_model()
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, grads = adamw(model), None
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = tied_batch(step)
+        n = x.shape[0] // world
+        loss_fn(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+        if grads is None:
+            grads = {k: p.grad.full_tensor().clone() for k, p in model.named_parameters()
+                     if p.grad is not None}
+        opt.step()
+    return grads, {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                   for k, v in model.state_dict().items()}
+
+
+class _SumsReplicas(fsdp_param.ParamShardUnit):
+    """Broken on purpose: sums the pieces across replicas instead of averaging (the scaling bug
+    kind of pytorch/pytorch#155903)."""
+
+    def _reduce(self, comm, out, grad):
+        super()._reduce(comm, out, grad)
+        if self.rep is not None:
+            self.ctx.rep_thread.all_reduce(out, "sum")   # on top of the average: R x too big
+
+
+def _traffic(rank, world, mesh):
+    """Bytes this rank sends in one step's gradient reductions (ring), by collective, and the
+    sizes to check them against."""
+    model = fsdp.fully_shard(make_model(), auto_wrap=(Block,), mesh=mesh, algorithm="ring")
+    opt = adamw(model)
+    train(model, opt, tied_batch, rank, world, 1)                 # step 1 records the order
+    before = p2p.traffic()
+    train(model, opt, tied_batch, rank, world, 1, start=1)
+    after = p2p.traffic()
+    sent = {k: v.bytes_sent - before.get(k, p2p.Traffic()).bytes_sent for k, v in after.items()}
+    us = [u for u in fsdp.units(model) if u.layout is not None]
+    return {"sent": sent, "shard": [u.layout.shard_numel for u in us],
+            "padded": [u.layout.padded for u in us], "params": [len(u.params) for u in us]}
+
+
+def _reduction_bytes(model, rank, world):
+    """Bytes sent by reduce-scatters and all-reduces in a backward without, then with, sync."""
+    from minidist_course.references.sharding import loss_fn
+    x, y = norm_batch(0)
+    n = x.shape[0] // world
+    out = []
+    for sync in (False, True):
+        fsdp.set_requires_gradient_sync(model, sync)
+        with_names = p2p.traffic()
+        loss_fn(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+        after = p2p.traffic()
+        out.append(sum(v.bytes_sent - with_names.get(k, p2p.Traffic()).bytes_sent
+                       for k, v in after.items() if k.split("/")[0] in ("reduce_scatter",
+                                                                        "all_reduce")))
+    return out
+
+
+def _errors(rank, world, mesh):
+    """Bad input, each caught on this rank: the error's text."""
+    import torch.distributed as dist
+    out = {}
+    crossed = [dist.new_group(r) for r in ([0, 3], [1, 2])]      # every rank makes both
+    cross = crossed[0] if rank in (0, 3) else crossed[1]
+
+    def attempt(what, fn):
+        try:
+            fn()
+            out[what] = "no error"
+        except ValueError as e:
+            out[what] = str(e)
+
+    attempt("product", lambda: hsdp_mesh(3, 2))
+    attempt("overlap", lambda: fsdp.fully_shard(make_model(), group=mesh.shard,
+                                                replicate_group=mesh.shard))
+    attempt("crossed", lambda: fsdp.fully_shard(make_model(), group=mesh.shard,
+                                                replicate_group=cross))
+    attempt("flat", lambda: fsdp.fully_shard(make_model(), mesh=mesh, per_parameter=False))
+    model = make_model()
+    fsdp.fully_shard(model.blocks[0], mesh=mesh)
+    attempt("mixed", lambda: fsdp.fully_shard(model))             # root without the mesh
+    norm = make_norm_net()
+    fsdp.fully_shard(norm)
+    attempt("late replicate", lambda: replicate(norm.ln_f))
+    return out
+
+
+def _w4(rank, world):
+    mesh = hsdp_mesh(2, 2)
+    out = {"mesh": (dist_ranks(mesh.replicate), dist_ranks(mesh.shard))}
+    out["hsdp"] = _hsdp_tied(rank, world, mesh)                   # every rank another seed
+    out["torch"] = _torch_hsdp(rank, world)
+    out["accumulate"] = _hsdp_tied(rank, world, mesh, seed=0, batch=tied_batch24, accumulate=2)
+    out["clip"] = _hsdp_tied(rank, world, mesh, seed=0, clip=(0.05, 2.0))
+    out["clip inf"] = _hsdp_tied(rank, world, mesh, seed=0, clip=(1e3, float("inf")))
+    for name, where in (("norms fsdp", {}), ("norms hsdp", {"mesh": mesh})):
+        model = shard_norm_net(make_norm_net(seed=rank), **where)
+        opt = adamw(model)
+        res = train(model, opt, norm_batch, rank, world, STEPS, clip=(0.05, 2.0))
+        sd, osd = state(model), fsdp_state.full_optim_state_dict(model, opt)
+        train(model, opt, norm_batch, rank, world, 1, start=STEPS)
+        again = shard_norm_net(make_norm_net(seed=7), **where)    # reload, take the same step
+        opt2 = adamw(again)
+        fsdp_state.load_full_state_dict(again, sd)
+        fsdp_state.load_full_optim_state_dict(again, opt2, osd)
+        train(again, opt2, norm_batch, rank, world, 1, start=STEPS)
+        out[name] = res + (sd, state(model), state(again))
+    out["no sync"] = _reduction_bytes(model, rank, world)       # the HSDP NormNet
+    fsdp.ParamShardUnit = _SumsReplicas                          # this rank's copy only
+    out["sums replicas"] = _hsdp_tied(rank, world, mesh, seed=0)
+    fsdp.ParamShardUnit = fsdp_param.ParamShardUnit
+    out["traffic fsdp"] = _traffic(rank, world, None)
+    out["traffic hsdp"] = _traffic(rank, world, mesh)
+    out["errors"] = _errors(rank, world, mesh)
+    return out
+
+
+def dist_ranks(group):
+    import torch.distributed as dist
+    return dist.get_process_group_ranks(group)
+
+
+@pytest.fixture(scope="module")
+def w4():
+    return minidist.run(_w4, 4, timeout=240)
+
+
+# ------------------------------------------------------------------ the checks
+def test_the_mesh_is_torchs_rank_order(w4):
+    assert [r["mesh"] for r in w4] == [([0, 2], [0, 1]), ([1, 3], [0, 1]),
+                                       ([0, 2], [2, 3]), ([1, 3], [2, 3])]
+
+
+def test_hsdp_2x2_equals_one_process_from_different_seeds(w4):
+    """Gradients of step 1 and parameters after 2 AdamW steps; every rank built its model from
+    another seed (pytorch/pytorch#140183: replicas must be synced at wrap), and each got another
+    quarter of the batch (pytorch/pytorch#155903: one process's scale, not R or 1/R times)."""
+    grads, _, sd = _single(make_model, tied_batch)
+    for r, res in enumerate(w4):
+        ours_g, _, ours_sd = res["hsdp"]
+        assert rel(ours_g, grads) <= REL, (r, rel(ours_g, grads))
+        assert rel(ours_sd, sd) <= REL, (r, rel(ours_sd, sd))
+        assert rel(ours_sd, w4[0]["hsdp"][2]) == 0.0, f"rank {r} diverged from rank 0"
+    moved = rel(sd, _single(make_model, tied_batch, steps=0)[2])
+    assert moved > 1e-3
+
+
+def test_hsdp_equals_torch_fsdp2_hsdp(w4):
+    for r, res in enumerate(w4):
+        t_grads, t_sd = res["torch"]
+        ours_g, _, ours_sd = res["hsdp"]
+        assert rel(ours_g, t_grads) <= TORCH_REL, (r, rel(ours_g, t_grads))
+        assert rel(ours_sd, t_sd) <= TORCH_REL, (r, rel(ours_sd, t_sd))
+
+
+def test_summing_across_replicas_is_caught(w4):
+    grads, _, _ = _single(make_model, tied_batch)
+    assert rel(w4[0]["sums replicas"][0], grads) > 0.5        # 2x: caught, as R is 2
+
+
+def test_accumulation_skips_both_reductions_and_sums_before_crossing(w4):
+    """2 micro-batches, the first with set_requires_gradient_sync(False): equal to one process
+    (pytorch/pytorch#125484: the first micro-batch must cross the replicas too)."""
+    grads, _, sd = _single(make_model, tied_batch24, accumulate=2)
+    for res in w4:
+        assert rel(res["accumulate"][0], grads) <= REL
+        assert rel(res["accumulate"][2], sd) <= REL
+        without, with_sync = res["no sync"]     # HSDP NormNet: sharded and replicated units
+        assert without == 0 and with_sync > 0
+
+
+@pytest.mark.parametrize("key,clip", [("clip", (0.05, 2.0)), ("clip inf", (1e3, float("inf")))])
+def test_clip_grad_norm_under_hsdp_counts_each_piece_once(w4, key, clip):
+    """The norm equals torch.nn.utils.clip_grad_norm_'s on one process (not sqrt(R) times it:
+    VeOmni#184); with a binding max_norm the parameters follow one process's."""
+    _, norms, sd = _single(make_model, tied_batch, clip=clip)
+    for res in w4:
+        _, ours, ours_sd = res[key]
+        assert ours == pytest.approx(norms, rel=REL)
+        assert rel(ours_sd, sd) <= REL
+    assert norms[0] > clip[0] or clip[1] == float("inf")       # 2-norm: the clip binds
+
+
+@pytest.mark.parametrize("name", ["norms fsdp", "norms hsdp"])
+def test_sharded_linears_replicated_norms_equal_one_process(w4, name):
+    """CS336 a2's FSDP: LayerNorms replicated, linears sharded — over the world (FSDP) and over
+    the 2 x 2 mesh; the norm counts replicated gradients once (mindspore hyper-parallel#279,
+    pytorch/pytorch#88955); ``bonus`` is used by rank 3 only, in a sharded and in a replicated
+    unit (pytorch/pytorch#158719); the full state dict and optimizer state dict reload into a
+    model built from another seed and take the same next step."""
+    grads, norms, sd = _single(make_norm_net, norm_batch, clip=(0.05, 2.0))
+    assert {"gate_s.bonus", "gate_r.bonus"} <= set(grads)
+    for r, res in enumerate(w4):
+        ours_g, ours_norms, ours_sd, after, reloaded = res[name]
+        assert rel(ours_g, grads) <= REL, (r, rel(ours_g, grads))
+        assert ours_norms == pytest.approx(norms, rel=REL)
+        assert rel(ours_sd, sd) <= REL, (r, rel(ours_sd, sd))
+        assert rel(reloaded, after) == 0.0, (r, "reload")
+    assert norms[0] > 0.05
+
+
+def test_replicate_group_bytes_are_one_shard_of_the_gradient(w4):
+    """Per step, ring algorithms, R = S = 2: across the replicate group a rank sends its [S_u]
+    piece of each unit once (a ring all-reduce over 2 ranks sends N elements), 1/S of the
+    gradient; FSDP over all 4 ranks reduce-scatters (W-1)/W of it. Flags (one float per
+    parameter, the "used on any rank" all-reduces over both groups) are counted apart."""
+    for res in w4:
+        f, h = res["traffic fsdp"], res["traffic hsdp"]
+        assert f["sent"].get("reduce_scatter/ring") == sum(3 * s * 4 for s in f["shard"])
+        assert h["sent"].get("reduce_scatter/ring") == sum(s * 4 for s in h["shard"])
+        flags = sum(2 * n * 4 for n in h["params"])
+        across = h["sent"]["all_reduce/ring"] - flags
+        assert across == sum(s * 4 for s in h["shard"]) == sum(p * 4 for p in h["padded"]) // 2
+
+
+def test_bad_input_is_a_clear_error_on_every_rank(w4):
+    for r, res in enumerate(w4):
+        e = res["errors"]
+        assert f"rank {r}" in e["product"] and "replicate=3 x shard=2" in e["product"] \
+            and "world size 4" in e["product"]
+        assert f"fully_shard (rank {r})" in e["overlap"] and "replicate_group" in e["overlap"] \
+            and "overlaps the shard group" in e["overlap"] and "expected" in e["overlap"]
+        assert f"fully_shard (rank {r})" in e["crossed"] and "(shard rank, shard group size)" \
+            in e["crossed"] and "expected the same piece" in e["crossed"]
+        assert "per_parameter=True" in e["flat"]
+        assert "every unit under one root shares its replicate group" in e["mixed"]
+        assert "already belongs to unit" in e["late replicate"]
+
+
+# ------------------------------------------------------------------ edge meshes at W = 2
+def _w2(rank, world):
+    return {f"{r}x{s}": _hsdp_tied(rank, world, hsdp_mesh(r, s)) for r, s in ((1, 2), (2, 1))}
+
+
+def test_edge_meshes_1x2_and_2x1_equal_one_process():
+    """1 x 2 is FSDP (the replicate group of one rank is dropped); 2 x 1 is DDP (each rank's
+    "shard" is the whole model)."""
+    grads, _, sd = _single(make_model, tied_batch)
+    for res in minidist.run(_w2, 2, timeout=120):
+        for mesh in ("1x2", "2x1"):
+            assert rel(res[mesh][0], grads) <= REL, mesh
+            assert rel(res[mesh][2], sd) <= REL, mesh
