@@ -107,7 +107,7 @@ def train(model, opt, batch, rank, world, steps, clip=None, accumulate=1, start=
         for k, (xk, yk) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
             if not single:
                 fsdp.set_requires_gradient_sync(model, k == accumulate - 1)
-            (loss_fn(model(xk), yk) / accumulate).backward()
+            (loss_fn(model(xk).float(), yk) / accumulate).backward()
         if grads is None:
             grads = ({n: p.grad.detach().clone() for n, p in model.named_parameters()
                       if p.grad is not None} if single else fsdp_state.full_gradients(model))
@@ -137,6 +137,11 @@ def tied_batch(step: int):
 def tied_batch24(step: int):
     """24 rows: 6 per rank at W = 4, two micro-batches of 3 (equal means: accumulation)."""
     return global_batch(step, size=24)
+
+
+def tied_batch48(step: int):
+    """48 rows: two equal micro-batches per rank at W = 4, 6 and 8."""
+    return global_batch(step, size=48)
 
 
 def rel(a: dict, b: dict) -> float:

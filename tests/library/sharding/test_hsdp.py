@@ -32,7 +32,7 @@ import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import
 
 import minidist
 from _hsdp_cases import (adamw, make_norm_net, norm_batch, rel, shard_norm_net, state,
-                         tied_batch, tied_batch24, train)
+                         tied_batch, tied_batch24, tied_batch48, train)
 from minidist.comm import p2p
 from minidist.sharding import fsdp, fsdp_param, fsdp_state, hsdp_mesh, replicate
 from minidist_course.references.sharding import Block, make_model
@@ -48,29 +48,30 @@ def _single(make, batch, steps=STEPS, clip=None, accumulate=1):
 
 
 # ------------------------------------------------------------------ what each rank runs
-def _hsdp_tied(rank, world, mesh, seed=None, batch=tied_batch, **kw):
+def _hsdp_tied(rank, world, mesh, seed=None, batch=tied_batch, wrap=None, **kw):
     model = fsdp.fully_shard(make_model(seed=rank if seed is None else seed), auto_wrap=(Block,),
-                             mesh=mesh)
+                             mesh=mesh, **(wrap or {}))
     grads, norms = train(model, adamw(model), batch, rank, world, STEPS, **kw)
     return grads, norms, state(model)
 
 
-def _torch_hsdp(rank, world):
-    """torch's FSDP2 on a (replicate=2, shard=2) DeviceMesh: gradients of step 1 and the state."""
+def _torch_hsdp(rank, world, R=2, S=2, bf16=False, batch=tied_batch):
+    """torch's FSDP2 on a (replicate=R, shard=S) DeviceMesh: gradients of step 1 and the state."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from minidist_course.references.sharding import loss_fn
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
     model = make_model()
     for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(b, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     opt, grads = adamw(model), None
     for step in range(STEPS):
         opt.zero_grad()
-        x, y = tied_batch(step)
+        x, y = batch(step)
         n = x.shape[0] // world
-        loss_fn(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+        loss_fn(model(x[rank * n:(rank + 1) * n]).float(), y[rank * n:(rank + 1) * n]).backward()
         if grads is None:
             grads = {k: p.grad.full_tensor().clone() for k, p in model.named_parameters()
                      if p.grad is not None}
@@ -305,3 +306,41 @@ def test_edge_meshes_1x2_and_2x1_equal_one_process():
         for mesh in ("1x2", "2x1"):
             assert rel(res[mesh][0], grads) <= REL, mesh
             assert rel(res[mesh][2], sd) <= REL, mesh
+
+
+# ------------------------------------------------------------------ the sweep (integration tier)
+SWEEP = {4: [(1, 4), (4, 1), (2, 2)], 6: [(2, 3), (3, 2)], 8: [(2, 4), (4, 2)]}
+
+
+def _sweep(rank, world):
+    out = {}
+    for R, S in SWEEP[world]:
+        mesh = hsdp_mesh(R, S)
+        for how in ("hand-built", "torch"):
+            out[(R, S, how)] = _hsdp_tied(rank, world, mesh, seed=0, batch=tied_batch48,
+                                          wrap={"collectives": how}, accumulate=2,
+                                          clip=(0.05, 2.0))
+        bf16 = {"mp_policy": fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32)}
+        out[(R, S, "bf16")] = _hsdp_tied(rank, world, mesh, seed=0, batch=tied_batch48, wrap=bf16)
+        out[(R, S, "torch fsdp2")] = _torch_hsdp(rank, world, R, S, batch=tied_batch48)
+        out[(R, S, "torch fsdp2 bf16")] = _torch_hsdp(rank, world, R, S, True, tied_batch48)
+    return out
+
+
+@pytest.mark.exhaustive      # 7 meshes at W = 4, 6, 8, each with both collectives, bf16 and torch
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", sorted(SWEEP))
+def test_every_mesh_equals_one_process_and_torch(world):
+    grads, norms, sd = _single(make_model, tied_batch48, accumulate=2, clip=(0.05, 2.0))
+    plain_g, _, plain_sd = _single(make_model, tied_batch48)
+    for r, res in enumerate(minidist.run(_sweep, world, timeout=500)):
+        for R, S in SWEEP[world]:
+            for how in ("hand-built", "torch"):
+                g, n, st = res[(R, S, how)]
+                assert rel(g, grads) <= REL and rel(st, sd) <= REL, (r, R, S, how)
+                assert n == pytest.approx(norms, rel=REL), (r, R, S, how)
+            t_g, t_sd = res[(R, S, "torch fsdp2")]
+            assert rel(t_g, plain_g) <= REL and rel(t_sd, plain_sd) <= REL, (r, R, S, "torch")
+            b_g, _, b_sd = res[(R, S, "bf16")]
+            tb_g, tb_sd = res[(R, S, "torch fsdp2 bf16")]
+            assert rel(b_g, tb_g) <= REL and rel(b_sd, tb_sd) <= REL, (r, R, S, "bf16")
