@@ -17,6 +17,11 @@ between two ranks). Empty tensors are never sent:
 gloo cannot send zero bytes, and both sides of a pair always agree that the message is empty.
 CUDA tensors on a gloo group (ranks sharing a GPU) travel through a reusable CPU buffer:
 :mod:`minidist.comm.staging`.
+
+While a two-level topology is installed (:mod:`minidist.comm.topology`), every message sent is
+paced to its link's class (intra- or inter-node) before gloo sees it, and its bytes are counted
+per class (``Traffic.bytes_sent_inter`` / ``bytes_sent_intra``); without one the send path pays a
+single attribute check.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import staging
+from . import staging, topology as _topology
 
 __all__ = [
     "send", "recv", "isend", "irecv", "wait_all", "exchange",
@@ -40,19 +45,24 @@ __all__ = [
 
 @dataclass
 class Traffic:
-    """Bytes and messages one rank sent and received (one row per collective name)."""
+    """Bytes and messages one rank sent and received (one row per collective name);
+    ``bytes_sent_inter`` / ``bytes_sent_intra``: of the bytes sent, those over a link between
+    nodes / inside a node (counted only while a topology is installed: :mod:`.topology`)."""
 
     bytes_sent: int = 0
     bytes_recv: int = 0
     msgs_sent: int = 0
     msgs_recv: int = 0
+    bytes_sent_inter: int = 0
+    bytes_sent_intra: int = 0
 
     def __iadd__(self, other: "Traffic") -> "Traffic":
-        self.bytes_sent += other.bytes_sent
-        self.bytes_recv += other.bytes_recv
-        self.msgs_sent += other.msgs_sent
-        self.msgs_recv += other.msgs_recv
+        for k, v in vars(other).items():
+            setattr(self, k, getattr(self, k) + v)
         return self
+
+    def __sub__(self, other: "Traffic") -> "Traffic":
+        return Traffic(**{k: v - getattr(other, k) for k, v in vars(self).items()})
 
 
 class _Scopes(threading.local):
@@ -231,7 +241,18 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, _kind: st
     if tensor.numel() == 0:
         return _Done()
     _record(_kind, tensor, dst)
+    if _topology.state.maybe:        # a two-level topology: pace to the link, count per class
+        _shape(tensor, dst, group)
     return staging.isend(tensor, dst, group, tag)  # CUDA via CPU
+
+
+def _shape(tensor: torch.Tensor, dst: int, group) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    kind = _topology.pace(nbytes, dst, group)
+    if kind is not None:
+        with _state.lock:
+            t = _state.traffic[_scope_name()]
+            setattr(t, f"bytes_sent_{kind}", getattr(t, f"bytes_sent_{kind}") + nbytes)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, _kind: str = "irecv"):
@@ -305,6 +326,4 @@ def count_traffic():
     yield total
     after = traffic()
     for k, v in after.items():
-        b = before.get(k, Traffic())
-        total += Traffic(v.bytes_sent - b.bytes_sent, v.bytes_recv - b.bytes_recv,
-                         v.msgs_sent - b.msgs_sent, v.msgs_recv - b.msgs_recv)
+        total += v - before.get(k, Traffic())

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env as _env
-from ..comm import p2p, threads
+from ..comm import p2p, threads, topology
 
 class _QueueWriter:
     """Replaces sys.stdout/sys.stderr in a rank: forwards text to the parent line by line."""
@@ -120,6 +120,7 @@ def main(rank, world_size, payload, tmpdir, backend, pg_timeout_s, q, shm, dump_
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
         _all_connected(store, rank, world_size)
+        topology.reload()   # $MINIDIST_TOPOLOGY as this launch set it (a fork inherits old state)
         p2p.publish("running user code (no minidist op yet)")
         result = fn(rank, world_size, *args)
         q.put(("result", rank, cloudpickle.dumps(_to_cpu(result)), p2p.progress()[0]))

@@ -1,0 +1,286 @@
+"""A two-level cluster on one machine: ranks grouped into nodes, two classes of link, and a
+software shaper that makes the slow class slow.
+
+A real cluster has fast links inside a node (NVLink, hundreds of GB/s) and slow ones between
+nodes (InfiniBand or Ethernet, tens of GB/s, and a larger latency). Under :func:`minidist.run`
+every rank is a process on one machine and every message crosses loopback, so every link is
+alike. A :class:`Topology` says which ranks share a node — ``nodes × ranks_per_node`` ranks, global
+rank ``r`` on node ``r // ranks_per_node`` — and gives each class of link (``"intra"``, between
+ranks of one node; ``"inter"``, between nodes) an alpha-beta cost (Hockney 1994): ``alpha``
+seconds per message plus ``beta = 1 / bandwidth`` seconds per byte.
+
+Installing one (every rank must see the same):
+
+* ``install(Topology(2, 2, inter=Link(1e-4, 2e8)))`` or ``install("2x2:inter=1e-4,2e8")`` in the
+  process that calls :func:`minidist.run`, or ``with use(...):`` around the call. It also sets
+  ``$MINIDIST_TOPOLOGY``, and every rank reads that variable when it starts (a forked or spawned
+  rank alike; a rank started by torchrun reads it at its first message);
+* or export ``MINIDIST_TOPOLOGY`` yourself. Its form: ``NODESxRANKS_PER_NODE`` then, optionally,
+  ``:inter=ALPHA,BANDWIDTH`` and/or ``:intra=ALPHA,BANDWIDTH``, with ALPHA in seconds and
+  BANDWIDTH in bytes per second (``inf``: unlimited). A link not named is unshaped.
+
+The shaper (:func:`pace`, called by :mod:`minidist.comm.p2p` for every message it sends while a
+topology is installed): the sender looks up the class of the link to the receiver (global ranks
+of both) and waits, *before* it hands the message to gloo, until that class's link of this rank
+is free and the message has had ``alpha + nbytes · beta`` of it. Each rank has one link of each
+class (one NIC, as each GPU of a DGX node has its own); back-to-back messages queue on it, so a
+stream of messages leaves at no more than ``bandwidth`` bytes/s and each pays ``alpha`` (a token
+bucket of depth zero, kept as the time the link is next free). The traffic counters count the
+bytes sent over each class (``Traffic.bytes_sent_inter`` / ``bytes_sent_intra``).
+
+What it is not: an emulation, added to loopback's own cost (a few GB/s; give the inter link a
+bandwidth well below it for the shaping to dominate), on the sender only (the receiver does not
+pay), and only for minidist's own point-to-point messages: ``torch.distributed``'s collectives
+(``dist.all_reduce`` and the rest, also the size checks minidist's collectives run through them)
+go straight to gloo and are not shaped. Linux's ``tc netem`` on a virtual interface per node
+would shape everything, at the price of root and a network namespace per node.
+
+Source of the two-level picture: NCCL's topology detection (``src/graph/topo.cc``: NVLink within
+a node, NET between nodes) and its cost model per link type (``src/graph/tuning.cc``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+__all__ = ["ENV", "Link", "Topology", "install", "uninstall", "use", "current", "reload", "link",
+           "pace", "global_rank", "state"]
+
+ENV = "MINIDIST_TOPOLOGY"
+CLASSES = ("intra", "inter")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One class of link: ``alpha`` seconds per message, ``bandwidth`` bytes per second
+    (``math.inf``: no limit). The default, ``Link()``, is unshaped."""
+
+    alpha: float = 0.0
+    bandwidth: float = math.inf
+
+    def __post_init__(self):
+        if not (math.isfinite(self.alpha) and self.alpha >= 0):
+            raise ValueError(f"Link: alpha must be a finite number of seconds >= 0, got {self.alpha!r}")
+        if not self.bandwidth > 0:
+            raise ValueError(f"Link: bandwidth must be > 0 bytes/s (math.inf: unlimited), got "
+                             f"{self.bandwidth!r}")
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte: ``1 / bandwidth`` (0 when unlimited)."""
+        return 0.0 if math.isinf(self.bandwidth) else 1.0 / self.bandwidth
+
+    @property
+    def shaped(self) -> bool:
+        return self.alpha > 0 or not math.isinf(self.bandwidth)
+
+    def seconds(self, nbytes: int) -> float:
+        """What one message of ``nbytes`` costs on this link: ``alpha + nbytes · beta``."""
+        return self.alpha + nbytes * self.beta
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``nodes × ranks_per_node`` ranks; global rank ``r`` is on node ``r // ranks_per_node``.
+    ``intra``: the link between two ranks of one node; ``inter``: between nodes (both unshaped
+    unless given). ValueError for a count below 1."""
+
+    nodes: int
+    ranks_per_node: int
+    inter: Link = field(default_factory=Link)
+    intra: Link = field(default_factory=Link)
+
+    def __post_init__(self):
+        for name in ("nodes", "ranks_per_node"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"Topology: {name} must be an int >= 1, got {v!r}")
+
+    @property
+    def size(self) -> int:
+        """The world size this topology describes."""
+        return self.nodes * self.ranks_per_node
+
+    def node(self, rank: int) -> int:
+        """The node of global rank ``rank`` (ValueError outside ``0 .. size - 1``)."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"topology {self.spec()}: global rank {rank} is not in 0..{self.size - 1}")
+        return rank // self.ranks_per_node
+
+    def link(self, a: int, b: int) -> str:
+        """``"intra"`` if global ranks ``a`` and ``b`` share a node, else ``"inter"``."""
+        return "intra" if self.node(a) == self.node(b) else "inter"
+
+    def cost(self, kind: str) -> Link:
+        return self.intra if kind == "intra" else self.inter
+
+    def spec(self) -> str:
+        """The ``$MINIDIST_TOPOLOGY`` form of this topology (:meth:`parse` reads it back)."""
+        out = f"{self.nodes}x{self.ranks_per_node}"
+        for kind in ("inter", "intra"):
+            ln = self.cost(kind)
+            if ln.shaped:
+                out += f":{kind}={ln.alpha!r},{ln.bandwidth!r}"
+        return out
+
+    @classmethod
+    def parse(cls, spec: str) -> "Topology":
+        """``"2x2"``, ``"2x2:inter=1e-4,2e8"``, ``"2x4:inter=5e-5,1e9:intra=0,inf"``: see the
+        module docstring. ValueError naming what is wrong and the expected form."""
+        form = ("expected NODESxRANKS_PER_NODE[:inter=ALPHA_S,BYTES_PER_S][:intra=ALPHA_S,"
+                "BYTES_PER_S], e.g. '2x2:inter=1e-4,2e8'")
+        head, *links = str(spec).strip().split(":")
+        try:
+            nodes, per = (int(x) for x in head.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"{ENV}={spec!r}: {head!r} is not NODESxRANKS_PER_NODE; {form}") from None
+        given: dict = {}
+        for part in links:
+            kind, _, value = part.partition("=")
+            kind = kind.strip()
+            if kind not in CLASSES or kind in given:
+                raise ValueError(f"{ENV}={spec!r}: {part!r}: link class must be 'inter' or "
+                                 f"'intra', each at most once; {form}")
+            try:
+                alpha, bandwidth = (float(x) for x in value.split(","))
+                given[kind] = Link(alpha, bandwidth)
+            except ValueError as e:
+                raise ValueError(f"{ENV}={spec!r}: {part!r}: {e}; {form}") from None
+        return cls(nodes, per, **given)
+
+
+class _State:
+    """``maybe``: the one attribute p2p's hot path reads — False once this process knows no
+    topology is installed."""
+
+    __slots__ = ("maybe", "loaded", "topo", "free_at", "lock", "globals", "checked")
+
+    def __init__(self):
+        self.maybe = True            # unknown until the environment has been read
+        self.loaded = False
+        self.topo: Topology | None = None
+        self.free_at = {k: 0.0 for k in CLASSES}   # when this rank's link of each class is free
+        self.lock = threading.Lock()               # a DDP comm thread sends beside the main thread
+        self.globals: dict = {}      # id(group) -> (weakref to the group, its global ranks)
+        self.checked = None          # the topology whose size was checked against the world
+
+
+state = _State()
+
+
+def _set(topo: Topology | None) -> None:
+    state.topo, state.loaded, state.maybe = topo, True, topo is not None
+    state.free_at = {k: 0.0 for k in CLASSES}
+    state.checked = None
+
+
+def current() -> Topology | None:
+    """The topology installed in this process (read from ``$MINIDIST_TOPOLOGY`` at first use)."""
+    if not state.loaded:
+        spec = os.environ.get(ENV, "").strip()
+        _set(Topology.parse(spec) if spec else None)
+    return state.topo
+
+
+def install(topo: Topology | str) -> Topology:
+    """Install ``topo`` (a :class:`Topology` or its spec string) in this process and export it
+    in ``$MINIDIST_TOPOLOGY``, so that ranks started afterwards see it too."""
+    if isinstance(topo, str):
+        topo = Topology.parse(topo)
+    if not isinstance(topo, Topology):
+        raise TypeError(f"install: expected a Topology or its spec string, got {type(topo).__name__}")
+    os.environ[ENV] = topo.spec()
+    _set(topo)
+    return topo
+
+
+def uninstall() -> None:
+    """No topology: every link unshaped, ``algorithm="hierarchical"`` refused."""
+    os.environ.pop(ENV, None)
+    _set(None)
+
+
+@contextlib.contextmanager
+def use(topo: Topology | str | None):
+    """``with use("2x2:inter=1e-4,2e8"): minidist.run(...)``; the previous setting (and the
+    environment variable) come back afterwards. ``None``: no topology inside the block."""
+    before = os.environ.get(ENV)
+    try:
+        yield install(topo) if topo is not None else uninstall()
+    finally:
+        if before is None:
+            uninstall()
+        else:
+            install(before)
+
+
+def reload() -> Topology | None:
+    """Read ``$MINIDIST_TOPOLOGY`` again (each rank of :func:`minidist.run`, after joining the
+    process group): a ValueError on every rank if it is malformed or does not describe the world."""
+    state.loaded = False
+    state.globals.clear()
+    topo = current()
+    if topo is not None and dist.is_initialized():
+        _check_world(topo)
+    return topo
+
+
+def _check_world(topo: Topology) -> None:
+    world = dist.get_world_size()
+    if world != topo.size:
+        raise ValueError(f"topology {topo.spec()} (from {ENV} or topology.install) describes "
+                         f"{topo.nodes} x {topo.ranks_per_node} = {topo.size} ranks, but the world "
+                         f"has {world} (rank {dist.get_rank()}); install one with nodes x "
+                         f"ranks_per_node = {world}")
+    state.checked = topo
+
+
+def global_rank(peer: int, group=None) -> int:
+    """The global rank of group rank ``peer`` (remembered per group: asked on every message)."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return peer
+    hit = state.globals.get(id(group))
+    if hit is None or hit[0]() is not group:
+        if len(state.globals) > 64:
+            state.globals.clear()
+        # held weakly: a group dropped by its owner can go (its gloo threads with it)
+        hit = state.globals[id(group)] = (weakref.ref(group), dist.get_process_group_ranks(group))
+    return hit[1][peer]
+
+
+def link(a: int, b: int) -> str:
+    """``"intra"`` or ``"inter"``: the class of the link between global ranks ``a`` and ``b``
+    under the installed topology (RuntimeError if none is installed)."""
+    topo = current()
+    if topo is None:
+        raise RuntimeError(f"topology.link: no topology is installed (topology.install(...) or {ENV})")
+    return topo.link(a, b)
+
+
+def pace(nbytes: int, peer: int, group=None) -> str | None:
+    """Called for each message this rank sends to group rank ``peer``: wait until this rank's link
+    to it is free and ``alpha + nbytes · beta`` has passed on it, then return its class (None, at
+    once, when no topology is installed)."""
+    topo = current()
+    if topo is None:
+        return None
+    if state.checked is not topo:
+        _check_world(topo)
+    kind = topo.link(dist.get_rank(), global_rank(peer, group))
+    cost = topo.cost(kind)
+    if cost.shaped:
+        now = time.perf_counter()
+        with state.lock:
+            done = max(now, state.free_at[kind]) + cost.seconds(nbytes)
+            state.free_at[kind] = done
+        while (left := done - time.perf_counter()) > 0:
+            time.sleep(left)
+    return kind
