@@ -8,11 +8,12 @@ algorithms in ``minidist.comm`` — built only from point-to-point isend/irecv:
 collective         algorithms                 torch.distributed equivalent
 =================  =========================  ============================================
 all_reduce         ring (default), naive,     ``dist.all_reduce``
-                   recursive_doubling, auto
+                   recursive_doubling, auto,
+                   hierarchical
 reduce_scatter     ring (default), naive,     ``dist.reduce_scatter`` / ``reduce_scatter_tensor``
-                   auto
+                   auto, hierarchical
 all_gather         ring (default), naive,     ``dist.all_gather`` / ``all_gather_into_tensor``
-                   auto
+                   auto, hierarchical
 broadcast          tree (default), naive,     ``dist.broadcast``
                    ring (pipelined chain), auto
 reduce             tree (default), naive      ``dist.reduce``
@@ -22,6 +23,12 @@ all_to_all         naive (pairwise)           ``dist.all_to_all``
 ``algorithm="auto"`` runs the algorithm with the lowest predicted time for this size
 and world size (:mod:`minidist.comm.tuner`, as NCCL's tuner does); the traffic counters name the
 algorithm it ran (``"all_reduce/recursive_doubling"``), ``MINIDIST_DEBUG=1`` prints each choice.
+
+``algorithm="hierarchical"`` (all_reduce, reduce_scatter, all_gather: :data:`TOPOLOGY_ALGORITHMS`)
+runs two levels, inside each node and across nodes (:mod:`minidist.comm.hierarchical`); it needs
+an installed two-level topology (:mod:`minidist.comm.topology`) and raises ``ValueError`` on every
+rank without one. It is not in :data:`ALGORITHMS`, whose every entry runs anywhere (the bench,
+the demo and the tests run them all); with a topology installed ``auto`` considers it too.
 The strategies (DDP, ZeRO, FSDP, the 3-D DP step) use ``auto`` through
 :class:`minidist.communicator.Communicator`; these functions keep their explicit defaults.
 
@@ -40,12 +47,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm import naive, p2p, recursive_doubling, ring, tree, tuner
+from .comm import (hierarchical, naive, p2p, recursive_doubling, ring, topology, tree, tuner,
+                   tuner_topology)
 from .comm.ops import (check_exchange_sizes, check_group, check_same_across_ranks, check_sizes_agree,
                        contiguous, debug_enabled, finish_avg_, normalize_op)
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
-           "ALGORITHMS", "AUTO", "resolve_algorithm"]
+           "ALGORITHMS", "TOPOLOGY_ALGORITHMS", "AUTO", "resolve_algorithm"]
 
 AUTO = "auto"  # the algorithm name that asks the tuner (ops in tuner.CANDIDATES)
 
@@ -57,6 +65,19 @@ ALGORITHMS: dict[str, dict] = {
     "broadcast": {"tree": tree.broadcast, "naive": naive.broadcast, "ring": ring.broadcast},
     "reduce": {"tree": tree.reduce, "naive": naive.reduce},
 }
+# the algorithms that need an installed two-level topology (minidist.comm.topology)
+TOPOLOGY_ALGORITHMS: dict[str, dict] = {
+    "all_reduce": {"hierarchical": hierarchical.all_reduce},
+    "reduce_scatter": {"hierarchical": hierarchical.reduce_scatter_chunks},
+    "all_gather": {"hierarchical": hierarchical.all_gather_chunks},
+}
+
+
+def _algorithm(opname: str, algorithm: str):
+    """The function that runs ``algorithm`` of ``opname`` (looked up per call: tests replace
+    entries of :data:`ALGORITHMS`)."""
+    fn = ALGORITHMS[opname].get(algorithm)
+    return fn if fn is not None else TOPOLOGY_ALGORITHMS[opname][algorithm]
 
 
 def _check_movable(opname: str, **tensors) -> None:
@@ -91,6 +112,8 @@ def _setup(opname: str, algorithm: str, tensor, group, arg: str = "tensor", **ot
     check_group(opname, group)
     _check_movable(opname, **{arg: tensor}, **others)
     table = ALGORITHMS.get(opname)
+    if table is not None:
+        table = {**table, **TOPOLOGY_ALGORITHMS.get(opname, {})}
     if opname == "all_reduce" and algorithm == "tree":
         raise ValueError("all_reduce: algorithm 'tree' is now called 'recursive_doubling' (log2 W "
                          "rounds of pairwise exchange; 'tree' names only the binomial-tree "
@@ -100,6 +123,8 @@ def _setup(opname: str, algorithm: str, tensor, group, arg: str = "tensor", **ot
         names = sorted(table) + ([AUTO] if opname in tuner.CANDIDATES else [])
         raise ValueError(f"{opname} (rank {dist.get_rank(group)}): algorithm must be one of "
                          f"{names}, got {algorithm!r}")
+    if algorithm in TOPOLOGY_ALGORITHMS.get(opname, ()):
+        hierarchical.check(opname, group)   # before any message, on every rank alike
     return p2p.rank_and_size(group)
 
 
@@ -109,6 +134,8 @@ def resolve_algorithm(opname: str, algorithm: str, nbytes: int, itemsize: int, w
     ranks (the same on every rank of ``group``: :func:`minidist.comm.tuner.agreed_table`)."""
     if algorithm != AUTO:
         return algorithm
+    if topology.state.maybe and world > 1 and topology.current() is not None:   # two levels
+        return tuner_topology.choose(opname, world, nbytes, itemsize, group, debug_enabled(debug))
     return tuner.choose(opname, world, nbytes, itemsize, group, debug_enabled(debug))
 
 
@@ -147,7 +174,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", algorithm: str = "ring", group=No
                                 op=op, algorithm=algorithm)
     with contiguous(_data(tensor)) as t, p2p.collective(f"all_reduce/{algorithm}"):
         if world > 1 and t.numel() > 0:
-            ALGORITHMS["all_reduce"][algorithm](t if t.dim() == 1 else t.view(-1), op, rank,
+            _algorithm("all_reduce", algorithm)(t if t.dim() == 1 else t.view(-1), op, rank,
                                                 world, group)
         finish_avg_(t, op, world)
     return tensor
@@ -202,7 +229,7 @@ def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring
             check_sizes_agree("reduce_scatter", group, [c.numel() for c in chunks], out.device)
         chunks = [c.view(-1) for c in chunks]
         with p2p.collective(f"reduce_scatter/{algorithm}"):
-            ALGORITHMS["reduce_scatter"][algorithm](chunks, op, rank, world, group)
+            _algorithm("reduce_scatter", algorithm)(chunks, op, rank, world, group)
         out.view(-1).copy_(chunks[rank])
         finish_avg_(out, op, world)
     return output
@@ -233,7 +260,7 @@ def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
     chunks = [c.view(-1) for c in chunks]
     chunks[rank].copy_(mine.reshape(-1))
     with p2p.collective(f"all_gather/{algorithm}"):
-        ALGORITHMS["all_gather"][algorithm](chunks, rank, world, group)
+        _algorithm("all_gather", algorithm)(chunks, rank, world, group)
     if strided:
         for target, work in zip(targets, output):
             target.copy_(work)
@@ -254,7 +281,7 @@ def broadcast(tensor: torch.Tensor, src: int, algorithm: str = "tree", group=Non
         check_sizes_agree("broadcast", group, [tensor.numel()], tensor.device, root=src)
     with contiguous(_data(tensor)) as t, p2p.collective(f"broadcast/{algorithm}"):
         if world > 1 and t.numel() > 0:
-            ALGORITHMS["broadcast"][algorithm](t.view(-1), src, rank, world, group)
+            _algorithm("broadcast", algorithm)(t.view(-1), src, rank, world, group)
     return tensor
 
 
@@ -269,7 +296,7 @@ def reduce(tensor: torch.Tensor, dst: int, op="sum", algorithm: str = "tree", gr
                                 op=op, dst=dst, algorithm=algorithm)
     with contiguous(_data(tensor)) as t, p2p.collective(f"reduce/{algorithm}"):
         if world > 1 and t.numel() > 0:
-            ALGORITHMS["reduce"][algorithm](t.view(-1), op, dst, rank, world, group)
+            _algorithm("reduce", algorithm)(t.view(-1), op, dst, rank, world, group)
         if rank == dst:
             finish_avg_(t, op, world)
     return tensor
