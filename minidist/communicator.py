@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
-from .comm import threads
+from .comm import p2p, threads
 from .comm.ops import check_group
 
 __all__ = ["COLLECTIVES", "check_collectives", "check_algorithm", "Communicator", "CommThread",
@@ -198,7 +198,8 @@ class CommThread:
         # as the launcher does after init (launch/rank_process.py).
         if isinstance(own, dist.ProcessGroup) and dist.get_backend(own) == "gloo":
             dist.barrier(group=own)
-        self.comm = Communicator(comm.collectives, own, algorithm=comm.algorithm)
+        self.comm: Communicator | None = Communicator(comm.collectives, own,
+                                                      algorithm=comm.algorithm)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=_serve, args=(self._queue,), daemon=True, name=name)
         self._thread.start()
@@ -207,6 +208,8 @@ class CommThread:
 
     def submit(self, what: str, fn, *args) -> Handle:
         """Run ``fn(self.comm, *args)`` on the thread; returns a :class:`Handle`."""
+        if self.comm is None:
+            raise RuntimeError(f"CommThread {self._thread.name!r}: submit({what!r}) after close()")
         h = Handle(what)
         self._queue.put((h, fn, (self.comm, *args)))
         return h
@@ -216,10 +219,15 @@ class CommThread:
         self._finalizer()
 
     def close(self) -> None:
-        """Stop the thread and wait for it (up to 5 s)."""
+        """Stop the thread and wait for it (up to 5 s); then destroy its process group, which
+        frees the group's gloo threads (kept if the thread has not stopped: it may still be
+        inside a collective)."""
         self._finalizer()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
+        if not self._thread.is_alive() and self.comm is not None:
+            p2p.destroy_group(self.comm.group)
+            self.comm = None   # the last reference: the group's threads go now
 
 
 def _serve(q: queue.Queue) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from . import staging, topology as _topology
 
 __all__ = [
     "send", "recv", "isend", "irecv", "wait_all", "exchange",
-    "traffic", "reset_traffic", "count_traffic", "collective", "publish", "Traffic",
+    "destroy_group", "traffic", "reset_traffic", "count_traffic", "collective", "publish", "Traffic",
 ]
 
 
@@ -150,7 +151,7 @@ def _record(kind: str, tensor: torch.Tensor, peer: int) -> None:
     publish(f"{scope}: {kind} {arrow} rank {peer}, {nbytes} bytes, seq {_state.seq}")
 
 
-_groups: dict = {}   # id(process group) -> (the group, this rank in it, its size)
+_groups: dict = {}   # id(process group) -> (weakref to the group, this rank in it, its size)
 
 
 def group_rank_world(group=None) -> tuple[int, int]:
@@ -164,6 +165,20 @@ def group_rank_world(group=None) -> tuple[int, int]:
     return rank_and_size(group)
 
 
+def destroy_group(group) -> None:
+    """Destroy ``group`` on this rank (``dist.destroy_process_group``, local: no rank waits for
+    another), idempotent. Its gloo threads and sockets go once the last reference to the group
+    object is dropped (the library's own memories of groups hold them weakly). Every collective
+    on the group must be done."""
+    if group is None or not isinstance(group, dist.ProcessGroup):
+        return                     # the world (not destroyed here) or a non-member's placeholder
+    _groups.pop(id(group), None)
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:             # "Invalid process group": already destroyed, or gone with the world
+        pass
+
+
 def rank_and_size(group=None) -> tuple[int, int]:
     """``(dist.get_rank(group), dist.get_world_size(group))``, remembered per process group.
 
@@ -172,13 +187,14 @@ def rank_and_size(group=None) -> tuple[int, int]:
     group object. A re-initialised world is a new object, so it is asked afresh."""
     pg = group if group is not None else dist.GroupMember.WORLD
     hit = _groups.get(id(pg))
-    if hit is None or hit[0] is not pg:
+    if hit is None or hit[0]() is not pg:
         me, size = dist.get_rank(group), dist.get_world_size(group)
         if pg is None:           # not initialised: torch raised above; never cache
             return me, size
-        if len(_groups) > 64:    # groups made and dropped in a loop: do not hold them all
+        if len(_groups) > 64:    # groups made and dropped in a loop: do not grow without end
             _groups.clear()
-        hit = _groups[id(pg)] = (pg, me, size)
+        ref = weakref.ref(pg) if isinstance(pg, dist.ProcessGroup) else (lambda: pg)
+        hit = _groups[id(pg)] = (ref, me, size)   # weak: a dropped group's threads can go
     return hit[1], hit[2]
 
 

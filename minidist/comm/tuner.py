@@ -39,6 +39,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 from pathlib import Path
 
 __all__ = ["CANDIDATES", "ENV", "FORMAT", "DEFAULT_TABLE", "Table", "coefficients", "predict",
@@ -294,7 +295,7 @@ def agreed_table(group=None) -> Table:
     return hit
 
 
-_chosen: dict = {}   # (id(group), op, W, nbytes, itemsize) -> (group, algorithm): the hot path
+_chosen: dict = {}   # (id(group), op, W, nbytes, itemsize) -> (weakref to group, algorithm): the hot path
 
 
 def choose(op: str, world: int, nbytes: int, itemsize: int = 4, group=None,
@@ -309,13 +310,14 @@ def choose(op: str, world: int, nbytes: int, itemsize: int = 4, group=None,
     pg = group if group is not None else dist.GroupMember.WORLD
     key = (id(pg), op, world, nbytes, itemsize)
     hit = _chosen.get(key)
-    if hit is not None and hit[0] is pg and not debug:
+    if hit is not None and hit[0]() is pg and not debug:
         return hit[1]
     t = agreed_table(group) if world > 1 else table()
     algorithm = t.choose(op, world, nbytes, itemsize)
     if len(_chosen) > 4096:   # many groups or sizes: start over rather than grow
         _chosen.clear()
-    _chosen[key] = (pg, algorithm)
+    ref = weakref.ref(pg) if isinstance(pg, dist.ProcessGroup) else (lambda: pg)
+    _chosen[key] = (ref, algorithm)   # weak: a dropped group's threads can go
     printed = (os.getpid(), id(t), op, world, nbytes, itemsize)   # this process's (a fork inherits)
     if debug and printed not in _printed:
         _printed.add(printed)

@@ -32,7 +32,7 @@ from .run import BATCH, _autocast_dtype, _cfg, _ignore, build
 __all__ = ["STEPS", "SAVE_AT", "run_resume", "Batches"]
 
 STEPS, SAVE_AT = 3, 2
-PER_LAUNCH = 12   # configurations per launch: each configuration's process groups keep their gloo threads until the launch ends (30 per launch: ~555 threads per rank, a load of 150)
+PER_LAUNCH = 12   # configurations per launch (a launch holds their checkpoints' results in memory)
 DROPOUT = 0.1
 
 
@@ -81,6 +81,7 @@ def _one(config: dict, folder: str, resume: bool) -> list[torch.Tensor]:
     for m in modules.values():
         if hasattr(m, "close"):
             m.close()
+    model.grid.close()   # frees the groups' gloo threads before the next configuration
     return [p.detach().clone() for p in model.parameters()]
 
 

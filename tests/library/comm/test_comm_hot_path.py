@@ -4,6 +4,8 @@ make a remembered answer stale (a new group, a re-initialised world, a forked ra
 environment variable with the reset that rereads it). The tuner's remembered choices are
 tested in ``tests/library/comm/test_tuner.py``."""
 
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -43,7 +45,7 @@ def test_a_reinitialised_world_is_asked_afresh(tmp_path):
         try:
             assert p2p.rank_and_size() == (0, 1)
             pg = dist.GroupMember.WORLD
-            assert p2p._groups[id(pg)][0] is pg      # the entry is the live world's
+            assert p2p._groups[id(pg)][0]() is pg    # the entry is the live world's (weakly)
         finally:
             dist.destroy_process_group()
 
@@ -58,7 +60,8 @@ def test_the_fast_check_and_the_full_one_agree(tmp_path, peer, message):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         p2p._groups.clear()
-        p2p._groups[id(dist.GroupMember.WORLD)] = (dist.GroupMember.WORLD, 0, 2)  # pretend W=2
+        world = weakref.ref(dist.GroupMember.WORLD)
+        p2p._groups[id(dist.GroupMember.WORLD)] = (world, 0, 2)  # pretend W=2
         if message is None:
             p2p._check(torch.ones(2), "isend", peer, None)
         else:

@@ -59,3 +59,52 @@ def test_groups_reduce_over_the_right_ranks(dims):
 def test_grid_needs_matching_world():
     with pytest.raises(minidist.RankError, match="the world size is 2"):
         minidist.run(lambda r, w: ProcessGrid(2, 2), 2, timeout=30)
+
+
+def _gloo_threads() -> int:
+    import os
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                n += f.read().strip() == "gloo_tcp_loop"
+        except FileNotFoundError:     # a thread that ended while we listed
+            pass
+    return n
+
+
+def _build_use_close(rank, world):
+    import torch.distributed as dist
+
+    from minidist.comm import p2p
+    from minidist.communicator import CommThread, Communicator
+    before, seen = _gloo_threads(), []
+    for _ in range(3):   # a sweep building grid after grid (the resume matrix does 12 a launch)
+        with ProcessGrid(2, 2) as grid:
+            t = torch.ones(5)
+            all_reduce(t, group=grid.dp_group)                        # minidist's ring
+            dist.all_reduce(t, group=grid.tp_group)                   # torch's
+            peer = 1 - grid.pp_rank
+            p2p.exchange(t.clone(), peer, t, peer, group=grid.pp_group)
+            worker = CommThread(Communicator(group=grid.dp_group))    # a DDP's comm thread
+            worker.submit("all-reduce", lambda comm, x: comm.all_reduce(x), t).wait()
+            worker.close()
+            seen.append(_gloo_threads())
+        grid.close()                                                  # idempotent
+        assert grid.dp_rank in (0, 1)
+        with pytest.raises(AttributeError, match=r"rank \d\): dp_group is gone, the grid was closed"):
+            getattr(grid, "dp_group")  # noqa: B009 - the attribute access is the test
+    return before, seen, _gloo_threads(), float(t[0])
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="Linux /proc")
+def test_closing_a_grid_frees_its_groups_threads():
+    """A process that builds many grids must not keep every grid's gloo threads: each group holds
+    a TCP loop and two workers until destroyed, and the resume matrix's 30 grids per launch once
+    ran ~555 threads per rank (a load of 150 on 2 cores). ``dist.destroy_process_group`` alone
+    was not enough: the p2p layer's per-group memory kept the groups alive."""
+    for before, seen, after, value in minidist.run(_build_use_close, 4, timeout=120):
+        assert seen[0] > before            # the grid's groups (and the comm thread's) were live
+        assert after == before, (before, seen, after)
+        assert seen == [seen[0]] * 3       # no growth from one grid to the next
+        assert value == 4.0                # 2 (dp) x 1 (tp) x exchange x 2 (the thread's dp)
