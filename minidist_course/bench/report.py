@@ -53,11 +53,12 @@ def run_report(steps: int = 6, quick: bool = False) -> list[dict]:
                       with_flat=False, verbose=False)
         add("DDP (bucketed), W=2", 1e3 * d["minidist_s"], 1e3 * d["torch_s"], d["ratio"],
             d.get("control_ratio"))
-        z = {r["variant"]: r for r in bench_zero(2, steps=steps, warmup=1, variants=["zero3", "fsdp2"],
+        z = {r["variant"]: r for r in bench_zero(2, steps=steps, warmup=1,
+                                                 variants=["zero3", "fsdp2", "fsdp2-again"],
                                                  **(dict(dim=16, hidden=32, blocks=2, vocab=32)
                                                     if quick else {}))}
         add("ZeRO-3 vs FSDP2, W=2", z["zero3"]["step_ms"], z["fsdp2"]["step_ms"],
-            z["zero3"]["ratio_to_fsdp2"], None)
+            z["zero3"]["ratio_to_fsdp2"], z["fsdp2-again"]["ratio_to_fsdp2"])
         size = dict(batch=2, seq=8, hidden=32, heads=4) if quick else {}
         for w in ((2,) if quick else (2, 4)):
             t = {r["variant"]: r for r in bench_tp(w, steps=steps, warmup=1, quiet=True, **size)}

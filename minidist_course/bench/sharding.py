@@ -8,7 +8,9 @@ balanced order, each in every position and after every other alike:
 optimizer states; see
 :mod:`minidist.sharding.memory`), and on CUDA ``torch.cuda.max_memory_allocated`` is added;
 formula = ZeRO §5 with 4-byte parameters/gradients and K = 8 (AdamW, fp32). Step times on a loaded
-CPU machine are indicative only; the ratio column is each variant's median per-step ratio to FSDP2.
+CPU machine are indicative only; the ratio column is each variant's median per-step ratio to FSDP2,
+and ``fsdp2-again`` (a second FSDP2 model, the same in every way) is the control: how far from 1
+FSDP2 against itself strays in the same run.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import torch
 __all__ = ["bench_zero", "VARIANTS"]
 
 VARIANTS = ["ddp", "ddp-torch", "zero1", "zero1-torch", "zero2", "zero2-torch", "zero3",
-            "zero3-torch", "fsdp2"]
-STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
+            "zero3-torch", "fsdp2", "fsdp2-again"]
+STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3, "fsdp2-again": 3}
 
 
 def _model(dim, hidden, blocks, vocab):
@@ -63,7 +65,7 @@ def _local(t):
 
 def _account(name, model, opt) -> dict:
     from minidist.sharding import account
-    if name != "fsdp2":
+    if not name.startswith("fsdp2"):
         return account(model, opt)
     ps = [_local(p) for p in model.parameters()]
     gs = [_local(p.grad) for p in model.parameters() if p.grad is not None]

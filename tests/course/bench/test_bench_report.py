@@ -27,6 +27,7 @@ def test_the_report_runs_every_benchmark_at_its_smallest_size():
     rows = R.run_report(steps=1, quick=True)
     dims = [r["dimension"] for r in rows]
     assert dims[:4] == ["DDP (bucketed), W=2", "ZeRO-3 vs FSDP2, W=2", "TP, W=2", "TP + SP, W=2"]
+    assert all(r["control"] is not None for r in rows[:4])   # each has its torch-again row
     assert sum(d.startswith("PP ") for d in dims) == 6
     assert all(r["ratio"] > 0 and r["verdict"] in ("✓", "✗", "noise", "—") for r in rows)
     assert "load average" in R.format_report(rows)
