@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = (README, ROOT / "docs" / "library.md")   # the library's snippets, read as one session
 # world size per snippet function; the 3-D one needs dp * pp * tp = 8 ranks, the 5-D one 16
-WORLD = {"f": 4, "ddp": 2, "tp": 2, "pp": 2, "three_d": 8, "ep": 4, "five_d": 16, "hsdp": 4}
+WORLD = {"f": 4, "ddp": 2, "tp": 2, "pp": 2, "three_d": 8, "ep": 4, "five_d": 16, "hsdp": 4,
+         "two_level": 4}
 # 16 ranks on two cores take ~20 s: the integration tier runs that snippet
 HEAVY = {"five_d"}
 
@@ -59,6 +60,8 @@ def test_snippet_runs_and_ranks_agree(name):
     elif name == "pp":
         losses = [r for r in results if r is not None]
         assert len(losses) == 1 and results[-1] is not None   # only the last stage has the loss
+    elif name == "two_level":                        # inter-node bytes, all ranks: ring, hierarchical
+        assert results == [[3 << 20, 2 << 20]] * 4, results
     elif name == "five_d":                           # (loss, aux loss): the same on every rank
         assert all(r == results[0] for r in results), results
         assert 0 < results[0][1] < results[0][0]     # the aux part is a part of the loss
