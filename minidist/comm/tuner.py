@@ -30,6 +30,9 @@ A world size the table lacks uses the fit of the nearest measured one (the formu
 and no medians.
 Ranks agree on one table per process group (group rank 0's, at the group's first ``auto`` call),
 so machines with different tables still choose alike. ``MINIDIST_DEBUG=1`` prints each choice.
+While a two-level topology is installed (:mod:`minidist.comm.topology`), ``auto`` asks
+:mod:`minidist.comm.tuner_topology` instead: each link class's emulated cost added, and
+``hierarchical`` among the candidates.
 """
 
 from __future__ import annotations
