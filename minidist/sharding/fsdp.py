@@ -136,6 +136,7 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
                          f"replicate over {hsdp.replicate_ranks(getattr(other[0], 'rep', None))}, "
                          f"this one over {mine}; every unit under one root shares its replicate "
                          "group (None: plain FSDP)")
+    unit: FlatParamUnit
     if per_parameter:
         unit = ParamShardUnit(module, comm, mp_policy or MixedPrecisionPolicy(),
                               reshard_after_forward, prefetch, rep=rep)

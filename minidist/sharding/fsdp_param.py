@@ -205,8 +205,11 @@ class ParamShardUnit(FlatParamUnit):
                             device=out.device)
         _reduce_scatter(comm, out, grad)
         comm.all_reduce(used, "max")
-        rep = self.ctx.rep_thread if self.rep is not None else None
-        if rep is not None:
+        if self.rep is not None:
+            rep = getattr(self.ctx, "rep_thread", None)
+            if rep is None:
+                raise RuntimeError(f"fully_shard (rank {self.rank}): unit {self.unit_name()} "
+                                   "replicates but its root has no replicate group")
             rep.all_reduce(out, "avg")
             rep.all_reduce(used, "max")
         self._agreed = {i for i, u in enumerate(used.tolist()) if u > 0}

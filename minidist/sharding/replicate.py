@@ -35,6 +35,8 @@ collective). No mixed-precision policy: parameters and gradients stay in their d
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -47,7 +49,8 @@ __all__ = ["ReplicateUnit", "replicate", "replicated_units"]
 
 def replicated_units(module: nn.Module) -> list["ReplicateUnit"]:
     """Every replicated unit in ``module`` (itself included)."""
-    return [m._replicate for m in module.modules() if getattr(m, "_replicate", None) is not None]
+    return [cast(ReplicateUnit, m._replicate) for m in module.modules()
+            if getattr(m, "_replicate", None) is not None]
 
 
 class ReplicateUnit:
@@ -148,6 +151,6 @@ def replicate(module: nn.Module, *, group=None, mesh=None, collectives: str = "h
         groups = [group]
     comms = [Communicator(collectives, g, where="replicate", algorithm=algorithm) for g in groups]
     unit = ReplicateUnit(module, comms)
-    module._replicate = unit
+    object.__setattr__(module, "_replicate", unit)   # a plain attribute (not a submodule)
     module.register_forward_hook(unit.post_forward)
     return module
