@@ -79,9 +79,15 @@ def dcp_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None = 
     """The DCP view of a per-parameter ZeRO-3 ``module`` (and ``optimizer``, built on its shards):
     see the module notes. ``group``: the group the model is sharded over (default the world).
 
-    Raises ``TypeError`` for a unit of the flat layout, ``ValueError`` (via
-    :func:`.fsdp_state.check_covered`) for trainable parameters no unit owns."""
+    Raises ``TypeError`` for a unit of the flat layout, ``NotImplementedError`` for HSDP units,
+    ``ValueError`` (via :func:`.fsdp_state.check_covered`) for trainable parameters no unit
+    owns."""
     us = check_covered(module, "dcp_state_dict")
+    hybrid = [type(u.module).__name__ for u in us if getattr(u, "rep", None) is not None]
+    if hybrid:   # FSDP2 describes them on a 2-D mesh, (Replicate(), Shard(0)): not written yet
+        raise NotImplementedError(f"dcp_state_dict: units {hybrid} are HSDP (replicate_group / "
+                                  "a 2-D mesh); their DCP layout is not written yet: export "
+                                  "fsdp_state.full_state_dict / full_optim_state_dict instead")
     flat = [type(u.module).__name__ for u in us if u.layout is not None and not hasattr(u, "params")]
     if flat:
         raise TypeError(f"dcp_state_dict: units {flat} use the flat layout (per_parameter=False), "

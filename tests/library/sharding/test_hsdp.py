@@ -133,7 +133,7 @@ def _errors(rank, world, mesh):
         try:
             fn()
             out[what] = "no error"
-        except ValueError as e:
+        except (ValueError, NotImplementedError) as e:
             out[what] = str(e)
 
     attempt("product", lambda: hsdp_mesh(3, 2))
@@ -148,6 +148,9 @@ def _errors(rank, world, mesh):
     norm = make_norm_net()
     fsdp.fully_shard(norm)
     attempt("late replicate", lambda: replicate(norm.ln_f))
+    from minidist.sharding.dcp import dcp_state_dict
+    hybrid = fsdp.fully_shard(make_model(), mesh=mesh)
+    attempt("dcp", lambda: dcp_state_dict(hybrid))
     return out
 
 
@@ -291,6 +294,7 @@ def test_bad_input_is_a_clear_error_on_every_rank(w4):
         assert "per_parameter=True" in e["flat"]
         assert "every unit under one root shares its replicate group" in e["mixed"]
         assert "already belongs to unit" in e["late replicate"]
+        assert "are HSDP" in e["dcp"] and "full_state_dict" in e["dcp"]
 
 
 # ------------------------------------------------------------------ edge meshes at W = 2
