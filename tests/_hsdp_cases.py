@@ -83,7 +83,7 @@ def shard_norm_net(model: NormNet, **where) -> NormNet:
     """Norms replicated (and ``gate_r``), linears sharded (blocks, ``gate_s``, the root's
     embedding and head); ``where``: ``mesh=`` or ``group=`` for both kinds."""
     from minidist.sharding import replicate
-    rep = {"mesh": where["mesh"]} if "mesh" in where else {"group": where.get("group")}
+    rep = {k: v for k, v in where.items() if k in ("mesh", "group", "algorithm", "collectives")}
     for b in model.blocks:
         replicate(b.ln, **rep)
         fsdp.fully_shard(b, **where)
@@ -93,10 +93,12 @@ def shard_norm_net(model: NormNet, **where) -> NormNet:
     return fsdp.fully_shard(model, **where)
 
 
-def train(model, opt, batch, rank, world, steps, clip=None, accumulate=1, start=0):
+def train(model, opt, batch, rank, world, steps, clip=None, accumulate=1, start=0, defer=False):
     """``steps`` optimizer steps on this rank's rows of ``batch(step)``; returns
     ``(gradients after the first step's backward, before clipping, {name: tensor};
-    norms clipping returned)``. ``world=1``: one process, torch's clipping."""
+    norms clipping returned)``. ``world=1``: one process, torch's clipping. ``accumulate``
+    micro-batches: all but the last without gradient sync, or (``defer``) reduce-scattered but
+    not all-reduced across replicas (``set_requires_all_reduce``)."""
     grads, norms = None, []
     single = world == 1 and not fsdp.units(model)
     for step in range(start, start + steps):
@@ -106,7 +108,8 @@ def train(model, opt, batch, rank, world, steps, clip=None, accumulate=1, start=
         x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
         for k, (xk, yk) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
             if not single:
-                fsdp.set_requires_gradient_sync(model, k == accumulate - 1)
+                (fsdp.set_requires_all_reduce if defer else
+                 fsdp.set_requires_gradient_sync)(model, k == accumulate - 1)
             (loss_fn(model(xk).float(), yk) / accumulate).backward()
         if grads is None:
             grads = ({n: p.grad.detach().clone() for n, p in model.named_parameters()

@@ -57,7 +57,8 @@ from .fsdp_param import ParamShardUnit
 from .mixed_precision import MixedPrecisionPolicy
 from .replicate import replicated_units
 
-__all__ = ["fully_shard", "MixedPrecisionPolicy", "FlatParamUnit", "units", "set_requires_gradient_sync"]
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "FlatParamUnit", "units", "set_requires_gradient_sync",
+           "set_requires_all_reduce"]
 
 
 def units(module: nn.Module) -> list[FlatParamUnit]:
@@ -72,6 +73,16 @@ def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
     ``True`` reduces the sum."""
     for u in units(module) + replicated_units(module):
         u.sync = sync
+
+
+def set_requires_all_reduce(module: nn.Module, flag: bool) -> None:
+    """HSDP (FSDP2's method of the same name): ``False`` still reduce-scatters each backward
+    inside the shard group (gradient memory stays 1/S) but keeps the pieces instead of
+    all-reducing them across the replicate group; the next backward with ``True`` all-reduces
+    the sum of every kept piece and its own. Replicated units (:mod:`.replicate`), whose only
+    reduction is the all-reduce, accumulate locally meanwhile."""
+    for u in units(module) + replicated_units(module):
+        u.requires_all_reduce = flag
 
 
 def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built",

@@ -58,6 +58,8 @@ class _Context:
 class FlatParamUnit:
     """The state :func:`~.fsdp.fully_shard` attaches to a module as ``module._fsdp``."""
 
+    requires_all_reduce = True   # HSDP's switch (per-parameter units); the flat layout has no HSDP
+
     def __init__(self, module: nn.Module, comm: Communicator, mp: MixedPrecisionPolicy,
                  reshard_after_forward: bool, prefetch: bool):
         self.module, self.comm, self.mp = module, comm, mp

@@ -109,6 +109,8 @@ class ParamShardUnit(FlatParamUnit):
         self.full, self.unsharded_grad = None, None
         self._got_grad: set[int] = set()    # parameters that got a gradient here (this rank)
         self._agreed: set[int] = set()      # ... on any rank, after the reduce (see _reduce)
+        self.requires_all_reduce = True     # HSDP: False keeps pieces uncrossed (see _reduce)
+        self._partial: tuple | None = None  # ... their sum and flags, until the next all-reduce
         self._sync_at_wrap(module)
         self.layout = ParamLayout(params, self.world_size) if params else None
         if self.layout is None or self.layout.shard_numel == 0:
@@ -200,7 +202,12 @@ class ParamShardUnit(FlatParamUnit):
 
         HSDP: then the [S] average over the shard group is all-reduced (average) over the
         replicate group — the ranks that hold the same piece — and the flags too (``max``), on
-        the comm thread's copy of that group (:class:`~.fsdp_flat._Context`)."""
+        the comm thread's copy of that group (:class:`~.fsdp_flat._Context`). Under
+        :func:`~.fsdp.set_requires_all_reduce` ``(False)`` the piece is kept instead (summed with
+        any kept before) and no gradient is handed out; the next backward that all-reduces adds
+        the kept sum to its own piece *before* the all-reduce, so every micro-batch crosses
+        (pytorch/pytorch#125484: accumulating after the all-reduce would leave earlier
+        micro-batches out)."""
         used = torch.tensor([float(i in self._got_grad) for i in range(len(self.params))],
                             device=out.device)
         _reduce_scatter(comm, out, grad)
@@ -210,6 +217,13 @@ class ParamShardUnit(FlatParamUnit):
             if rep is None:
                 raise RuntimeError(f"fully_shard (rank {self.rank}): unit {self.unit_name()} "
                                    "replicates but its root has no replicate group")
+            if self._partial is not None:
+                out.add_(self._partial[0])
+                used = torch.maximum(used, self._partial[1])
+                self._partial = None
+            if not self.requires_all_reduce:
+                self._partial, self._agreed = (out.clone(), used), set()
+                return
             rep.all_reduce(out, "avg")
             rep.all_reduce(used, "max")
         self._agreed = {i for i, u in enumerate(used.tolist()) if u > 0}

@@ -17,7 +17,7 @@ assignment 2 (linears and embeddings sharded, norms replicated). ``replicate(mod
   and another did not gets the average on both; one no rank used keeps ``grad`` None. Under
   :func:`~.fsdp.set_requires_gradient_sync` ``(False)`` nothing is reduced (the local sum
   accumulates; the next synced backward averages it: averaging a part that is already equal on
-  every rank leaves it unchanged).
+  every rank leaves it unchanged); nor under :func:`~.fsdp.set_requires_all_reduce` ``(False)``.
 
 ``group``: the whole data-parallel group (default the world); ``mesh``: an
 :class:`~.hsdp.HSDPMesh` (or ``(replicate, shard)`` pair), all-reduced over the shard group then
@@ -74,7 +74,7 @@ class ReplicateUnit:
                                  "replicate a module before fully_shard of any module above it, "
                                  "and keep a tied parameter inside one unit")
         _claim(self.params, self.names, type(module).__name__)
-        self.sync, self._queued = True, False
+        self.sync, self.requires_all_reduce, self._queued = True, True, False
         with torch.no_grad():
             tensors = self.params + [b for b in module.buffers()]
             for dtype in sorted({t.dtype for t in tensors}, key=str):
@@ -103,7 +103,7 @@ class ReplicateUnit:
     def _finish(self) -> None:
         """End of backward: average every trainable parameter's gradient over the group."""
         self._queued = False
-        if not self.sync:
+        if not (self.sync and self.requires_all_reduce):
             return
         trainable = [p for p in self.params if p.requires_grad]
         for dtype in sorted({p.dtype for p in trainable}, key=str):

@@ -106,19 +106,26 @@ def _traffic(rank, world, mesh):
 
 
 def _reduction_bytes(model, rank, world):
-    """Bytes sent by reduce-scatters and all-reduces in a backward without, then with, sync."""
+    """Bytes sent by reduce-scatters and all-reduces in a backward without sync, then deferring
+    the all-reduce, then synced; and the sizes they come from."""
     from minidist_course.references.sharding import loss_fn
+    from minidist.sharding import replicated_units
     x, y = norm_batch(0)
     n = x.shape[0] // world
-    out = []
-    for sync in (False, True):
-        fsdp.set_requires_gradient_sync(model, sync)
-        with_names = p2p.traffic()
+    out = {}
+    for mode in ("no sync", "deferred", "sync"):
+        fsdp.set_requires_gradient_sync(model, mode != "no sync")
+        fsdp.set_requires_all_reduce(model, mode != "deferred")
+        before = p2p.traffic()
         loss_fn(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
         after = p2p.traffic()
-        out.append(sum(v.bytes_sent - with_names.get(k, p2p.Traffic()).bytes_sent
-                       for k, v in after.items() if k.split("/")[0] in ("reduce_scatter",
-                                                                        "all_reduce")))
+        out[mode] = {op: sum(v.bytes_sent - before.get(k, p2p.Traffic()).bytes_sent
+                             for k, v in after.items() if k.split("/")[0] == op)
+                     for op in ("reduce_scatter", "all_reduce")}
+    us = [u for u in fsdp.units(model) if u.layout is not None]
+    out["units"] = [(u.layout.shard_numel, len(u.params)) for u in us]
+    out["replicated"] = [(sum(p.numel() for p in r.params), len(r.params))
+                         for r in replicated_units(model)]
     return out
 
 
@@ -160,9 +167,11 @@ def _w4(rank, world):
     out["hsdp"] = _hsdp_tied(rank, world, mesh)                   # every rank another seed
     out["torch"] = _torch_hsdp(rank, world)
     out["accumulate"] = _hsdp_tied(rank, world, mesh, seed=0, batch=tied_batch24, accumulate=2)
+    out["deferred"] = _hsdp_tied(rank, world, mesh, seed=0, batch=tied_batch24, accumulate=2,
+                                 defer=True)
     out["clip"] = _hsdp_tied(rank, world, mesh, seed=0, clip=(0.05, 2.0))
     out["clip inf"] = _hsdp_tied(rank, world, mesh, seed=0, clip=(1e3, float("inf")))
-    for name, where in (("norms fsdp", {}), ("norms hsdp", {"mesh": mesh})):
+    for name, where in (("norms fsdp", {}), ("norms hsdp", {"mesh": mesh, "algorithm": "ring"})):
         model = shard_norm_net(make_norm_net(seed=rank), **where)
         opt = adamw(model)
         res = train(model, opt, norm_batch, rank, world, STEPS, clip=(0.05, 2.0))
@@ -228,14 +237,32 @@ def test_summing_across_replicas_is_caught(w4):
 
 
 def test_accumulation_skips_both_reductions_and_sums_before_crossing(w4):
-    """2 micro-batches, the first with set_requires_gradient_sync(False): equal to one process
-    (pytorch/pytorch#125484: the first micro-batch must cross the replicas too)."""
+    """2 micro-batches, the first with set_requires_gradient_sync(False) (no reduction), or with
+    set_requires_all_reduce(False) (reduce-scattered, kept, not crossed): equal to one process
+    (pytorch/pytorch#125484: the kept pieces must be added before the all-reduce, or the first
+    micro-batch never crosses the replicas)."""
     grads, _, sd = _single(make_model, tied_batch24, accumulate=2)
     for res in w4:
-        assert rel(res["accumulate"][0], grads) <= REL
-        assert rel(res["accumulate"][2], sd) <= REL
-        without, with_sync = res["no sync"]     # HSDP NormNet: sharded and replicated units
-        assert without == 0 and with_sync > 0
+        for how in ("accumulate", "deferred"):
+            assert rel(res[how][0], grads) <= REL, how
+            assert rel(res[how][2], sd) <= REL, how
+
+
+def test_what_each_backward_sends_with_sync_off_deferred_and_on(w4):
+    """HSDP NormNet (2 x 2, ring): every byte of the gradient reductions accounted for. Without
+    sync nothing; deferring the all-reduce, the reduce-scatters and the shard group's flags (one
+    float per parameter) only; synced, also the pieces and flags across the replicate group and
+    the replicated units' all-reduces (gradients and flags, over the shard group then the
+    replicate group). A ring over 2 ranks sends N elements for an N-element all-reduce."""
+    for res in w4:
+        b = res["no sync"]
+        units, reps = b["units"], b["replicated"]
+        flags = sum(4 * n for _, n in units)
+        rs = sum(4 * s for s, _ in units)
+        assert b["no sync"] == {"reduce_scatter": 0, "all_reduce": 0}
+        assert b["deferred"] == {"reduce_scatter": rs, "all_reduce": flags}
+        whole = sum(2 * 4 * (numel + n) for numel, n in reps)
+        assert b["sync"] == {"reduce_scatter": rs, "all_reduce": 2 * flags + rs + whole}
 
 
 @pytest.mark.parametrize("key,clip", [("clip", (0.05, 2.0)), ("clip inf", (1e3, float("inf")))])
