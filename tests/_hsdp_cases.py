@@ -1,4 +1,5 @@
-"""Models, data and one-process references for tests/library/sharding/test_hsdp.py.
+"""Models, data, one-process references and what the ranks run for
+tests/library/sharding/test_hsdp.py.
 
 * the awkward model of the FSDP tests (``minidist_course.references.sharding.TiedLM``: tied
   embedding and head, a frozen parameter, a buffer, no parameter size divisible by 2, 3 or 4);
@@ -16,10 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minidist.sharding import fsdp, fsdp_state
-from minidist_course.references.sharding import global_batch, loss_fn
+from minidist.comm import p2p
+from minidist.sharding import fsdp, fsdp_state, hsdp_mesh, replicate, replicated_units
+from minidist_course.references.sharding import Block, global_batch, loss_fn, make_model
 
 V, D, H, T, BATCH = 11, 7, 13, 5, 12
+STEPS = 2                                   # optimizer steps of every comparison
 HYPER = {"lr": 1e-2, "weight_decay": 0.1}   # AdamW
 
 
@@ -82,7 +85,6 @@ def norm_batch(step: int):
 def shard_norm_net(model: NormNet, **where) -> NormNet:
     """Norms replicated (and ``gate_r``), linears sharded (blocks, ``gate_s``, the root's
     embedding and head); ``where``: ``mesh=`` or ``group=`` for both kinds."""
-    from minidist.sharding import replicate
     rep = {k: v for k, v in where.items() if k in ("mesh", "group", "algorithm", "collectives")}
     for b in model.blocks:
         replicate(b.ln, **rep)
@@ -93,7 +95,8 @@ def shard_norm_net(model: NormNet, **where) -> NormNet:
     return fsdp.fully_shard(model, **where)
 
 
-def train(model, opt, batch, rank, world, steps, clip=None, accumulate=1, start=0, defer=False):
+def train(model, opt, batch, rank, world, steps, clip=None, accumulate=1, start=0,
+          defer=False):
     """``steps`` optimizer steps on this rank's rows of ``batch(step)``; returns
     ``(gradients after the first step's backward, before clipping, {name: tensor};
     norms clipping returned)``. ``world=1``: one process, torch's clipping. ``accumulate``
@@ -156,4 +159,98 @@ def rel(a: dict, b: dict) -> float:
         if v.numel():
             out = max(out, (a[k].float() - v.float()).abs().max().item()
                       / max(v.float().abs().max().item(), 1e-12))
+    return out
+
+
+# ------------------------------------------------------------------ what ranks run (test_hsdp)
+def torch_hsdp(rank, world, R=2, S=2, bf16=False, batch=tied_batch):
+    """torch's FSDP2 on a (replicate=R, shard=S) DeviceMesh: gradients of step 1 and the state."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+    model = make_model()
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt, grads = adamw(model), None
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step)
+        n = x.shape[0] // world
+        loss_fn(model(x[rank * n:(rank + 1) * n]).float(), y[rank * n:(rank + 1) * n]).backward()
+        if grads is None:
+            grads = {k: p.grad.full_tensor().clone() for k, p in model.named_parameters()
+                     if p.grad is not None}
+        opt.step()
+    return grads, {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                   for k, v in model.state_dict().items()}
+
+
+def traffic_of_a_step(rank, world, mesh):
+    """Bytes this rank sends in one step's gradient reductions (ring), by collective, and the
+    sizes to check them against."""
+    model = fsdp.fully_shard(make_model(), auto_wrap=(Block,), mesh=mesh, algorithm="ring")
+    opt = adamw(model)
+    train(model, opt, tied_batch, rank, world, 1)                 # step 1 records the order
+    before = p2p.traffic()
+    train(model, opt, tied_batch, rank, world, 1, start=1)
+    after = p2p.traffic()
+    sent = {k: v.bytes_sent - before.get(k, p2p.Traffic()).bytes_sent for k, v in after.items()}
+    us = [u for u in fsdp.units(model) if u.layout is not None]
+    return {"sent": sent, "shard": [u.layout.shard_numel for u in us],
+            "padded": [u.layout.padded for u in us], "params": [len(u.params) for u in us]}
+
+
+def reduction_bytes(model, rank, world):
+    """Bytes sent by reduce-scatters and all-reduces in a backward without sync, then deferring
+    the all-reduce, then synced; and the sizes they come from."""
+    x, y = norm_batch(0)
+    n = x.shape[0] // world
+    out = {}
+    for mode in ("no sync", "deferred", "sync"):
+        fsdp.set_requires_gradient_sync(model, mode != "no sync")
+        fsdp.set_requires_all_reduce(model, mode != "deferred")
+        before = p2p.traffic()
+        loss_fn(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+        after = p2p.traffic()
+        out[mode] = {op: sum(v.bytes_sent - before.get(k, p2p.Traffic()).bytes_sent
+                             for k, v in after.items() if k.split("/")[0] == op)
+                     for op in ("reduce_scatter", "all_reduce")}
+    us = [u for u in fsdp.units(model) if u.layout is not None]
+    out["units"] = [(u.layout.shard_numel, len(u.params)) for u in us]
+    out["replicated"] = [(sum(p.numel() for p in r.params), len(r.params))
+                         for r in replicated_units(model)]
+    return out
+
+
+def bad_inputs(rank, world, mesh):
+    """Bad input, each caught on this rank: the error's text."""
+    import torch.distributed as dist
+    out = {}
+    crossed = [dist.new_group(r) for r in ([0, 3], [1, 2])]      # every rank makes both
+    cross = crossed[0] if rank in (0, 3) else crossed[1]
+
+    def attempt(what, fn):
+        try:
+            fn()
+            out[what] = "no error"
+        except (ValueError, NotImplementedError) as e:
+            out[what] = str(e)
+
+    attempt("product", lambda: hsdp_mesh(3, 2))
+    attempt("overlap", lambda: fsdp.fully_shard(make_model(), group=mesh.shard,
+                                                replicate_group=mesh.shard))
+    attempt("crossed", lambda: fsdp.fully_shard(make_model(), group=mesh.shard,
+                                                replicate_group=cross))
+    attempt("flat", lambda: fsdp.fully_shard(make_model(), mesh=mesh, per_parameter=False))
+    model = make_model()
+    fsdp.fully_shard(model.blocks[0], mesh=mesh)
+    attempt("mixed", lambda: fsdp.fully_shard(model))             # root without the mesh
+    norm = make_norm_net()
+    fsdp.fully_shard(norm)
+    attempt("late replicate", lambda: replicate(norm.ln_f))
+    from minidist.sharding.dcp import dcp_state_dict
+    hybrid = fsdp.fully_shard(make_model(), mesh=mesh)
+    attempt("dcp", lambda: dcp_state_dict(hybrid))
     return out

@@ -7,8 +7,8 @@ another order (minidist's ring vs one process vs torch's reductions). Models
 by the shard size) and ``NormNet`` (LayerNorms replicated, linears and embedding sharded, a
 parameter only one rank uses in a sharded and in a replicated unit).
 
-One launch of 4 ranks runs every check of the default tier (a launch costs seconds); the sweep
-over more meshes and world sizes is in the integration tier.
+One launch of 4 ranks runs the default tier's checks (and one of 2 ranks the edge meshes); the
+sweep over more meshes and world sizes is in the integration tier.
 
 Field reports turned into checks (each named where it is checked):
 
@@ -31,13 +31,13 @@ import torch
 import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it)
 
 import minidist
-from _hsdp_cases import (adamw, make_norm_net, norm_batch, rel, shard_norm_net, state,
-                         tied_batch, tied_batch24, tied_batch48, train)
-from minidist.comm import p2p
-from minidist.sharding import fsdp, fsdp_param, fsdp_state, hsdp_mesh, replicate
+from _hsdp_cases import (STEPS, adamw, bad_inputs, make_norm_net, norm_batch, reduction_bytes,
+                         rel, shard_norm_net, state, tied_batch, tied_batch24, tied_batch48,
+                         torch_hsdp, traffic_of_a_step, train)
+from minidist.sharding import fsdp, fsdp_param, fsdp_state, hsdp_mesh
 from minidist_course.references.sharding import Block, make_model
 
-REL, STEPS = 1e-6, 2
+REL = 1e-6
 TORCH_REL = 1e-6     # minidist's HSDP against torch's FSDP2 HSDP
 
 
@@ -55,31 +55,6 @@ def _hsdp_tied(rank, world, mesh, seed=None, batch=tied_batch, wrap=None, **kw):
     return grads, norms, state(model)
 
 
-def _torch_hsdp(rank, world, R=2, S=2, bf16=False, batch=tied_batch):
-    """torch's FSDP2 on a (replicate=R, shard=S) DeviceMesh: gradients of step 1 and the state."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from minidist_course.references.sharding import loss_fn
-    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
-    model = make_model()
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    opt, grads = adamw(model), None
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = batch(step)
-        n = x.shape[0] // world
-        loss_fn(model(x[rank * n:(rank + 1) * n]).float(), y[rank * n:(rank + 1) * n]).backward()
-        if grads is None:
-            grads = {k: p.grad.full_tensor().clone() for k, p in model.named_parameters()
-                     if p.grad is not None}
-        opt.step()
-    return grads, {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                   for k, v in model.state_dict().items()}
-
-
 class _SumsReplicas(fsdp_param.ParamShardUnit):
     """Broken on purpose: sums the pieces across replicas instead of averaging (the scaling bug
     kind of pytorch/pytorch#155903)."""
@@ -90,82 +65,11 @@ class _SumsReplicas(fsdp_param.ParamShardUnit):
             self.ctx.rep_thread.all_reduce(out, "sum")   # on top of the average: R x too big
 
 
-def _traffic(rank, world, mesh):
-    """Bytes this rank sends in one step's gradient reductions (ring), by collective, and the
-    sizes to check them against."""
-    model = fsdp.fully_shard(make_model(), auto_wrap=(Block,), mesh=mesh, algorithm="ring")
-    opt = adamw(model)
-    train(model, opt, tied_batch, rank, world, 1)                 # step 1 records the order
-    before = p2p.traffic()
-    train(model, opt, tied_batch, rank, world, 1, start=1)
-    after = p2p.traffic()
-    sent = {k: v.bytes_sent - before.get(k, p2p.Traffic()).bytes_sent for k, v in after.items()}
-    us = [u for u in fsdp.units(model) if u.layout is not None]
-    return {"sent": sent, "shard": [u.layout.shard_numel for u in us],
-            "padded": [u.layout.padded for u in us], "params": [len(u.params) for u in us]}
-
-
-def _reduction_bytes(model, rank, world):
-    """Bytes sent by reduce-scatters and all-reduces in a backward without sync, then deferring
-    the all-reduce, then synced; and the sizes they come from."""
-    from minidist_course.references.sharding import loss_fn
-    from minidist.sharding import replicated_units
-    x, y = norm_batch(0)
-    n = x.shape[0] // world
-    out = {}
-    for mode in ("no sync", "deferred", "sync"):
-        fsdp.set_requires_gradient_sync(model, mode != "no sync")
-        fsdp.set_requires_all_reduce(model, mode != "deferred")
-        before = p2p.traffic()
-        loss_fn(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
-        after = p2p.traffic()
-        out[mode] = {op: sum(v.bytes_sent - before.get(k, p2p.Traffic()).bytes_sent
-                             for k, v in after.items() if k.split("/")[0] == op)
-                     for op in ("reduce_scatter", "all_reduce")}
-    us = [u for u in fsdp.units(model) if u.layout is not None]
-    out["units"] = [(u.layout.shard_numel, len(u.params)) for u in us]
-    out["replicated"] = [(sum(p.numel() for p in r.params), len(r.params))
-                         for r in replicated_units(model)]
-    return out
-
-
-def _errors(rank, world, mesh):
-    """Bad input, each caught on this rank: the error's text."""
-    import torch.distributed as dist
-    out = {}
-    crossed = [dist.new_group(r) for r in ([0, 3], [1, 2])]      # every rank makes both
-    cross = crossed[0] if rank in (0, 3) else crossed[1]
-
-    def attempt(what, fn):
-        try:
-            fn()
-            out[what] = "no error"
-        except (ValueError, NotImplementedError) as e:
-            out[what] = str(e)
-
-    attempt("product", lambda: hsdp_mesh(3, 2))
-    attempt("overlap", lambda: fsdp.fully_shard(make_model(), group=mesh.shard,
-                                                replicate_group=mesh.shard))
-    attempt("crossed", lambda: fsdp.fully_shard(make_model(), group=mesh.shard,
-                                                replicate_group=cross))
-    attempt("flat", lambda: fsdp.fully_shard(make_model(), mesh=mesh, per_parameter=False))
-    model = make_model()
-    fsdp.fully_shard(model.blocks[0], mesh=mesh)
-    attempt("mixed", lambda: fsdp.fully_shard(model))             # root without the mesh
-    norm = make_norm_net()
-    fsdp.fully_shard(norm)
-    attempt("late replicate", lambda: replicate(norm.ln_f))
-    from minidist.sharding.dcp import dcp_state_dict
-    hybrid = fsdp.fully_shard(make_model(), mesh=mesh)
-    attempt("dcp", lambda: dcp_state_dict(hybrid))
-    return out
-
-
 def _w4(rank, world):
     mesh = hsdp_mesh(2, 2)
     out = {"mesh": (dist_ranks(mesh.replicate), dist_ranks(mesh.shard))}
     out["hsdp"] = _hsdp_tied(rank, world, mesh)                   # every rank another seed
-    out["torch"] = _torch_hsdp(rank, world)
+    out["torch"] = torch_hsdp(rank, world)
     out["accumulate"] = _hsdp_tied(rank, world, mesh, seed=0, batch=tied_batch24, accumulate=2)
     out["deferred"] = _hsdp_tied(rank, world, mesh, seed=0, batch=tied_batch24, accumulate=2,
                                  defer=True)
@@ -183,13 +87,13 @@ def _w4(rank, world):
         fsdp_state.load_full_optim_state_dict(again, opt2, osd)
         train(again, opt2, norm_batch, rank, world, 1, start=STEPS)
         out[name] = res + (sd, state(model), state(again))
-    out["no sync"] = _reduction_bytes(model, rank, world)       # the HSDP NormNet
+    out["no sync"] = reduction_bytes(model, rank, world)       # the HSDP NormNet
     fsdp.ParamShardUnit = _SumsReplicas                          # this rank's copy only
     out["sums replicas"] = _hsdp_tied(rank, world, mesh, seed=0)
     fsdp.ParamShardUnit = fsdp_param.ParamShardUnit
-    out["traffic fsdp"] = _traffic(rank, world, None)
-    out["traffic hsdp"] = _traffic(rank, world, mesh)
-    out["errors"] = _errors(rank, world, mesh)
+    out["traffic fsdp"] = traffic_of_a_step(rank, world, None)
+    out["traffic hsdp"] = traffic_of_a_step(rank, world, mesh)
+    out["errors"] = bad_inputs(rank, world, mesh)
     return out
 
 
@@ -353,8 +257,8 @@ def _sweep(rank, world):
                                           clip=(0.05, 2.0))
         bf16 = {"mp_policy": fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32)}
         out[(R, S, "bf16")] = _hsdp_tied(rank, world, mesh, seed=0, batch=tied_batch48, wrap=bf16)
-        out[(R, S, "torch fsdp2")] = _torch_hsdp(rank, world, R, S, batch=tied_batch48)
-        out[(R, S, "torch fsdp2 bf16")] = _torch_hsdp(rank, world, R, S, True, tied_batch48)
+        out[(R, S, "torch fsdp2")] = torch_hsdp(rank, world, R, S, batch=tied_batch48)
+        out[(R, S, "torch fsdp2 bf16")] = torch_hsdp(rank, world, R, S, True, tied_batch48)
     return out
 
 
