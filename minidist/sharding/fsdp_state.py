@@ -105,7 +105,8 @@ def _rows_of(u, i: int, full: torch.Tensor, dtype=None) -> torch.Tensor:
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """The unsharded ``state_dict`` (fp32 masters). Collective. ``rank0_only``: others get {}.
+    """The unsharded ``state_dict`` (fp32 masters). Collective. ``rank0_only``: only rank 0 of
+    the data-parallel group (of both groups under HSDP) gets it, the others {}.
 
     Raises ``ValueError`` naming the modules whose trainable parameters belong to no unit: their
     gradients were never averaged, so every rank holds a different value."""
@@ -120,7 +121,18 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
         full = [_gather_param(u, i, p) for i, p in enumerate(u.params)]
         for name, i in entries:
             out[name] = full[i]
-    return {} if rank0_only and _rank(module) != 0 else out
+    return {} if rank0_only and not _first(module) else out
+
+
+def _first(module: nn.Module) -> bool:
+    """Rank 0 of the data-parallel group the model is sharded over (of both groups under HSDP:
+    one rank per model, as before per pipeline stage of a grid)."""
+    for u in units(module):
+        rep = getattr(u, "rep", None)
+        return u.rank == 0 and (rep is None or rep.rank == 0)
+    for r in replicated_units(module):
+        return all(c.rank == 0 for c in r.comms)
+    return True
 
 
 def _rank(module: nn.Module) -> int:

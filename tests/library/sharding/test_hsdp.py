@@ -87,6 +87,7 @@ def _w4(rank, world):
         fsdp_state.load_full_optim_state_dict(again, opt2, osd)
         train(again, opt2, norm_batch, rank, world, 1, start=STEPS)
         out[name] = res + (sd, state(model), state(again))
+        out[name + " rank0_only"] = sorted(fsdp_state.full_state_dict(model, rank0_only=True))
     out["no sync"] = reduction_bytes(model, rank, world)       # the HSDP NormNet
     fsdp.ParamShardUnit = _SumsReplicas                          # this rank's copy only
     out["sums replicas"] = _hsdp_tied(rank, world, mesh, seed=0)
@@ -187,7 +188,8 @@ def test_sharded_linears_replicated_norms_equal_one_process(w4, name):
     the 2 x 2 mesh; the norm counts replicated gradients once (mindspore hyper-parallel#279,
     pytorch/pytorch#88955); ``bonus`` is used by rank 3 only, in a sharded and in a replicated
     unit (pytorch/pytorch#158719); the full state dict and optimizer state dict reload into a
-    model built from another seed and take the same next step."""
+    model built from another seed and take the same next step; ``rank0_only`` gives it to
+    global rank 0 alone (not to rank 0 of each shard group)."""
     grads, norms, sd = _single(make_norm_net, norm_batch, clip=(0.05, 2.0))
     assert {"gate_s.bonus", "gate_r.bonus"} <= set(grads)
     for r, res in enumerate(w4):
@@ -196,6 +198,7 @@ def test_sharded_linears_replicated_norms_equal_one_process(w4, name):
         assert ours_norms == pytest.approx(norms, rel=REL)
         assert rel(ours_sd, sd) <= REL, (r, rel(ours_sd, sd))
         assert rel(reloaded, after) == 0.0, (r, "reload")
+        assert res[name + " rank0_only"] == (sorted(after) if r == 0 else [])
     assert norms[0] > 0.05
 
 
