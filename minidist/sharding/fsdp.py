@@ -32,6 +32,11 @@ Per training step:
 Per step a rank therefore sends 3·(W-1)/W·Ψ elements (two all-gathers and one reduce-scatter):
 1.5x plain data parallelism (ZeRO §7.2.2).
 
+**HSDP** (``mesh=hsdp_mesh(R, S)`` or ``replicate_group=``; :mod:`.hsdp`): the same over a shard
+group of S ranks, then step 4's piece is all-reduced (average) across the replicate group.
+**Replicated units** (:func:`~.replicate.replicate`) keep their parameters whole; a unit above
+leaves them out.
+
 **Synced at construction**: per-parameter units broadcast their parameters (trainable and frozen)
 and their modules' buffers from rank 0; flat units broadcast the packed (trainable) parameters
 only. **Supports**: tied parameters inside one unit, frozen parameters and ``requires_grad``
