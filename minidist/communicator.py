@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
-from .comm import p2p, threads
+from .comm import hierarchical, p2p, threads, topology
 from .comm.ops import check_group
 
 __all__ = ["COLLECTIVES", "check_collectives", "check_algorithm", "Communicator", "CommThread",
@@ -50,8 +50,10 @@ _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.Re
 
 
 def check_algorithm(algorithm: str) -> str:
-    """``"auto"`` or the name of a hand-built algorithm of at least one op; else a ValueError."""
-    names = {a for table in C.ALGORITHMS.values() for a in table}
+    """``"auto"`` or the name of a hand-built algorithm of at least one op (``"hierarchical"``
+    included: it needs a two-level topology when it runs); else a ValueError."""
+    names = {a for tables in (C.ALGORITHMS, C.TOPOLOGY_ALGORITHMS)
+             for table in tables.values() for a in table}
     if algorithm != C.AUTO and algorithm not in names:
         raise ValueError(f"algorithm must be 'auto' or one of {sorted(names)}, got {algorithm!r}")
     return algorithm
@@ -81,8 +83,9 @@ class Communicator:
         check_algorithm(algorithm)
         self.algorithm = algorithm
         # a fixed name for the ops that have it; the others their default (the first listed)
-        self._alg = {op: algorithm if algorithm in table or algorithm == C.AUTO else next(iter(table))
-                     for op, table in C.ALGORITHMS.items()}
+        self._alg = {op: algorithm if (algorithm in table or algorithm == C.AUTO
+                                       or algorithm in C.TOPOLOGY_ALGORITHMS.get(op, {}))
+                     else next(iter(table)) for op, table in C.ALGORITHMS.items()}
         if not dist.is_initialized():
             raise RuntimeError("the process group is not initialised; run inside minidist.run(...) "
                                "or call minidist.init() first")
@@ -186,7 +189,13 @@ class CommThread:
         # the ranks). A plain new_group expects every rank of the world to create the same group;
         # the DP groups of a ProcessGrid, each created by its own members, would get one name and
         # one store prefix, and two groups' ranks would connect to each other.
-        if group is None:
+        # Under a two-level topology a world group's thread gets sub-groups of its own too, so
+        # that "hierarchical" (chosen, or picked by "auto") runs there without sharing a wire with
+        # the main thread's (every rank makes a world communicator's thread: the call is collective).
+        if group is None and comm.collectives == "hand-built" and topology.current() is not None \
+                and topology.current().size == dist.get_world_size():
+            own = hierarchical.new_group(list(range(dist.get_world_size())))
+        elif group is None:
             own = dist.new_group()
         else:
             own = dist.new_group(ranks=dist.get_process_group_ranks(group),
@@ -226,6 +235,7 @@ class CommThread:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
         if not self._thread.is_alive() and self.comm is not None:
+            hierarchical.destroy_subgroups(self.comm.group)
             p2p.destroy_group(self.comm.group)
             self.comm = None   # the last reference: the group's threads go now
 

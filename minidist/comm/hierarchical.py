@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from . import ring, topology
 
-__all__ = ["Layout", "layout", "check", "available", "new_group", "all_reduce",
+__all__ = ["Layout", "layout", "check", "available", "new_group", "destroy_subgroups", "all_reduce",
            "reduce_scatter_chunks", "all_gather_chunks"]
 
 
@@ -200,6 +200,21 @@ def new_group(ranks: list[int]):
     if dist.get_rank() in members:
         _remember(group, _key(group, topo)[1], lay)
     return group
+
+
+def destroy_subgroups(group) -> None:
+    """Destroy the sub-groups :func:`new_group` made for ``group`` on this rank (local; their
+    threads go with them) and forget them; nothing when it made none. Every collective on them
+    must be done."""
+    pg = group if group is not None else dist.GroupMember.WORLD
+    for key in [k for k, (ref, _) in _made.items() if ref() is pg]:
+        lay = _made.pop(key)[1]
+        for sub in {id(x): x for x in (lay.intra, lay.inter)}.values():
+            if sub is not None and sub is not pg and isinstance(sub, dist.ProcessGroup):
+                try:
+                    dist.destroy_process_group(sub)
+                except ValueError:   # already gone with the world
+                    pass
 
 
 def all_reduce(flat: torch.Tensor, op: str, rank: int, world: int, group=None) -> None:
