@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .comm import hierarchical, topology
 from .comm.p2p import destroy_group
 
 __all__ = ["ProcessGrid", "grid_layout"]
@@ -95,6 +96,19 @@ def grid_layout(world_size: int, dp: int, pp: int = 1, tp: int = 1,
     }
 
 
+def _new_group(ranks: list[int]):
+    """``dist.new_group(ranks)``; under a two-level topology of the world
+    (:mod:`minidist.comm.topology`), with the sub-groups ``algorithm="hierarchical"`` needs when
+    the ranks sit evenly on the nodes they span (:func:`minidist.comm.hierarchical.new_group`), so
+    that ``auto`` may pick it on the grid's groups. Every rank calls it for every group, in the
+    same order, and decides alike (the topology is the same everywhere)."""
+    topo = topology.current()
+    if topo is not None and topo.size == dist.get_world_size():
+        if len({sum(1 for r in ranks if topo.node(r) == n) for n in {topo.node(r) for r in ranks}}) == 1:
+            return hierarchical.new_group(ranks)
+    return dist.new_group(ranks)
+
+
 class ProcessGrid:
     """This rank's place in a ``dp x pp x tp`` (``x cp``) grid and a process group per dimension.
 
@@ -114,6 +128,9 @@ class ProcessGrid:
     ``ep_group``, ``ep_ranks``, ``expert_dp_rank``, ``expert_dp_size``, ``expert_dp_group``,
     ``expert_dp_ranks``. With ``ep == 1``: ``ep_group`` None (the rank alone), the expert-DP group
     is the DP×CP group. Every attribute exists at every size: nothing to ``getattr`` with a default.
+
+    Under a two-level topology (:mod:`minidist.comm.topology`) each group whose ranks sit evenly
+    on the nodes it spans is made with the sub-groups of ``algorithm="hierarchical"``.
 
     Each group this rank belongs to holds gloo threads and sockets (12 threads per rank for a
     ``dp 2 x pp 2`` grid, measured) until it is destroyed: a process that builds many grids (a
@@ -157,7 +174,7 @@ class ProcessGrid:
         self._own: list = []   # the groups this rank is a member of: close() destroys them
         for dim in dims:  # every rank creates every group, in the same order
             for ranks in layout[dim]:
-                group = dist.new_group(ranks)
+                group = _new_group(ranks)
                 if self.rank in ranks:
                     self._own.append(group)
                     setattr(self, f"{dim}_group", group)
@@ -174,7 +191,7 @@ class ProcessGrid:
         self.embedding_group = None
         if pp > 1:
             for ranks in layout["pp"]:
-                group = dist.new_group([ranks[0], ranks[-1]])
+                group = _new_group([ranks[0], ranks[-1]])
                 if self.rank in (ranks[0], ranks[-1]):
                     self.embedding_group = group
                     self._own.append(group)
@@ -186,6 +203,7 @@ class ProcessGrid:
         BucketedDDP's or ZeRO's communication thread)."""
         own, self._own = self._own, []
         for group in own:
+            hierarchical.destroy_subgroups(group)
             destroy_group(group)
         for name in _GROUP_ATTRS:   # drop the references too: the groups' threads go with them
             self.__dict__.pop(name, None)

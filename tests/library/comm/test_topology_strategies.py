@@ -72,3 +72,61 @@ def test_ddp_buckets_go_hierarchical_on_a_two_level_topology():
     before, after = out[0]["threads"]
     if before is not None:
         assert after == before, out[0]["threads"]   # the threads' sub-groups are destroyed too
+
+
+def _hybrid(rank, world, configs):
+    from minidist_course.matrix.run import _one
+    out = []
+    for c in configs:
+        p2p.reset_traffic()
+        res = _one(c)
+        res["inter"] = {k: t.bytes_sent_inter for k, t in p2p.traffic().items()}
+        out.append(res)
+    return out
+
+
+def test_the_hybrid_step_on_a_two_level_cluster_equals_one_process():
+    """The composition under a slow inter-node link (dp 2 x pp 2 on 2 nodes of 2): each of the
+    flat, ZeRO-1 and ZeRO-3 modes still equals one process on the global batch (the matrix's own
+    check), and the grid's order (tp, cp, pp inside, dp outside) keeps every pipeline message
+    inside a node while the DP reductions cross. With one DP rank per node a DP group's
+    hierarchical all-reduce is its flat ring, so ``auto`` has nothing to gain there: the
+    two-level algorithms pay on groups with several ranks per node (a DDP or FSDP over the
+    world, above)."""
+    from minidist_course.matrix.covering import covering_array, refusal, world_size
+    from minidist_course.matrix.run import check
+    base = next(c for c in covering_array(0) if world_size(c) == 4 and refusal(c) is None
+                and c["dp"] == 2 and c["precision"] == "fp32" and c["cp"] == "1")
+    configs = [{**base, "dp_mode": mode, "schedule": "1f1b", "moe": "none"}
+               for mode in ("flat", "zero1", "zero3")]
+    assert all(refusal(c) is None and world_size(c) == 4 for c in configs), configs
+    with topology.use("2x2:inter=2e-3,1e7"):
+        per_rank = minidist.run(_hybrid, 4, configs, timeout=240)
+    refs: dict = {}
+    for i, c in enumerate(configs):
+        status, detail = check(c, [r[i] for r in per_rank], refs)
+        assert status == "✓", (c, detail)
+        for r in per_rank:   # the grid's order keeps the pipeline inside a node: its sends
+            rows = r[i]["inter"]   # never cross; the DP reductions (one rank per node) do
+            assert all(v == 0 for k, v in rows.items() if k.startswith("pp/")), rows
+            assert sum(v for k, v in rows.items() if not k.startswith("pp/")) > 0, rows
+
+
+def _grid_groups(rank, world):
+    from minidist import collectives as C
+    from minidist.grid import ProcessGrid
+    before = _gloo_threads()
+    with ProcessGrid(1, 1, 4) as grid:         # one TP group of 4 over both nodes: 2 + 2
+        x = torch.arange(10.0) * (rank + 1)
+        two, flat = x.clone(), x.clone()
+        C.all_reduce(two, algorithm="hierarchical", group=grid.tp_group)
+        C.all_reduce(flat, algorithm="ring", group=grid.tp_group)
+        during = _gloo_threads()
+    return torch.equal(two, flat), before, during, _gloo_threads()
+
+
+def test_grid_groups_spanning_nodes_evenly_run_hierarchical_and_close_cleanly():
+    with topology.use("2x2"):
+        out = minidist.run(_grid_groups, 4, timeout=120)
+    for same, before, during, after in out:
+        assert same and during > before and after == before, (same, before, during, after)
