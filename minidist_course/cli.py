@@ -65,7 +65,8 @@ def demo(argv=None) -> int:
 
 # `minidist bench X` subcommands with their own parser: X -> module of minidist_course.bench with main(argv)
 _BENCH_MAINS = {"alpha-beta": "alpha_beta_bench", "flops": "flops", "3d": "hybrid", "cp": "context_parallel",
-                "tp": "tensor_parallel", "pp-torch": "pipeline_torch", "report": "report"}
+                "tp": "tensor_parallel", "pp-torch": "pipeline_torch", "report": "report",
+                "two-level": "two_level_report"}
 
 
 def bench(argv=None) -> int:
@@ -259,7 +260,8 @@ def main(argv=None) -> int:
               "          alpha-beta (link latency/bandwidth with spreads) | flops (matmul GFLOP/s) |\n"
               "          3d (dp x tp x pp step time, tokens/s, MFU: measured vs the planner) | cp |\n"
               "          tp | pp-torch (against parallelize_module, torch.distributed.pipelining) |\n"
-              "          report (every side-by-side benchmark in one table)\n"
+              "          report (every side-by-side benchmark in one table) | two-level (2 nodes x 2:\n"
+              "          ring vs hierarchical, FSDP vs HSDP, DDP vs PowerSGD vs DiLoCo, TP/EP placement)\n"
               "  doctor  what this machine offers: torch, backends, devices, network, launch variables\n"
               "  plan    every valid dp x tp x pp (+ ZeRO, recompute) configuration: memory, step time\n"
               "  matrix  every pair of training-step features run against one process, or refused\n"
