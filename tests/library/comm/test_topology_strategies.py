@@ -122,7 +122,22 @@ def _grid_groups(rank, world):
         C.all_reduce(two, algorithm="hierarchical", group=grid.tp_group)
         C.all_reduce(flat, algorithm="ring", group=grid.tp_group)
         during = _gloo_threads()
-    return torch.equal(two, flat), before, during, _gloo_threads()
+    after = _gloo_threads()          # before the world's own sub-groups are made, below
+    # ROCm/rocm-systems#7851 (RCCL): a hierarchical average of integers that divides per level
+    # truncates each node's partial sum: ranks [3, 0 | 0, 1] would give (3//2 + 1//2)//2 = 0
+    # where the sum's average is 4/4 = 1. minidist refuses an integer average by name (on every
+    # algorithm), its integer sum is exact, and a float average divides once, after the last level.
+    ints = torch.full((5,), (3, 0, 0, 1)[rank], dtype=torch.int64)
+    C.all_reduce(ints, op="sum", algorithm="hierarchical")
+    refused = False
+    try:
+        C.all_reduce(ints.clone(), op="avg", algorithm="hierarchical")
+    except TypeError as e:
+        refused = "would truncate" in str(e)
+    avg = torch.full((5,), (3.0, 0.0, 0.0, 1.0)[rank])
+    C.all_reduce(avg, op="avg", algorithm="hierarchical")
+    same = (torch.equal(two, flat) and int(ints[0]) == 4 and refused and float(avg[0]) == 1.0)
+    return same, before, during, after
 
 
 def test_grid_groups_spanning_nodes_evenly_run_hierarchical_and_close_cleanly():
