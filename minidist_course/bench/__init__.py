@@ -19,6 +19,11 @@ module                  what it measures
                         (``minidist bench flops``)
 ``context_parallel``    ring attention against one process and Ulysses: step time, the
                         communication hidden behind the block compute (``minidist bench cp``)
+``two_level``           2 nodes x 2 ranks under the software topology: ring vs hierarchical
+                        all-reduce at three beta ratios, FSDP vs HSDP, DDP vs PowerSGD vs
+                        DiLoCo, TP and EP inside a node vs across (``placement``), inter-node
+                        bytes and step time; ``two_level_report``: the planner's prediction per
+                        link class beside each row (``minidist bench two-level``)
 ======================  ====================================================================
 
 ``from minidist_course import bench`` gives the collectives benchmark's functions directly

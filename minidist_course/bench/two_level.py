@@ -18,8 +18,9 @@ Sections (one launch; each timed in a balanced order, :func:`.collectives.balanc
 measurement from a barrier, a measurement's time the slowest rank's, medians reported):
 
 1. **collectives**: all-reduce of 64 KiB, 1 MiB, 4 MiB by the flat ring, the hierarchical
-   algorithm, torch's ``dist.all_reduce`` and ``loopback`` (the flat ring with no topology: what
-   this machine's loopback costs; the planner's loopback link is fitted to these rows). torch's
+   algorithm, torch's ``dist.all_reduce``, and two rows of loopback, the flat ring with no
+   topology — ``loopback`` over the 4 ranks, ``loopback/2`` on both pairs [0, 1], [2, 3] at once
+   (what this machine's loopback costs; the planner's loopback links are fitted to them). torch's
    collectives do not go through minidist's p2p layer, so the shaper never sees them: torch's row
    is the machine's reference, not a measurement of the two-level link, at every ratio;
 2. **sharding** (at ``step_ratio``, 16): an MLP of ``depth`` Linear(width, width)+ReLU blocks,
@@ -29,6 +30,7 @@ measurement from a barrier, a measurement's time the slowest rank's, medians rep
 3. **data parallel** (same MLP and ratio): ``BucketedDDP`` (one bucket, ring) against PowerSGD
    (rank ``powersgd_rank``, compressing from the first step) and DiLoCo (H = ``diloco_h`` inner
    SGD steps per outer step; its time and bytes are a round's / H), all over the flat ring;
+   ``powersgd arith``: PowerSGD's own compute per step, its hook's time minus its all-reduces';
 4. **placement** (same ratio): dp 2 × tp 2 with TP inside a node (the grid's order) and across
    nodes (:mod:`.placement`'s renumbering): a Megatron MLP step (hidden ``tp_hidden``,
    ``tp_tokens`` tokens) and the DP all-reduce of its gradients; and an expert-parallel exchange

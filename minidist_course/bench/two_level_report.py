@@ -2,16 +2,20 @@
 :mod:`.two_level`'s measurement, the table, and the command.
 
 **The prediction.** Each measured row is a list of collectives (:mod:`minidist_course.planner.
-two_level`'s ``Call`` rows: the ring, hierarchical and naive schedules the library runs) priced
-per link class with alpha-beta: the shaped link of its class (the topology's numbers) plus this
-machine's loopback, a cost every message pays on top — fitted in the same run to the
-``loopback`` rows (the flat ring with no topology, at every size, in the same balanced order as
-the others: alpha and beta per ring step, least squares), never to the rows it predicts. A step
-adds its compute, measured in the same run as the ``compute`` rows (the same model's step with
-no communication). Nothing overlaps: the comm thread's shaped waits are sleeps, so on this
-model they run beside compute only where a step has both at once (FSDP's prefetch), and compute
-is a few percent of these steps. No prediction for ``torch`` (gloo's own algorithm, not shaped)
-and ``loopback`` (the fit's input) rows, nor the ``compute`` rows (inputs too).
+two_level`'s ``Call`` rows: the ring, hierarchical and naive schedules the library runs, and the
+all-to-all's size check through torch) priced per link class with alpha-beta: the shaped link
+of its class (the topology's numbers) plus this machine's loopback, which every message pays on
+top. Loopback is measured in the same run, per group size as the planner's ``group_links``
+(:mod:`minidist_course.planner.machine`): alpha and beta per ring step fitted (least squares)
+to the ``loopback`` rows (the flat ring over the 4 ranks, no topology) for groups of 4 and to
+the ``loopback/2`` rows (both pairs' rings at once) for groups of 2, at every size, in the same
+balanced order as the rows they serve — never to the rows they predict. A step adds its compute,
+measured in the same run: ``compute`` (the same model's step with no communication; ``tp
+compute``, one TP shard's) and, for PowerSGD, ``powersgd arith`` (its hook's time minus its
+all-reduces': P = MQ, Gram-Schmidt, error feedback). Nothing overlaps in the model (the shaped
+waits are sleeps, so FSDP's prefetch and DDP's comm thread could hide compute behind them; here
+compute is 3-20 % of a step). No prediction for ``torch`` (gloo's own algorithm, not shaped) nor
+for the inputs (loopback, compute).
 
 **The scores**: the relative error per row (predicted / measured − 1; the goal: within 30 %),
 Spearman's rank correlation of predicted and measured times over every predicted row and per
@@ -20,6 +24,10 @@ comparisons the bench is about — at each ratio and size, ring against hierarch
 HSDP; DDP, PowerSGD and DiLoCo; TP and EP inside against across — scored right when the
 predicted faster one was measured faster. A comparison the planner calls a tie (its two
 predictions within :data:`TIE` of each other) is shown but not scored.
+
+Where it misses (measured here, 2 cores at load 4-8): the 64 KiB rows, whose few milliseconds
+are mostly loopback's, and loopback on this machine is a scheduling delay per call as much as a
+cost per step, which one alpha per step spreads unevenly over the ring's 6 steps and a pair's 2.
 """
 
 from __future__ import annotations
@@ -180,14 +188,19 @@ def _num(x, scale=1.0, fmt="{:.1f}") -> str:
     return "—" if x is None else fmt.format(x * scale)
 
 
+def _load() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
 def format_table(rows: list[dict], st: Settings, loops: dict, summary: dict,
-                 load: float | None = None) -> str:
-    load = os.getloadavg()[0] if load is None and hasattr(os, "getloadavg") else load
+                 load: float | None = None, load_before: float | None = None) -> str:
+    load = _load() if load is None else load
+    was = "" if load_before is None else f"{load_before:.2f} before, "
     lines = [
         f"minidist bench two-level: W = 4 as 2 nodes x 2 ranks (software topology); inter link "
         f"{st.alpha * 1e6:g} us, {st.bandwidth / 1e6:g} MB/s; intra = inter made `ratio` times "
         f"faster (alpha / ratio, bandwidth x ratio); steps at ratio {st.step_ratio:g}; "
-        f"load average {load:.2f} on {os.cpu_count()} cores",
+        f"load average {was}{load:.2f} after on {os.cpu_count()} cores",
         "loopback, added to both classes (fitted on the loopback rows; per ring step): " + (", ".join(
             f"groups of {n}: alpha {k.alpha * 1e3:.2f} ms, "
             f"{_num(1 / k.beta / 1e6 if k.beta else None, fmt='{:.0f}')} MB/s"
@@ -228,17 +241,19 @@ def format_table(rows: list[dict], st: Settings, loops: dict, summary: dict,
 
 def bench_two_level(st: Settings = Settings(), loopback=None, quiet: bool = False,
                     json_path: str | None = None) -> dict:
-    """Measure, predict, print (unless ``quiet``) and return ``{"format", "settings", "load",
-    "loopback", "rows", "summary"}`` (also written to ``json_path``)."""
+    """Measure, predict, print (unless ``quiet``) and return ``{"format", "settings",
+    "load_before", "load" (the 1-minute load average before and after), "loopback", "rows",
+    "summary"}`` (also written to ``json_path``)."""
+    before = _load()
     rows = measure(st)
     rows, loops = predict(rows, st, load_link(loopback) if loopback is not None else None)
     summary = summarize(rows)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    doc = {"format": FORMAT, "settings": settings_dict(st), "load": load,
+    load = _load()
+    doc = {"format": FORMAT, "settings": settings_dict(st), "load_before": before, "load": load,
            "loopback": {n: {"alpha": k.alpha, "beta": k.beta} for n, k in loops.items()},
            "rows": rows, "summary": summary}
     if not quiet:
-        print(format_table(rows, st, loops, summary, load))
+        print(format_table(rows, st, loops, summary, load, before))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(doc, f, indent=1)

@@ -12,6 +12,10 @@
   planner is checked on (Megatron-LM Table 1, BLOOM)
 * :mod:`~minidist_course.planner.scaling` — data parallelism's strong and weak scaling efficiency and its
   communication/computation ratio, predicted (``dp_scaling``; chapter 05)
+* :mod:`~minidist_course.planner.two_level` — two link classes (inside a node, between nodes):
+  the bytes each rank sends over each class, exactly, and the alpha-beta time of ring,
+  hierarchical and all-to-all collectives and of FSDP/HSDP, DDP/PowerSGD/DiLoCo, TP and EP steps
+  (``minidist bench two-level`` checks it)
 * :mod:`~minidist_course.planner.expert_parallel` — expert parallelism: an MoE model's expert memory
   per rank and the all-to-all time of a step (``MoESpec``, ``predict_ep``; chapter 15)
 * context parallelism's formulas (activations / cp, the ring's K/V traffic, the longest context in

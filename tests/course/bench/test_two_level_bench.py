@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -201,7 +202,7 @@ def test_table_and_json(quick):
                                                       "EP placement", "ratio 16, 64 KiB"}
     loops = {int(n): Link(v["alpha"], v["beta"]) for n, v in saved["loopback"].items()}
     text = R.format_table(doc["rows"], T.QUICK, loops, s, load=1.0)
-    for words in ("shaper never sees it", "load average 1.00", "loopback/2", "Spearman",
+    for words in ("shaper never sees it", "load average 1.00 after", "loopback/2", "Spearman",
                   "comparisons predicted right", "H = 2", "groups of 2: alpha"):
         assert words in text, words
     assert text.count("\n") > len(doc["rows"])
@@ -211,6 +212,15 @@ def test_table_and_json(quick):
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_timing_crossovers_point_the_right_way():
+    """Margins: every direction asserted is one the shaped links alone make 2.5x or more (ring
+    252 ms against hierarchical 94 ms; FSDP ~190 against HSDP ~60; DDP 126 against PowerSGD's
+    and DiLoCo's few; TP and EP across 42 and 84 against 3 and 5 inside), except ratio 1, where
+    the two are the same on the links. Loopback adds milliseconds per step at a load of a few
+    per core; at tens per core (other machines' jobs on the same cores: 50 was seen) it adds
+    tens, and PowerSGD's 18 ring steps per step fall behind DDP's 6: then nothing is asserted."""
+    load = os.getloadavg()[0]
+    if load > 6 * (os.cpu_count() or 1):
+        pytest.skip(f"load average {load:.1f} on {os.cpu_count()} cores: timing says nothing")
     doc = R.bench_two_level(T.Settings(iters=3, steps=3), quiet=True)
     t = {(r["section"], r["variant"], r["ratio"], r["bytes"]): r["time_s"] for r in doc["rows"]}
     big = 4 << 20
