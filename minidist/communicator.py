@@ -192,8 +192,9 @@ class CommThread:
         # Under a two-level topology a world group's thread gets sub-groups of its own too, so
         # that "hierarchical" (chosen, or picked by "auto") runs there without sharing a wire with
         # the main thread's (every rank makes a world communicator's thread: the call is collective).
-        if group is None and comm.collectives == "hand-built" and topology.current() is not None \
-                and topology.current().size == dist.get_world_size():
+        topo = topology.current()
+        if group is None and comm.collectives == "hand-built" and topo is not None \
+                and topo.size == dist.get_world_size():
             own = hierarchical.new_group(list(range(dist.get_world_size())))
         elif group is None:
             own = dist.new_group()

@@ -214,7 +214,11 @@ def use(topo: Topology | str | None):
     environment variable) come back afterwards. ``None``: no topology inside the block."""
     before = os.environ.get(ENV)
     try:
-        yield install(topo) if topo is not None else uninstall()
+        if topo is None:
+            uninstall()
+            yield None
+        else:
+            yield install(topo)
     finally:
         if before is None:
             uninstall()
