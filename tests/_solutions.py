@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # tier runs a representative part of their sweeps, the integration tier all of it.
 LAUNCHING = ("01_token_ring", "02_collectives_by_composition", "03_ring_allreduce",
              "04_bucketed_ddp", "05_sampler_and_evaluation", "06_tensor_parallel", "07_one_f_one_b",
-             "09_zero", "12_global_grad_norm", "14_context_parallel", "12b_bug_hunt")
+             "09_zero", "12_global_grad_norm", "14_context_parallel", "12b_bug_hunt",
+             "08b_hierarchical_allreduce")
 
 
 def _cells(name, folder="solutions"):

@@ -60,6 +60,8 @@ DISPLAYED: dict[str, list[str]] = {
     "course/07b_zero_bubble.ipynb": [
         "minidist.pipeline_parallel.split_backward:backward_input",
         "minidist.pipeline_parallel.zero_bubble:zb_h1"],
+    "course/08b_two_level_cluster.ipynb": [
+        "minidist.comm.topology:pace", "minidist.comm.hierarchical:all_reduce"],
     "course/09_sharding.ipynb": [
         "minidist.sharding.zero:ShardedOptimizer.step", "minidist.sharding.zero:ShardedOptimizer._on_grad",
         "minidist.sharding.fsdp_flat:FlatParamUnit.pre_backward",

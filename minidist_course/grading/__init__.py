@@ -41,7 +41,9 @@ introduction),
 failing one is shown), ``zero_bubble.py`` (exercise 07 part C: ZB-H1 from 1F1B by placing W ops, by the simulator's
 memory and bubble against ``minidist.pipeline_parallel.zb_h1``; names the misplaced op),
 ``checkpoints.py`` (exercise 16: the resume and retire rules of checkpoint generations, against
-``minidist.resume_rule``), ``bug_hunt.py`` (exercise 12b: zoo bugs named from their symptoms, checked by the answer's own
+``minidist.resume_rule``), ``hierarchical.py`` (exercise 08b: the groups of a two-level cluster, then
+a hierarchical all-reduce on them against torch's, with the bytes each rank sends across nodes
+counted under a topology), ``bug_hunt.py`` (exercise 12b: zoo bugs named from their symptoms, checked by the answer's own
 symptoms; the micro-batch weights fixed, on every small case and in a run).
 """
 
@@ -51,6 +53,7 @@ from . import context_parallel  # noqa: F401  (exercise 14)
 from . import zero_bubble  # noqa: F401  (exercise 07, part C)
 from . import bug_hunt  # noqa: F401  (exercise 12b)
 from . import checkpoints  # noqa: F401  (exercise 16)
+from . import hierarchical  # noqa: F401  (exercise 08b)
 from .data_parallel import grade_bucket_layout, grade_ddp  # noqa: F401
 from .core import (Report, Result, check, check_on_ranks, check_rules, compare,  # noqa: F401
                    describe_exception, rules_text)

@@ -11,8 +11,8 @@ plausible wrong solution that the grader must reject by naming that rule
 from __future__ import annotations
 
 from . import (bug_hunt, checkpoints, composition, context_parallel, cost, data_parallel as ddp, frameworks_map,
-    gpu_placement, hybrid, launch_env, expert_parallel as moe, sampling, walls, sharding as zero,
-    zero_bubble)
+    gpu_placement, hierarchical, hybrid, launch_env, expert_parallel as moe, sampling, walls,
+    sharding as zero, zero_bubble)
 from .collectives import collective_rules
 
 __all__ = ["RULES", "show", "tagger"]
@@ -66,6 +66,8 @@ RULES: dict[str, dict[str, dict[str, str]]] = {
         "zb_h1_grade": zero_bubble.ZB_RULES},
     "08_launch_environment": {"who_am_i_grade": launch_env.WHO_RULES,
                               "diagnose_grade": launch_env.DIAGNOSIS_RULES},
+    "08b_hierarchical_allreduce": {"node_groups_grade": hierarchical.GROUP_RULES,
+                                   "hierarchical_all_reduce_grade": hierarchical.ALL_REDUCE_RULES},
     "09_zero": {"zero1_grade": zero.ZERO1_RULES, "zero2_grade": zero.ZERO2_RULES},
     "10_framework_map": {"framework_map_grade": frameworks_map.MAP_RULES,
                          "logged_loss_grade": frameworks_map.LOSS_RULES,

@@ -1,6 +1,6 @@
-"""The worked problems of chapters 07b, 10, 11, 12, 14, 15 and 16: each answer computed by the
+"""The worked problems of chapters 07b, 08b, 10, 11, 12, 14, 15 and 16: each answer computed by the
 pipeline simulator, the planner, the library's own pure functions (device plan, clipping, expert
-capacity, ring-all-reduce bytes), never typed in.
+capacity, ring-all-reduce bytes, the two-level link coefficients), never typed in.
 
 Hardware numbers: H100-80GB and A100-80GB memory and dense bf16 peak from
 :data:`minidist_course.planner.calc.GPUS` (NVIDIA's data sheets); NVLink 3 (300 GB/s each way, the
@@ -18,6 +18,7 @@ import torch
 from minidist.context_parallel import causal_work
 from minidist.data_parallel.clip import clip_by_global_norm_
 from minidist.data_parallel.compression import ring_allreduce_bytes
+from minidist.comm.tuner_topology import link_coefficients
 from minidist.env import plan_devices
 from minidist.expert_parallel.router import expert_capacity
 from minidist.pipeline_parallel import one_f_one_b, peak_bytes, simulate, zb_h1, zb_v
@@ -53,6 +54,43 @@ def _two_gb(mb: int, stage: int) -> float:
 def _zbh1_extra_bytes() -> float:
     last = P8 - 1
     return peak_bytes(zb_h1(P8, M32), _two_gb)[last] - peak_bytes(one_f_one_b(P8, M32), _two_gb)[last]
+
+
+# ---------------------------------------------------------------- 08b: two kinds of link
+NVLINK4, NDR = LINKS["nvlink4"], LINKS["ib-ndr"]   # (alpha s, beta s/byte); one NDR port per GPU
+GIB = float(1 << 30)
+
+
+def _per_nic(algorithm: str, M: int, L: int, nbytes: float) -> float:
+    """Bytes the busiest GPU sends across nodes in an all-reduce of ``nbytes`` on M nodes × L
+    GPUs (the inter-node coefficient of :func:`minidist.comm.tuner_topology.link_coefficients`:
+    a flat ring's node-boundary GPU sends all of its ring traffic across)."""
+    return link_coefficients("all_reduce", algorithm, M, L)["inter"][1] * nbytes
+
+
+def _two_level_s(algorithm: str, M: int, L: int, nbytes: float) -> float:
+    """Seconds of an all-reduce on M nodes × L GPUs, NVLink 4 inside a node and one NDR port per
+    GPU between nodes, every step of a flat ring waiting on the slower link."""
+    if algorithm == "ring":
+        return calc.comm_time("all_reduce", nbytes, M * L, *NDR)
+    return (2 * calc.comm_time("reduce_scatter", nbytes, L, *NVLINK4)
+            + calc.comm_time("all_reduce", nbytes / L, M, *NDR))
+
+
+GRAD_7B_BF16 = calc.weights_bytes(7e9, "bf16")
+
+
+def _hsdp_per_gpu(replicas: int = 2, shard: int = 8) -> float:
+    """Bytes each GPU sends across nodes per HSDP step: its 1/shard of the bf16 gradients
+    all-reduced over the replicas (the all-gathers and the reduce-scatter stay in the node)."""
+    return calc.comm_bytes_per_rank("all_reduce", GRAD_7B_BF16 / shard, replicas)
+
+
+def _fsdp_per_boundary_gpu(world: int = 16) -> float:
+    """FSDP over all 16 GPUs as one flat ring: per step two all-gathers of the bf16 weights and a
+    reduce-scatter of the gradients; a GPU at a node boundary sends all of it across."""
+    return (2 * calc.comm_bytes_per_rank("all_gather", GRAD_7B_BF16, world)
+            + calc.comm_bytes_per_rank("reduce_scatter", GRAD_7B_BF16, world))
 
 
 # ---------------------------------------------------------------- 10: frameworks
@@ -214,6 +252,52 @@ register(
                       f"first stage: 7 × 2 GB = {B(a)} more on the last stage, the same peak over the "
                       "pipeline.",
             source="Qi et al. 2023, §2.1 (ZB-H1's memory: p·M_B, as 1F1B's first stage)"),
+    # ------------------------------------------------------------------------------ 08b
+    Problem("08b.1", "4 nodes × 8 GPUs (W = 32), each GPU with its own network port, all-reduce "
+            "1 GiB of gradients. With one flat ring through all 32 GPUs, how many times more "
+            "bytes leave through the busiest port than with the hierarchical all-reduce "
+            "(reduce-scatter in the node, all-reduce of each 1/8 piece across the nodes, "
+            "all-gather in the node)?",
+            lambda: _per_nic("ring", 4, 8, GIB) / _per_nic("hierarchical", 4, 8, GIB), "×",
+            lambda a: f"The flat ring crosses a node boundary at 4 of its 32 links, and each GPU "
+                      f"before a boundary sends all its ring traffic across: 2(W − 1)/W · n = "
+                      f"{_per_nic('ring', 4, 8, GIB) / GIB:.4g} GiB. Hierarchically every GPU's "
+                      f"port carries its piece's ring of M = 4: 2(M − 1)/M · n/L = "
+                      f"{_per_nic('hierarchical', 4, 8, GIB) / GIB:.4g} GiB — {a:.3g}× less. In "
+                      f"all, {4 * _per_nic('ring', 4, 8, GIB) / GIB:.4g} GiB cross the nodes "
+                      f"against {32 * _per_nic('hierarchical', 4, 8, GIB) / GIB:.4g} GiB: the "
+                      "total barely changes, but 32 ports share it instead of 4.",
+            source="minidist.comm.tuner_topology.link_coefficients; Jia et al. 2018 §4.3"),
+    Problem("08b.2", "2 nodes × 8 H100 (NVLink 4: 450 GB/s each way, α = 5 µs; one NDR port of "
+            "50 GB/s per GPU, α = 10 µs) all-reduce 1 GiB. A flat ring of 16 whose every step "
+            "waits on an NDR port, against the hierarchical all-reduce: how many times faster is "
+            "the hierarchical one in the α-β model?",
+            lambda: _two_level_s("ring", 2, 8, GIB) / _two_level_s("hierarchical", 2, 8, GIB), "×",
+            lambda a: f"Flat: 30 α + 2 · 15/16 · 1 GiB / 50 GB/s = "
+                      f"{_two_level_s('ring', 2, 8, GIB) * 1e3:.2f} ms. Hierarchical: a "
+                      f"reduce-scatter and an all-gather of 8 over NVLink, "
+                      f"{2 * calc.comm_time('reduce_scatter', GIB, 8, *NVLINK4) * 1e3:.2f} ms, "
+                      f"then a ring of 2 over NDR on 1/8 GiB, "
+                      f"{calc.comm_time('all_reduce', GIB / 8, 2, *NDR) * 1e3:.2f} ms: "
+                      f"{_two_level_s('hierarchical', 2, 8, GIB) * 1e3:.2f} ms, {a:.2f}× faster. "
+                      "NCCL's own rings are not this flat ring: it runs one ring per port, so all "
+                      "8 ports work at once (NVIDIA/nccl#601), and on 2 nodes it may pick its "
+                      "tree algorithm instead (NVIDIA/nccl-tests#196).",
+            source="NVIDIA H100 and DGX H100 data sheets (minidist_course.planner.published.LINKS; "
+                   "the α values are assumptions)"),
+    Problem("08b.3", "A 7B model in bf16 on 2 nodes × 8 GPUs with HSDP: parameters sharded over "
+            "the 8 GPUs of a node, replicated over the 2 nodes. How many bytes does each GPU send "
+            "across nodes per step?",
+            _hsdp_per_gpu, "bytes",
+            lambda a: f"Only the gradients cross: each GPU all-reduces its 1/8 of the "
+                      f"{B(GRAD_7B_BF16)} of bf16 gradients with its counterpart on the other node, "
+                      f"2 · 1/2 · {B(GRAD_7B_BF16 / 8)} = {B(a)}; both all-gathers and the "
+                      f"reduce-scatter stay on NVLink. FSDP over all 16 GPUs as one flat ring sends "
+                      f"2 · 15/16 · {B(GRAD_7B_BF16)} (two all-gathers) + 15/16 · "
+                      f"{B(GRAD_7B_BF16)} (the reduce-scatter) = {B(_fsdp_per_boundary_gpu())} "
+                      f"from each GPU at a node boundary, "
+                      f"{_fsdp_per_boundary_gpu() / a:.1f}× more.",
+            source="Zhao et al. 2023, \"PyTorch FSDP\" §3.2.2 (hybrid sharding)"),
     # ------------------------------------------------------------------------------ 10
     Problem("10.1", "Eight TensorFlow workers under MultiWorkerMirroredStrategy train a 10-class "
             "classifier; at initialisation its mean cross-entropy is ln 10. What loss does "

@@ -1,4 +1,4 @@
-"""The worked problems of chapters 07b, 10, 11, 12, 14, 15 and 16 (``problems.bank_late``): every
+"""The worked problems of chapters 07b, 08b, 10, 11, 12, 14, 15 and 16 (``problems.bank_late``): every
 answer equal to a hand computation written out here, accepted by ``check`` and rendered in its
 chapter.
 
@@ -17,7 +17,7 @@ import pytest
 from minidist_course import problems
 from minidist_course.problems.core import REGISTRY
 
-CHAPTERS = ("07b", "10", "11", "12", "14", "15", "16")
+CHAPTERS = ("07b", "08b", "10", "11", "12", "14", "15", "16")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,16 @@ def _ring_hidden_from():
     return math.ceil(8 * max(fwd, bwd) / 1024) * 1024
 
 
+def _two_level_speedup():
+    """Problem 08b.2 by hand: 2 nodes x 8 GPUs, 1 GiB. Flat ring of 16 at NDR (10 us, 50 GB/s):
+    30 alpha + 2·15/16 · n/bw; hierarchical: reduce-scatter and all-gather of 8 on NVLink 4 (5 us,
+    450 GB/s), 7 alpha + 7/8 · n/bw each, then a ring of 2 at NDR on n/8: 2 alpha + n/8 / bw."""
+    n = 2.0 ** 30
+    flat = 30 * 1e-5 + 2 * 15 / 16 * n / 50e9
+    hier = 2 * (7 * 5e-6 + 7 / 8 * n / 450e9) + (2 * 1e-5 + n / 8 / 50e9)
+    return flat / hier
+
+
 PER_TOKEN_7B = 32 * 2 * 4096 + 34 * 4096 + 4 * 32000      # layer inputs + one full layer + logits
 MTBF = 54 * 86400 / 419                                    # Llama 3: 16,384 GPUs
 
@@ -88,6 +98,9 @@ HAND = {
     "07b.1": 7 / 103,                                      # (P-1)/(3M+P-1)
     "07b.2": (3 * 32 + 7 / 2) * 10,                        # 3M + (P-1)/2 units of 10 ms
     "07b.3": (8 - 1) * 2e9,                                # last stage: min(P, M) = 8 against 1
+    "08b.1": (2 * 31 / 32) / (2 * 3 / 4 / 8),             # (W-1)/(M-1) on 4 nodes of 8
+    "08b.2": _two_level_speedup(),
+    "08b.3": 2 * (2 - 1) / 2 * 14e9 / 8,                   # the 1/8 bf16 gradient shard, ring of 2
     "10.1": 8 * math.log(10),
     "10.2": 0.5 * 1 / (2.5 + 1e-6),
     "10.3": 0.4 / 16,
@@ -123,6 +136,7 @@ def test_answer_equals_the_hand_computation(late, pid):
 
 def test_hand_computations_hold_the_numbers_the_texts_quote():
     assert HAND["14.2"] == 32768 and HAND["16.3"] == 146 and HAND["15.2"] == 440
+    assert HAND["08b.1"] == pytest.approx(31 / 3) and HAND["08b.2"] == pytest.approx(5.837, rel=1e-3)
     assert HAND["12.1"] == pytest.approx(51.98e9, rel=1e-3) and HAND["14.3"] == 651_264
 
 

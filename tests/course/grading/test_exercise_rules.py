@@ -56,6 +56,12 @@ _RS_ADDS_BEFORE_WAIT = (
      "works = [p2p.irecv(incoming, left), p2p.isend(chunks[send_idx], right)]\n"
      "        chunks[recv_idx] += incoming\n        p2p.wait_all(works)"),)
 
+# exercise 08b's three phases, replaced whole by the mutants that move the wrong bytes
+_HAR_PHASES = ("    pieces = list(tensor.tensor_split(L))\n"
+               "    ring.reduce_scatter_chunks(pieces, op, local, L, intra)\n"
+               "    ring.all_reduce(pieces[local], op, node, M, inter)\n"
+               "    ring.all_gather_chunks(pieces, local, L, intra)\n")
+
 M = Mutant
 MUTANTS = [
     # ------------------------------------------------------------------ 00
@@ -370,6 +376,43 @@ MUTANTS = [
       (('"log_2": "B"', '"log_2": "F"'),), "log_2 blamed on a timeout"),
     M("08_launch_environment", "diagnose_grade", "counts", "diagnose",
       (('"log_3": "D"', '"log_3": "F"'),), "log_3 blamed on a timeout"),
+    # ------------------------------------------------------------------ 08b
+    M("08b_hierarchical_allreduce", "node_groups_grade", "intra", "node_groups",
+      (("list(range(m * L, (m + 1) * L))", "list(range(m, m + L))"),), "node m as ranks m … m+L-1"),
+    M("08b_hierarchical_allreduce", "node_groups_grade", "inter", "node_groups",
+      (("list(range(local, world_size, L))", "list(range(local * M, (local + 1) * M))"),),
+      "a block of M ranks, not every L-th"),
+    M("08b_hierarchical_allreduce", "node_groups_grade", "every_rank", "node_groups",
+      (("        group = dist.new_group(list(range(m * L, (m + 1) * L)))\n        if rank // L == m:\n"
+        "            intra = group",
+        "        if rank // L == m:\n            intra = dist.new_group(list(range(m * L, (m + 1) * L)))"),
+       ("        group = dist.new_group(list(range(local, world_size, L)))\n        if rank % L == local:\n"
+        "            inter = group",
+        "        if rank % L == local:\n            inter = dist.new_group(list(range(local, world_size, L)))")),
+      "only its own groups"),
+    M("08b_hierarchical_allreduce", "hierarchical_all_reduce_grade", "inter_bytes", "hierarchical_all_reduce",
+      ((_HAR_PHASES, "    ring.all_reduce(tensor, op, rank, world_size)\n"),), "a flat ring over the world"),
+    M("08b_hierarchical_allreduce", "hierarchical_all_reduce_grade", "inter_bytes", "hierarchical_all_reduce",
+      ((_HAR_PHASES, "    ring.all_reduce(tensor, op, local, L, intra)\n"
+                     "    ring.all_reduce(tensor, op, node, M, inter)\n"),), "the whole tensor in the node, then across"),
+    M("08b_hierarchical_allreduce", "hierarchical_all_reduce_grade", "result", "hierarchical_all_reduce",
+      (("    ring.all_gather_chunks(pieces, local, L, intra)\n", ""),), "no all-gather"),
+    M("08b_hierarchical_allreduce", "hierarchical_all_reduce_grade", "uneven", "hierarchical_all_reduce",
+      (("    pieces = list(tensor.tensor_split(L))\n",
+        "    if tensor.numel() < world_size:\n        return tensor\n    pieces = list(tensor.tensor_split(L))\n"),),
+      "skips tensors smaller than W"),
+    M("08b_hierarchical_allreduce", "hierarchical_all_reduce_grade", "uneven", "hierarchical_all_reduce",
+      (("tensor.tensor_split(L)", "tensor.chunk(L)"),), "chunk gives fewer pieces (a crash)"),
+    M("08b_hierarchical_allreduce", "hierarchical_all_reduce_grade", "op", "hierarchical_all_reduce",
+      (("tensor.div_(world_size)", "tensor.div_(ranks_per_node)"),), "averaged over the node only"),
+    M("08b_hierarchical_allreduce", "hierarchical_all_reduce_grade", "op", "hierarchical_all_reduce",
+      (("ring.reduce_scatter_chunks(pieces, op,", 'ring.reduce_scatter_chunks(pieces, "sum",'),
+       ("ring.all_reduce(pieces[local], op,", 'ring.all_reduce(pieces[local], "sum",')),
+      "always a sum"),
+    M("08b_hierarchical_allreduce", "hierarchical_all_reduce_grade", "once", "hierarchical_all_reduce",
+      (("    pieces = list(tensor.tensor_split(L))\n",
+        "    intra, inter = node_groups(rank, world_size, ranks_per_node)\n"
+        "    pieces = list(tensor.tensor_split(L))\n"),), "groups made in every call"),
     # ------------------------------------------------------------------ 10
     M("10_framework_map", "framework_map_grade", "dp", "framework_map",
       (('"hvd.DistributedOptimizer": "BucketedDDP"', '"hvd.DistributedOptimizer": "ShardedOptimizer(stage=1)"'),),

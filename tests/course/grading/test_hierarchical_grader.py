@@ -1,0 +1,74 @@
+"""Exercise 08b's grader (minidist_course/grading/hierarchical.py): the solution scores full marks,
+and each wrong solution of ``MUTANTS`` fails exactly the rule it breaks — Part A in this process
+(no ranks), Part B's mutants together in one launch of 4 ranks (every layout of 4: 1×4, 2×2, 4×1).
+test_exercise_rules.py runs each mutant alone through the notebook's grading cell (the first of
+each part in the default tier)."""
+
+from __future__ import annotations
+
+import pytest
+
+import _solutions
+from minidist_course.grading import hierarchical
+from test_exercise_rules import MUTANTS, mutate
+
+NB = "08b_hierarchical_allreduce"
+CRASHES = "chunk gives fewer pieces (a crash)"   # ends its launch: graded alone below
+
+
+def _mutants(grade_id):
+    return [m for m in MUTANTS if m.notebook == NB and m.grade_id == grade_id]
+
+
+def _fn(name, mutant=None):
+    return _solutions.load(f"{NB}.ipynb", mutate(mutant) if mutant else None)[name]
+
+
+def test_part_a_solution_full_marks_and_each_mutant_exactly_its_rule():
+    report = hierarchical.grade_node_groups(_fn("node_groups"))
+    assert report.passed and report.score == report.max_score == 2, str(report)
+    chosen = _mutants("node_groups_grade")
+    assert {m.rule for m in chosen} == set(hierarchical.GROUP_RULES)
+    for m in chosen:
+        report = hierarchical.grade_node_groups(_fn("node_groups", m))
+        assert report.failed_rules == [m.rule], (m.what, str(report))
+        assert report.score < report.max_score
+
+
+def test_every_rank_names_the_first_group_that_differs():
+    report = hierarchical.grade_node_groups(_fn("node_groups", next(
+        m for m in _mutants("node_groups_grade") if m.rule == "every_rank")))
+    text = str(report)
+    assert ("1 node × 2 ranks (W = 2): [every_rank]" in text
+            and "dist.new_group call 2: rank 0 asks for [0], rank 1 for [1]" in text), text
+
+
+@pytest.mark.timeout(120)
+def test_part_b_solution_and_mutants_in_one_launch():
+    chosen = [m for m in _mutants("hierarchical_all_reduce_grade") if m.what != CRASHES]
+    assert {m.rule for m in chosen} == set(hierarchical.ALL_REDUCE_RULES)
+    fns = [_fn("hierarchical_all_reduce")] + [_fn("hierarchical_all_reduce", m) for m in chosen]
+    reports = hierarchical.grade_all_reduce_many(fns, world_sizes=(4,))
+    assert reports[0].passed and reports[0].score == 4, str(reports[0])
+    for m, report in zip(chosen, reports[1:]):
+        assert report.failed_rules == [m.rule], (m.what, str(report))
+    flat = reports[1 + [m.what for m in chosen].index("a flat ring over the world")]
+    assert "a flat ring's — its 2 ranks at a node boundary" in str(flat), str(flat)
+
+
+@pytest.mark.timeout(120)
+def test_a_crash_on_an_awkward_size_is_uneven_and_the_other_rules_still_checked():
+    crash = next(m for m in _mutants("hierarchical_all_reduce_grade") if m.what == CRASHES)
+    (report,) = hierarchical.grade_all_reduce_many([_fn("hierarchical_all_reduce", crash)],
+                                                   world_sizes=(2,))
+    assert report.failed_rules == ["uneven"], str(report)
+    assert "1 node × 2 ranks" in str(report) and "your code raised IndexError" in str(report)
+
+
+def test_the_byte_formulas():
+    """2(M-1)/M · n/L per rank, 2(M-1)·n in all (the chapter's 2 × 2 counts: 131,072 and 524,288
+    bytes of a 256 KiB all-reduce)."""
+    n = 1 << 16
+    assert hierarchical.inter_bytes_per_rank(2, 2, n) == 131_072
+    assert hierarchical.inter_bytes_total(2, 2, n) == 4 * 131_072
+    assert hierarchical.inter_bytes_total(1, 4, n) == 0
