@@ -231,6 +231,7 @@ def _data_parallel(rank: int, st: Settings) -> list[dict]:
     from minidist.data_parallel import BucketedDDP, DiLoCo, PowerSGD
     x = torch.randn(st.batch, st.width, generator=torch.Generator().manual_seed(rank))
     ddp = BucketedDDP(_mlp(st), bucket_cap_mb=1024, algorithm="ring")    # one bucket
+    ddp_h = BucketedDDP(_mlp(st), bucket_cap_mb=1024, algorithm="hierarchical")
     psgd = BucketedDDP(_mlp(st), bucket_cap_mb=1024, algorithm="ring")
     arithmetic: list = []   # PowerSGD's own compute per step: its hook's time minus its all-reduces'
 
@@ -245,7 +246,8 @@ def _data_parallel(rank: int, st: Settings) -> list[dict]:
     diloco = DiLoCo(local, sync_every=st.diloco_h)
     diloco.comm = Communicator("hand-built", None, where="DiLoCo", algorithm="ring")   # as DDP
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in
-            (("ddp", ddp), ("powersgd", psgd), ("diloco", local), ("compute", plain))}
+            (("ddp", ddp), ("ddp hierarchical", ddp_h), ("powersgd", psgd), ("diloco", local),
+             ("compute", plain))}
 
     def round_():
         for _ in range(st.diloco_h):
@@ -256,10 +258,12 @@ def _data_parallel(rank: int, st: Settings) -> list[dict]:
     try:
         rows = _step_section("data parallel", {
             "ddp": lambda: _train_step(ddp, opts["ddp"], x),
+            "ddp hierarchical": lambda: _train_step(ddp_h, opts["ddp hierarchical"], x),
             "powersgd": lambda: _train_step(psgd, opts["powersgd"], x),
             "diloco": round_, "compute": lambda: _train_step(plain, opts["compute"], x)}, st, rank)
     finally:
         ddp.close()
+        ddp_h.close()
         psgd.close()
     mine = torch.tensor([statistics.median(arithmetic[st.warmup:] or arithmetic)],
                         dtype=torch.float64)

@@ -52,7 +52,8 @@ TIE = 0.10
 WORLD = ((0, 1, 2, 3),)
 # the measured compute rows a step's prediction adds: (section, variant) -> variants
 COMPUTE = {("sharding", "fsdp"): ("compute",), ("sharding", "hsdp"): ("compute",),
-           ("data parallel", "ddp"): ("compute",), ("data parallel", "diloco"): ("compute",),
+           ("data parallel", "ddp"): ("compute",), ("data parallel", "ddp hierarchical"): ("compute",),
+           ("data parallel", "diloco"): ("compute",),
            ("data parallel", "powersgd"): ("compute", "powersgd arith"),
            ("placement", "tp inside"): ("tp compute",), ("placement", "tp across"): ("tp compute",)}
 
@@ -76,6 +77,7 @@ def calls_for(row: dict, st: Settings) -> list | None:
                 "hsdp": P.fsdp_calls(units, [(0, 1), (2, 3)], [(0, 2), (1, 3)])}.get(v)
     if sec == "data parallel":
         return {"ddp": P.ddp_calls([psi], WORLD),
+                "ddp hierarchical": P.ddp_calls([psi], WORLD, "hierarchical"),
                 "powersgd": P.powersgd_calls(_mlp_shapes(st), st.powersgd_rank, WORLD),
                 "diloco": P.diloco_calls(psi, st.diloco_h, WORLD)}.get(v)
     if sec == "placement" and v.split()[-1] in ("inside", "across"):

@@ -151,7 +151,7 @@ def _row(doc, section, variant, ratio=None, size=None):
 def test_every_byte_count_equals_the_schedule(quick):
     doc, _ = quick
     predicted = [r for r in doc["rows"] if r["pred_s"] is not None]
-    assert len(predicted) == 2 * 2 * 2 + 2 + 3 + 4       # ring/hier x ratios x sizes; steps
+    assert len(predicted) == 2 * 2 * 2 + 2 + 4 + 4       # ring/hier x ratios x sizes; steps
     for r in predicted:
         assert r["inter"] == r["pred_inter"], r
         assert r["intra"] == r["pred_intra"], r
@@ -178,6 +178,11 @@ def test_byte_directions_and_closed_forms(quick):
     assert max(psgd["inter"]) == 1.5 * (2 * w + 4 * 2 * w) * 4      # biases, P, Q (rank 2)
     assert diloco["inter"] == [x / st.diloco_h for x in ddp["inter"]]
     assert total(psgd) < total(ddp) and total(diloco) < total(ddp)
+    # DDP's buckets hierarchical: every rank sends 2(M-1)/M of its 1/L piece across, n bytes
+    # each; the ring's two node-crossing ranks 3/2 n each: 4 n against 3 n over all ranks
+    ddp_h = _row(doc, "data parallel", "ddp hierarchical")
+    psi_bytes = psi * 4
+    assert ddp_h["inter"] == [psi_bytes // 2] * 4 and total(ddp_h) == 2 / 3 * total(ddp)
     tp_in, tp_out = _row(doc, "placement", "tp inside"), _row(doc, "placement", "tp across")
     shard = 4 * h * h + 3 * h
     assert tp_in["inter"] == [shard * 4] * 4                       # only DP's gradients cross
@@ -197,7 +202,7 @@ def test_table_and_json(quick):
     assert saved["format"] == R.FORMAT and len(saved["rows"]) == len(doc["rows"])
     assert set(saved["loopback"]) == {"2", "4"}
     s = doc["summary"]
-    assert s["rows"] == 17 and 0 <= s["within"] <= 17 and -1 <= s["spearman"] <= 1
+    assert s["rows"] == 18 and 0 <= s["within"] <= 18 and -1 <= s["spearman"] <= 1
     assert {c["group"] for c in s["comparisons"]} >= {"sharding", "data parallel", "TP placement",
                                                       "EP placement", "ratio 16, 64 KiB"}
     loops = {int(n): Link(v["alpha"], v["beta"]) for n, v in saved["loopback"].items()}
@@ -231,5 +236,6 @@ def test_timing_crossovers_point_the_right_way():
     step = {v: t[s, v, 16, None] for s, v, _, b in t if b is None}
     assert step["hsdp"] < step["fsdp"], step
     assert step["powersgd"] < step["ddp"] and step["diloco"] < step["ddp"], step
+    assert step["ddp hierarchical"] < step["ddp"], step    # links: a third of the ring's crossing
     assert step["tp across"] > step["tp inside"] and step["ep across"] > step["ep inside"], step
     assert doc["summary"]["spearman"] > 0.8, doc["summary"]
