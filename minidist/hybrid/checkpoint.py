@@ -3,7 +3,8 @@
 No rank holds the whole model, so every rank writes its own file (Megatron-LM writes one per
 model-parallel rank, ``mp_rank_XX_YYY/model_optim_rng.pt``, with the RNG states inside):
 
-* **model**: the ``state_dict`` of each of this rank's stages (its TP shards of its layers);
+* **model**: the ``state_dict`` of each of this rank's stages (its TP shards of its layers; under
+  ZeRO-3 / HSDP its ``fully_shard`` shards: every DP replica of an HSDP shard writes its own copy);
 * **optimizer**: a plain ``torch.optim`` optimizer's ``state_dict`` (over this rank's parameters:
   no communication), or for ZeRO-1 (:class:`~minidist.sharding.zero.ShardedOptimizer`) only the
   inner optimizer over this rank's 1/dp slices — each replica saves its own shard of the Adam
@@ -67,7 +68,15 @@ def _layout(model) -> dict:
             "world": g.world_size, "chunks": model.chunks,
             "sequence_parallel": bool(model.sequence_parallel), "moe": model.moe,
             "zero3": any(hasattr(m, "_fsdp") for m in model.stages.values()),
+            **({"hsdp": True} if _hsdp(model) else {}),   # absent otherwise: older files load
             "cfg": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))}
+
+
+def _hsdp(model) -> bool:
+    """The stages are HSDP units with a replicate group (``dp_mode="hsdp"`` with dp > 1): their
+    shards are 1/cp, not ZeRO-3's 1/(dp·cp); with dp == 1 the two layouts are the same."""
+    return any(getattr(getattr(m, "_fsdp", None), "rep", None) is not None
+               for m in model.stages.values())
 
 
 def _describe(layout: dict) -> str:
@@ -75,7 +84,8 @@ def _describe(layout: dict) -> str:
     return (f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']}"
             + (f" cp={cp}" if cp != 1 else "") + (f" ep={ep}" if ep != 1 else "")
             + f" chunks={layout['chunks']} sequence_parallel={layout['sequence_parallel']}"
-            + (f" moe={moe}" if moe else "") + (" zero3" if layout.get("zero3") else ""))
+            + (f" moe={moe}" if moe else "")
+            + (" hsdp" if layout.get("hsdp") else " zero3" if layout.get("zero3") else ""))
 
 
 def save_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, step: int = 0,

@@ -12,7 +12,8 @@ gradients ``get_main_grads_for_grad_norm`` keeps with ``param_is_not_shared`` an
 * a TP-replicated parameter (LayerNorm, row-parallel bias, position embedding) counts on TP rank
   0 only (after sequence-parallel finishing, its gradient is the same on every TP rank);
 * the last stage's copy of a tied embedding does not count (the first stage's does);
-* DP replicas hold the same averaged gradient: not summed over the DP group;
+* DP replicas hold the same averaged gradient: not summed over the DP group (ZeRO-3's shards,
+  disjoint over DP×CP, are; HSDP's, disjoint over CP and alike over DP, are summed over CP only);
 * an expert (mixture of experts, :mod:`.moe`) lives on one rank of its EP group: its squares are
   summed over the EP group (not over its expert-DP replicas).
 
@@ -65,26 +66,35 @@ def _local_sum_sq(model) -> torch.Tensor:
     return total + experts
 
 
-def _reduce_tp_pp(grid, dp: bool = False):
-    """Sum in place over the grid's TP and PP groups (and DP×CP, for ZeRO-1's slices: the ranks
-    holding the same parameters, the DP group without context parallelism)."""
+def _reduce_tp_pp(grid, dp: bool = False, cp: bool = False):
+    """Sum in place over the grid's TP and PP groups (and DP×CP, for ZeRO-1's slices and ZeRO-3's
+    shards: the ranks holding the same parameters, the DP group without context parallelism; or
+    CP only, for HSDP's shards, which the DP replicas hold alike)."""
+    over = (((len(grid.dp_cp_ranks), grid.dp_cp_group),) if dp else
+            ((grid.cp_size, grid.cp_group),) if cp else ())   # cp_group is None iff cp_size == 1
+
     def reduce(t):
-        for size, group in (((len(grid.dp_cp_ranks), grid.dp_cp_group),) if dp else ()) + (
-                (grid.tp_size, grid.tp_group), (grid.pp_size, grid.pp_group)):
+        for size, group in over + ((grid.tp_size, grid.tp_group), (grid.pp_size, grid.pp_group)):
             if size > 1:
                 C.all_reduce(t, "sum", group=group)
     return reduce
 
 
 def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
-                    dp_sharded: bool = False) -> float:
+                    dp_sharded: bool = False, cp_sharded: bool = False) -> float:
     """Scale every gradient of ``model`` in place by ``min(1, max_norm / (norm + 1e-6))`` (as
     ``torch.nn.utils.clip_grad_norm_``) and return the global norm before clipping (a float).
     ``dp_sharded``: the gradients are ZeRO-3 shards (disjoint over the DP×CP group, zero padding):
-    their squares are summed over that group too."""
+    their squares are summed over that group too. ``cp_sharded``: HSDP shards (disjoint over the
+    CP group, the same piece on every DP replica after the all-reduce): summed over CP only, so
+    each piece counts once, not dp times (FSDP1 once counted replicated gradients W times,
+    pytorch/pytorch#88955)."""
     if float(norm_type) != 2.0:
         raise ValueError(f"clip_grad_norm_ (rank {model.grid.rank}): only the 2-norm is "
                          f"implemented, got norm_type={norm_type}")
+    if dp_sharded and cp_sharded:
+        raise ValueError(f"clip_grad_norm_ (rank {model.grid.rank}): dp_sharded (ZeRO-3) and "
+                         "cp_sharded (HSDP) are two layouts; pass the one the stages have")
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return float(clip_by_global_norm_(_local_sum_sq(model), grads, max_norm,
-                                      _reduce_tp_pp(model.grid, dp=dp_sharded)))
+                                      _reduce_tp_pp(model.grid, dp=dp_sharded, cp=cp_sharded)))

@@ -1,4 +1,4 @@
-"""Data parallelism across the DP group of a 3-D grid: the three ways minidist averages gradients.
+"""Data parallelism across the DP group of a 3-D grid: the ways minidist averages gradients.
 
 ``"flat"``: after the rank's last backward, all of its stages' gradients are averaged as one flat
 buffer (:func:`minidist.hybrid.dp_pipeline.sync_gradients`).
@@ -31,6 +31,28 @@ runs FSDP under a pipeline). The tied embedding's two copies are sharded alike (
 slices sum elementwise; the optimizer steps the shards. Zero-bubble schedules are refused: their
 weight pass W runs as a backward of its own, outside the one FSDP's hooks track.
 
+``"hsdp"``: hybrid sharding (:mod:`minidist.sharding.hsdp`) with torchtitan's mesh: each stage is
+one ``fully_shard`` unit sharded over the grid's CP group and replicated across its DP group.
+torchtitan's ``ParallelDims`` (``torchtitan/distributed/parallel_dims.py``) builds the HSDP mesh
+``("dp_replicate", "dp_shard_cp")``: the shard dimension folds the FSDP ranks ``dp_shard`` with
+the CP ranks (``fsdp_enabled = dp_shard_enabled or cp_enabled``), and ``parallelize_llama``
+(``torchtitan/models/llama3/infra/parallelize.py``) calls ``fully_shard(..., mesh=dp_mesh)``
+on ``["dp_replicate", "fsdp"]``. minidist's grid has no ``dp_shard`` axis (it is 1), so the
+replicate dimension is the DP group and the shard dimension the CP group: each rank keeps 1/cp
+of its stages; the gradients are reduce-scattered (average) over CP during the stage's last
+backward, then the [1/cp] piece is all-reduced (average) over DP — the DP×CP average, as the
+other modes. With ``cp == 1`` the shard group is the rank alone (a one-rank group, made by every
+rank at the same point, once per process: :func:`self_group`): HSDP degenerates to units that
+keep their parameters whole and all-reduce their gradients over DP — where torchtitan, with
+nothing to shard, falls back to DDP (``apply_ddp`` when only ``dp_replicate`` is enabled); it
+is supported, not refused (one process's numbers, as ``"flat"``'s, reduced by the units'
+hooks). With ``dp == 1`` it is ZeRO-3 over CP. ``reshard_after_forward`` is torchtitan's default policy: on
+with ``pp == 1``, off under a pipeline (no all-gather per micro-batch). Gradient accumulation,
+the tied embedding, the optimizer on the shards and the refusal of zero-bubble schedules are
+ZeRO-3's; clipping sums the shards' squares over the CP group only (each piece once: the DP
+replicas hold the same piece, so summing over DP×CP would count it dp times). Experts sharded
+over EP are refused, as with every mode but ``"flat"`` (:func:`~.moe.refuse_expert_dp_mode`).
+
 ``"zero2"`` is refused: ZeRO-2 keeps only a slice of the gradient, but the pipeline's
 micro-batches accumulate gradients over several backwards — each would need a reduce-scatter of
 its own (M times ZeRO-1's traffic) — which is why DeepSpeed's pipeline engine refuses ZeRO-2 and 3
@@ -43,6 +65,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from ..data_parallel.bucketed import BucketedDDP
 from ..data_parallel.clip import clip_by_global_norm_
@@ -51,11 +74,12 @@ from ..sharding.zero import ShardedOptimizer
 from .clip import _reduce_tp_pp
 from .moe import refuse_expert_dp_mode
 
-__all__ = ["DP_MODES", "ZERO3", "PipelineBucketedDDP", "ZeRO1Optimizer", "make_optimizer",
-           "shard_stages", "refuse_zero2"]
+__all__ = ["DP_MODES", "ZERO3", "SHARDED", "PipelineBucketedDDP", "ZeRO1Optimizer",
+           "make_optimizer", "shard_stages", "check_sharding", "self_group", "refuse_zero2"]
 
-DP_MODES = ("flat", "bucketed", "zero1", "zero2", "zero3", "zero3/keep")
+DP_MODES = ("flat", "bucketed", "zero1", "zero2", "zero3", "zero3/keep", "hsdp")
 ZERO3 = ("zero3", "zero3/keep")
+SHARDED = ZERO3 + ("hsdp",)     # the modes whose stages are fully_shard units
 
 
 class PipelineBucketedDDP(BucketedDDP):
@@ -171,18 +195,71 @@ def refuse_zero2(model, dp_mode: str, who: str) -> None:
                          "reduce-scatter, once) or 'zero3'")
 
 
+_SELF: dict = {}   # "group" -> (the world it was made in, this rank alone as a group)
+
+
+def self_group():
+    """This rank alone as a process group (HSDP's shard group when ``cp == 1``). Every rank makes
+    its own at the same point (``use_local_synchronization``: only the member takes part, and
+    torch's group counter advances alike on every rank), once per process and world: a second
+    call returns the same group (a group holds gloo threads until the process ends)."""
+    here = dist.GroupMember.WORLD
+    hit = _SELF.get("group")
+    if hit is not None and hit[0] is here:
+        return hit[1]
+    group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    _SELF["group"] = (here, group)
+    return group
+
+
+def _groups(model, dp_mode: str) -> tuple:
+    """``(shard group, replicate group or None, shard ranks, replicate ranks or None)`` of
+    ``dp_mode``'s units (module docstring)."""
+    grid = model.grid
+    if dp_mode != "hsdp":
+        return grid.dp_cp_group, None, list(grid.dp_cp_ranks), None
+    shard = grid.cp_group if grid.cp_size > 1 else self_group()   # never None: None is the world
+    rep = grid.dp_group if grid.dp_size > 1 else None
+    return shard, rep, list(grid.cp_ranks), (list(grid.dp_ranks) if rep is not None else None)
+
+
 def shard_stages(model, dp_mode: str) -> None:
     """``"zero3"``/``"zero3/keep"``: make each of ``model``'s stages a ``fully_shard`` unit on the
-    DP×CP group (module docstring). Collective over that group (it syncs from its rank 0)."""
+    DP×CP group; ``"hsdp"``: sharded over the CP group (this rank alone when ``cp == 1``) and
+    replicated over the DP group (module docstring). Collective over those groups (the units
+    sync from their rank 0; HSDP checks the layout with one all-gather over DP)."""
+    shard, rep, _, _ = _groups(model, dp_mode)
+    reshard = dp_mode == "zero3" or (dp_mode == "hsdp" and model.grid.pp_size == 1)
     for s in sorted(model.stages):
-        fully_shard(model.stages[s], group=model.grid.dp_cp_group,
-                    reshard_after_forward=dp_mode == "zero3")
+        fully_shard(model.stages[s], group=shard, replicate_group=rep,
+                    reshard_after_forward=reshard)
+
+
+def check_sharding(model, dp_mode: str, who: str) -> None:
+    """``ValueError`` (every rank, no communication) when ``model``'s stages are not sharded the
+    way ``dp_mode`` shards them (e.g. wrapped for ``"zero3"``, stepped as ``"hsdp"``: the
+    clipping would count the shards over the wrong group)."""
+    _, _, shard, rep = _groups(model, dp_mode)
+    for s, stage in sorted(model.stages.items()):
+        unit = getattr(stage, "_fsdp", None)
+        if unit is None:
+            continue
+        has = sorted(dist.get_process_group_ranks(unit.comm.group) if unit.comm.group is not None
+                     else range(dist.get_world_size()))
+        has_rep = (None if getattr(unit, "rep", None) is None else
+                   sorted(dist.get_process_group_ranks(unit.rep.group)))
+        if has != sorted(shard) or has_rep != (sorted(rep) if rep is not None else None):
+            raise ValueError(f"{who} (rank {model.grid.rank}): stage {s} is sharded over ranks "
+                             f"{has} and replicated over {has_rep}, but dp_mode={dp_mode!r} "
+                             f"shards over {sorted(shard)} and replicates over "
+                             f"{sorted(rep) if rep is not None else None}; build the modules "
+                             f"with wrap_stages(model, {dp_mode!r})")
 
 
 def make_optimizer(model, dp_mode: str, optimizer_class=torch.optim.AdamW, **defaults):
     """The optimizer for ``model`` (a :class:`~.stages.HybridGPT`): ``optimizer_class`` over its
-    parameters (with ``"zero3"``: the shards — call :func:`~.step.wrap_stages` first), or a
-    :class:`ZeRO1Optimizer` on the grid's DP group for ``"zero1"``."""
+    parameters (with ``"zero3"`` and ``"hsdp"``: the shards — call :func:`~.step.wrap_stages`
+    first), or a :class:`ZeRO1Optimizer` on the grid's DP group for ``"zero1"``."""
     if dp_mode not in DP_MODES:
         raise ValueError(f"make_optimizer (rank {model.grid.rank}): dp_mode must be one of "
                          f"{DP_MODES}, got {dp_mode!r}")

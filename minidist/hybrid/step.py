@@ -8,12 +8,14 @@
    (:func:`~.dp_pipeline.dp_pipeline_step` around the engine's 1F1B, interleaved 1F1B or GPipe);
    the loss is the vocabulary-parallel cross-entropy on the TP group, reduced as
    ``loss_reduction`` says; DP averaging as one flat buffer after the last backward
-   (``"flat"``), by the bucketed wrappers during each stage's last backward (``"bucketed"``), or
-   by ZeRO-1's reduce-scatter after step 4 (``"zero1"``: recorded as ``"dp_sync"``; see :mod:`.dp`);
+   (``"flat"``), by the bucketed wrappers during each stage's last backward (``"bucketed"``), by
+   ZeRO-1's reduce-scatter after step 4 (``"zero1"``: recorded as ``"dp_sync"``), or by the
+   ``fully_shard`` units' hooks during each stage's last backward (``"zero3"``, ``"zero3/keep"``:
+   a reduce-scatter over DP×CP; ``"hsdp"``: over CP, then an all-reduce over DP; see :mod:`.dp`);
 3. sum the sequence-parallel parameters' partial gradients over the TP group;
 4. sum the tied embedding's two copies' gradients over the embedding group;
-5. clip by the global norm (:mod:`.clip`; ZeRO-1: from its averaged slices) when ``max_norm`` is
-   given;
+5. clip by the global norm (:mod:`.clip`; ZeRO-1: from its averaged slices; ZeRO-3 and HSDP:
+   from the shards, each once) when ``max_norm`` is given;
 6. the optimizer step (ZeRO-1: each replica steps its slice, then all-gathers).
 
 With ``record=True`` steps 3-6 are Events on the engine's timeline too ("sp grads", "tied grads",
@@ -47,7 +49,7 @@ from ..trace import Event
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from .clip import clip_grad_norm_
 from ..sharding.fsdp import set_requires_gradient_sync
-from .dp import DP_MODES, ZERO3, PipelineBucketedDDP, refuse_zero2, shard_stages
+from .dp import DP_MODES, SHARDED, PipelineBucketedDDP, check_sharding, refuse_zero2, shard_stages
 from .dp_pipeline import dp_pipeline_step
 from .moe import average_gradients, aux_weight, refuse_expert_dp_mode
 from .stages import check_grid
@@ -90,14 +92,15 @@ def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> d
     """{stage: module} the engine runs: the stages themselves, or (``"bucketed"``) each wrapped in a
     :class:`~.dp.PipelineBucketedDDP` on the DP group (a small ``bucket_cap_mb``: several buckets
     even for the tiny model); with ``"zero3"``/``"zero3/keep"`` each stage becomes a
-    ``fully_shard`` unit (:mod:`.dp`) — build the optimizer after this. Collective over the DP
-    group for ``"bucketed"`` and ZeRO-3."""
+    ``fully_shard`` unit over DP×CP, with ``"hsdp"`` one sharded over CP and replicated over DP
+    (:mod:`.dp`) — build the optimizer after this. Collective over the DP (×CP) group for
+    ``"bucketed"``, ZeRO-3 and HSDP."""
     if dp_mode not in DP_MODES:
         raise ValueError(f"wrap_stages (rank {model.grid.rank}): dp_mode must be one of "
                          f"{DP_MODES}, got {dp_mode!r}")
     refuse_zero2(model, dp_mode, "wrap_stages")
     refuse_expert_dp_mode(model, dp_mode, "wrap_stages")
-    if dp_mode in ZERO3:
+    if dp_mode in SHARDED:
         shard_stages(model, dp_mode)
     if dp_mode != "bucketed":
         return dict(model.stages)
@@ -136,8 +139,10 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     when they differ in size by one) and are averaged over DP once, after the last.
 
     Raises ``ValueError`` (every rank, before communicating) when ``B`` does not split over dp,
-    a replica gets fewer than ``microbatches`` samples, the grid does not fit the model, or the
-    schedule does not fit the model's chunks and placement (naming both), or
+    a replica gets fewer than ``microbatches`` samples, the grid does not fit the model, the
+    modules were built for another ``dp_mode`` (ZeRO-3 units stepped as ``"hsdp"``: the norm would
+    count the shards over the wrong group), the schedule does not fit the model's chunks and
+    placement (naming both), a zero-bubble schedule meets ZeRO-3 or HSDP units, or
     ``loss_reduction="mean"`` meets ignored targets while the batch is cut into several shards
     (replicas, CP ranks or micro-batches): each shard would average over its own count of tokens
     and the result differ from one process (Megatron-LM warns of the same; pass
@@ -154,10 +159,12 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     refuse_zero2(model, dp_mode, "train_step")
     refuse_expert_dp_mode(model, dp_mode, "train_step")
     sharded = [hasattr(m, "_fsdp") for m in model.stages.values()]
-    if any(sharded) != (dp_mode in ZERO3):
+    if any(sharded) != (dp_mode in SHARDED):
         raise ValueError(f"train_step (rank {grid.rank}): the stages are{'' if any(sharded) else ' not'}"
                          f" fully_shard units but dp_mode={dp_mode!r}; build them with "
                          f"wrap_stages(model, {dp_mode!r})")
+    if dp_mode in SHARDED:
+        check_sharding(model, dp_mode, "train_step")
     cp = grid.cp_size
     check_grid(cfg, grid.dp_size, grid.pp_size, grid.tp_size, model.chunks,
                model.sequence_parallel, grid.rank, ids.shape[1], ids.shape[0], microbatches, cp,
@@ -172,8 +179,9 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
                          f"with chunks={model.chunks}, placement={model.placement!r}; build "
                          f"HybridGPT(..., chunks={sched.v}, placement={sched.placement!r}) or pick "
                          "a schedule for the model")
-    if dp_mode in ZERO3 and sched.split(grid.pp_rank):
-        raise ValueError(f"train_step (rank {grid.rank}): dp_mode={dp_mode!r} (ZeRO-3, "
+    if dp_mode in SHARDED and sched.split(grid.pp_rank):
+        kind = "HSDP" if dp_mode == "hsdp" else "ZeRO-3"
+        raise ValueError(f"train_step (rank {grid.rank}): dp_mode={dp_mode!r} ({kind}, "
                          f"fully_shard per stage) with the zero-bubble schedule {schedule!r} is "
                          "not supported: its weight pass W runs as a backward of its own, outside "
                          "the backward whose hooks FSDP's reduce-scatter follows; use '1f1b', "
@@ -186,10 +194,10 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     if cp > 1:   # this rank's positions of every sample
         x, y = (shard(t, model.cp_split, cp, grid.cp_rank, dim=1) for t in (x, y))
     bucketed, zero1 = dp_mode == "bucketed", dp_mode == "zero1" and optimizer is not None
-    zero3 = dp_mode in ZERO3
+    fsdp = dp_mode in SHARDED   # ZeRO-3 or HSDP: the units' hooks reduce the gradients
     ctx = ((lambda s, m, last: modules[s].backward_sync(last)) if bucketed else
-           (lambda s, m, last: _gradient_sync(modules[s], last)) if zero3 else None)
-    average: bool | Callable[[], None] = not (bucketed or zero1 or zero3)
+           (lambda s, m, last: _gradient_sync(modules[s], last)) if fsdp else None)
+    average: bool | Callable[[], None] = not (bucketed or zero1 or fsdp)
     if model.moe_layers:   # experts: their aux losses' weights, their own gradient average
         tokens = int((targets != -100).sum())
         weight = aux_weight(loss_reduction, x.shape[0], len(grid.dp_cp_ranks), tokens)
@@ -214,7 +222,8 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
         norm = None
         if max_norm is not None:
             norm = (optimizer.clip_grad_norm_(max_norm) if zero1
-                    else clip_grad_norm_(model, max_norm, dp_sharded=zero3))
+                    else clip_grad_norm_(model, max_norm, dp_sharded=fsdp and dp_mode != "hsdp",
+                                         cp_sharded=dp_mode == "hsdp"))
     with _timed(result, record, "optimizer", grid.pp_rank, step):
         if step:
             optimizer.step()
@@ -259,8 +268,9 @@ class _AuxMeter:
 
 @contextlib.contextmanager
 def _gradient_sync(stage, sync: bool):
-    """ZeRO-3: the backward inside reduce-scatters the accumulated gradient iff ``sync`` (the
-    stage's last micro-batch), else keeps accumulating it unsharded."""
+    """ZeRO-3 and HSDP: the backward inside reduce-scatters the accumulated gradient iff ``sync``
+    (the stage's last micro-batch; HSDP then all-reduces the piece over DP), else keeps
+    accumulating it unsharded."""
     set_requires_gradient_sync(stage, sync)
     try:
         yield

@@ -2,7 +2,8 @@
 
 A *configuration* picks one value per dimension of :func:`minidist.hybrid.train_step` — the
 pipeline schedule, the data-parallel mode (flat, bucketed, ZeRO-1, ZeRO-2, ZeRO-3 per stage with
-and without resharding after forward), recomputation, context parallelism (ring attention
+and without resharding after forward, HSDP per stage: sharded over CP, replicated over DP, as
+torchtitan's ``("dp_replicate", "dp_shard_cp")`` mesh), recomputation, context parallelism (ring attention
 with each of the three splits, or Ulysses), tensor parallelism
 (with or without sequence parallelism), the loss reduction, the data-parallel size, the tied
 embedding and the MLPs: dense, or mixture-of-experts blocks (top-2 of 4 experts, aux and z
@@ -10,7 +11,7 @@ losses) with the experts replicated (``ep1``), sharded over two EP ranks (``ep2`
 and dropping tokens over a capacity (``ep2/drop``), the precision of the forwards (fp32, or bf16
 autocast: mixed precision) and gradient accumulation (4 or 6 micro-batches per replica, ragged
 ones included: 7 samples per replica cut into 4 are 2, 2, 2, 1). Testing every configuration is a
-product of all the value counts (6·6·3·5·3·3·2·2·4·2·2 = 311,040 here); testing every *pair* of values of every two dimensions
+product of all the value counts (6·7·3·5·3·3·2·2·4·2·2 = 362,880 here); testing every *pair* of values of every two dimensions
 takes a few dozen (a covering array of strength 2: Cohen et al. 1997, "The AETG System", whose
 greedy construction this is — each new configuration is the best of a few random candidates
 at covering pairs not covered yet). Most bugs of composition are pairs (the field reports of
@@ -38,7 +39,7 @@ __all__ = ["DIMENSIONS", "EXPERTS", "REFUSED", "MAX_WORLD", "world_size", "cp_si
 
 DIMENSIONS: dict[str, tuple] = {
     "schedule": ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipe-v"),
-    "dp_mode": ("flat", "bucketed", "zero1", "zero2", "zero3", "zero3/keep"),
+    "dp_mode": ("flat", "bucketed", "zero1", "zero2", "zero3", "zero3/keep", "hsdp"),
     "recompute": ("none", "minidist", "torch"),
     "cp": ("1", "ring/zigzag", "ring/contiguous", "ring/striped", "ulysses"),
     "tp": ("1", "2", "2+sp"),
@@ -63,10 +64,10 @@ REFUSED: list[tuple[tuple[str, object], tuple[str, object] | None, tuple[str, ..
     for moe in EXPERTS
 ] + [
     (("dp_mode", mode), ("moe", moe), (f"'{mode}'", "expert parallelism"))
-    for mode in ("bucketed", "zero1", "zero3", "zero3/keep") for moe in ("ep2", "ep2/drop")
+    for mode in ("bucketed", "zero1", "zero3", "zero3/keep", "hsdp") for moe in ("ep2", "ep2/drop")
 ] + [
     (("schedule", zb), ("dp_mode", mode), (f"'{mode}'", f"'{zb}'", "zero-bubble"))
-    for zb in ("zb-h1", "zb-v", "dualpipe-v") for mode in ("zero3", "zero3/keep")
+    for zb in ("zb-h1", "zb-v", "dualpipe-v") for mode in ("zero3", "zero3/keep", "hsdp")
 ] + [(("dp_mode", "zero2"), None, ("'zero2'", "pipeline"))] + [
     (("cp", cp), ("moe", "ep2/drop"), ("capacity", "context parallelism"))
     for cp in ("ring/zigzag", "ring/contiguous", "ring/striped", "ulysses")
