@@ -5,24 +5,15 @@ gradients equal to the flat ring's (fp32, 1e-6 relative: the summation order dif
 
 from __future__ import annotations
 
-import os
 
+import pytest
 import torch
 from torch import nn
 
 import minidist
 from minidist.comm import p2p, topology
 
-
-def _gloo_threads() -> int:
-    n = 0
-    for t in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{t}/comm") as f:
-                n += f.read().strip() == "gloo_tcp_loop"
-        except FileNotFoundError:
-            pass
-    return n
+from _gloo_threads import HAVE_PROC, gloo_threads
 
 
 def _ddp_grads(algorithm: str, rank: int) -> tuple[list, object]:
@@ -41,12 +32,12 @@ def _ddp_grads(algorithm: str, rank: int) -> tuple[list, object]:
 
 
 def _rank(rank, world):
-    before = _gloo_threads() if os.path.isdir("/proc/self/task") else None
+    before = gloo_threads() if HAVE_PROC else None
     ring, ring_rows = _ddp_grads("ring", rank)
     hier, hier_rows = _ddp_grads("hierarchical", rank)
     topology.install("2x2:inter=1e-3,2e7")       # a slow inter-node link: auto must see it
     auto, auto_rows = _ddp_grads("auto", rank)
-    after = _gloo_threads() if before is not None else None
+    after = gloo_threads() if before is not None else None
     err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(hier, ring))
     err_auto = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
                    for a, b in zip(auto, ring))
@@ -115,14 +106,14 @@ def test_the_hybrid_step_on_a_two_level_cluster_equals_one_process():
 def _grid_groups(rank, world):
     from minidist import collectives as C
     from minidist.grid import ProcessGrid
-    before = _gloo_threads()
+    before = gloo_threads()
     with ProcessGrid(1, 1, 4) as grid:         # one TP group of 4 over both nodes: 2 + 2
         x = torch.arange(10.0) * (rank + 1)
         two, flat = x.clone(), x.clone()
         C.all_reduce(two, algorithm="hierarchical", group=grid.tp_group)
         C.all_reduce(flat, algorithm="ring", group=grid.tp_group)
-        during = _gloo_threads()
-    after = _gloo_threads()          # before the world's own sub-groups are made, below
+        during = gloo_threads()
+    after = gloo_threads()          # before the world's own sub-groups are made, below
     # ROCm/rocm-systems#7851 (RCCL): a hierarchical average of integers that divides per level
     # truncates each node's partial sum: ranks [3, 0 | 0, 1] would give (3//2 + 1//2)//2 = 0
     # where the sum's average is 4/4 = 1. minidist refuses an integer average by name (on every
@@ -140,6 +131,7 @@ def _grid_groups(rank, world):
     return same, before, during, after
 
 
+@pytest.mark.skipif(not HAVE_PROC, reason="Linux /proc: the thread count")
 def test_grid_groups_spanning_nodes_evenly_run_hierarchical_and_close_cleanly():
     with topology.use("2x2"):
         out = minidist.run(_grid_groups, 4, timeout=120)

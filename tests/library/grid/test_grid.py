@@ -7,6 +7,8 @@ import minidist
 from minidist.collectives import all_reduce
 from minidist.grid import ProcessGrid, grid_layout
 
+from _gloo_threads import HAVE_PROC, gloo_threads
+
 
 def test_layout_example_from_docstring():
     lay = grid_layout(8, 2, 2, 2)
@@ -61,24 +63,12 @@ def test_grid_needs_matching_world():
         minidist.run(lambda r, w: ProcessGrid(2, 2), 2, timeout=30)
 
 
-def _gloo_threads() -> int:
-    import os
-    n = 0
-    for t in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{t}/comm") as f:
-                n += f.read().strip() == "gloo_tcp_loop"
-        except FileNotFoundError:     # a thread that ended while we listed
-            pass
-    return n
-
-
 def _build_use_close(rank, world):
     import torch.distributed as dist
 
     from minidist.comm import p2p
     from minidist.communicator import CommThread, Communicator
-    before, seen = _gloo_threads(), []
+    before, seen = gloo_threads(), []
     for _ in range(3):   # a sweep building grid after grid (the resume matrix does 12 a launch)
         with ProcessGrid(2, 2) as grid:
             t = torch.ones(5)
@@ -89,15 +79,15 @@ def _build_use_close(rank, world):
             worker = CommThread(Communicator(group=grid.dp_group))    # a DDP's comm thread
             worker.submit("all-reduce", lambda comm, x: comm.all_reduce(x), t).wait()
             worker.close()
-            seen.append(_gloo_threads())
+            seen.append(gloo_threads())
         grid.close()                                                  # idempotent
         assert grid.dp_rank in (0, 1)
         with pytest.raises(AttributeError, match=r"rank \d\): dp_group is gone, the grid was closed"):
             getattr(grid, "dp_group")  # noqa: B009 - the attribute access is the test
-    return before, seen, _gloo_threads(), float(t[0])
+    return before, seen, gloo_threads(), float(t[0])
 
 
-@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="Linux /proc")
+@pytest.mark.skipif(not HAVE_PROC, reason="Linux /proc")
 def test_closing_a_grid_frees_its_groups_threads():
     """A process that builds many grids must not keep every grid's gloo threads: each group holds
     a TCP loop and two workers until destroyed, and the resume matrix's 30 grids per launch once
