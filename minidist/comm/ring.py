@@ -26,11 +26,20 @@ for clusters of workstations"; Thakur et al. 2005):
 Chunks come from ``torch.tensor_split``, which always returns exactly W pieces (10 elements on 4
 ranks: [3, 3, 2, 2]; 3 elements on 4 ranks: [1, 1, 1, 0]); ``torch.chunk`` may return fewer.
 Empty chunks are skipped on both sides.
+
+``rank`` and ``world`` are this process's place in ``group`` and the group's size, not its global
+rank and the world's: every public name checks them first (one cached look-up) and raises
+``ValueError`` on the ranks that pass a wrong one, naming the place they hold.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import textwrap
+
 import torch
+import torch.distributed as dist
 
 from . import p2p
 from .ops import combine_, scratch_buffer as _scratch_buffer
@@ -123,6 +132,87 @@ def all_reduce_preposted(flat: torch.Tensor, op: str, rank: int, world: int, gro
     reduce_scatter_preposted(chunks, op, rank, world, group)
     all_gather_preposted(chunks, rank, world, group)
 
+
+# --- the public entry points: rank and world checked against the group -----------------------
+
+def _check_place(name: str, rank, world, group) -> None:
+    """Raise ``ValueError`` unless ``rank`` is this process's place in ``group`` and ``world`` its
+    size. A global rank passed for a sub-group's place would otherwise reach p2p as a peer that is
+    this rank itself, or outside the group, with advice meant for a whole world. One cached
+    lookup (:func:`p2p.rank_and_size`) per call."""
+    me, size = p2p.group_rank_world(group)
+    if rank == me and world == size:
+        return
+    where = f"ring.{name} (rank {dist.get_rank() if dist.is_initialized() else 0})"
+    if me < 0:
+        raise ValueError(f"{where}: this process is not a member of the group it passed; only the "
+                         "group's members may call a ring on it")
+    if rank != me:
+        places = (f"the ranks of a group are numbered 0 … {size - 1} in the order of their global "
+                  "ranks" if size > 1 else "a group of one rank has only place 0")
+        hint = (f" (rank={rank} is this process's global rank; {places})"
+                if group is not None and dist.is_initialized() and rank == dist.get_rank() else "")
+        raise ValueError(f"{where}: rank={rank!r} but this process is rank {me} of its group "
+                         f"(size {size}): pass the place in the group{hint}")
+    raise ValueError(f"{where}: world={world!r} but its group has {size} rank"
+                     f"{'s' if size != 1 else ''}: pass the group's size")
+
+
+_CONTRACT = {
+    "reduce_scatter": "In place: afterwards ``chunks[rank]`` holds the reduction (``op``) over the "
+                      "group of every member's ``chunks[rank]``; the other chunks hold partial "
+                      "results. ``chunks``: ``world`` contiguous 1-D tensors (sizes may differ, the "
+                      "same on every rank: ``tensor_split``).",
+    "all_gather": "In place: ``chunks[rank]`` is this rank's data; afterwards every chunk holds "
+                  "its owner's (chunk ``i`` that of the group's rank ``i``), on every rank.",
+    "all_reduce": "In place: afterwards ``flat`` (a contiguous 1-D tensor) holds the reduction "
+                  "(``op``) over the group of every member's ``flat``, bit-identical on every "
+                  "rank; ``avg`` adds, the division is left to the caller.",
+}
+_PLACE = ("``rank`` is this process's place in ``group`` (0 … world-1: for a sub-group not the "
+          "global rank) and ``world`` the group's size; both are checked (``ValueError``). "
+          "``group=None``: the world.")
+
+
+def _documented(checked, fn, kind: str, name: str):
+    """``checked`` as ``fn`` for ``help()`` and ``inspect``: its name, signature and source
+    (``__wrapped__``), and a docstring that starts with the contract."""
+    functools.update_wrapper(checked, fn)
+    alias = f" (``ring.{name}``)" if name != fn.__name__ else ""
+    paragraphs = [_CONTRACT[kind], _PLACE, f"{fn.__name__}{alias}: {inspect.getdoc(fn)}"]
+    checked.__doc__ = "\n\n".join(
+        "\n".join(textwrap.fill(line, 96) for line in p.split("\n")) for p in paragraphs)
+    return checked
+
+
+def _reducing(fn, kind: str, name: str):
+    if kind == "reduce_scatter":
+        def checked(chunks, op, rank, world, group=None):
+            _check_place(name, rank, world, group)
+            return fn(chunks, op, rank, world, group)
+    else:
+        def checked(flat, op, rank, world, group=None):
+            _check_place(name, rank, world, group)
+            return fn(flat, op, rank, world, group)
+    return _documented(checked, fn, kind, name)
+
+
+def _gathering(fn, name: str):
+    def checked(chunks, rank, world, group=None):
+        _check_place(name, rank, world, group)
+        return fn(chunks, rank, world, group)
+    return _documented(checked, fn, "all_gather", name)
+
+
+# Each public name is its function with the check in front (``inspect.getsource`` and the chapter
+# show the function itself: ``__wrapped__``). The rings call each other through these names.
+reduce_scatter_simple = _reducing(reduce_scatter_simple, "reduce_scatter", "reduce_scatter_simple")
+all_gather_simple = _gathering(all_gather_simple, "all_gather_simple")
+all_reduce_simple = _reducing(all_reduce_simple, "all_reduce", "all_reduce_simple")
+reduce_scatter_preposted = _reducing(reduce_scatter_preposted, "reduce_scatter",
+                                     "reduce_scatter_chunks")
+all_gather_preposted = _gathering(all_gather_preposted, "all_gather_chunks")
+all_reduce_preposted = _reducing(all_reduce_preposted, "all_reduce", "all_reduce")
 
 # the library's ring (what ``collectives`` calls with algorithm="ring") is the pre-posted one
 reduce_scatter_chunks = reduce_scatter_preposted

@@ -67,3 +67,64 @@ def test_library_default_is_the_preposted_ring():
     assert ring.all_reduce is ring.all_reduce_preposted
     assert ring.reduce_scatter_chunks is ring.reduce_scatter_preposted
     assert ring.all_gather_chunks is ring.all_gather_preposted
+
+
+def _wrong_place(rank, world):
+    """Every public ring, called on 2 node groups of 2 with the GLOBAL rank as the place (the
+    mistake of a learner's hierarchical all-reduce): ranks 2 and 3 are wrong, 0 and 1 right."""
+    nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = nodes[rank // 2]
+    calls = {
+        "reduce_scatter_chunks": lambda: ring.reduce_scatter_chunks(
+            list(torch.ones(4).tensor_split(2)), "sum", rank, 2, mine),
+        "all_gather_chunks": lambda: ring.all_gather_chunks(list(torch.ones(4).tensor_split(2)),
+                                                            rank, 2, mine),
+        "all_reduce": lambda: ring.all_reduce(torch.ones(4), "sum", rank, 2, mine),
+        "all_reduce_simple": lambda: ring.all_reduce_simple(torch.ones(4), "sum", rank, 2, mine),
+        "all_reduce (world wrong)": lambda: ring.all_reduce(torch.ones(4), "sum", rank % 2, 4, mine),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_global_rank_for_a_place_in_the_group_is_refused_on_every_wrong_rank():
+    """The check runs before any message: the wrong ranks raise, naming the place they hold, and
+    the right ranks' calls are not left waiting for them (both nodes' rings are separate)."""
+    out = minidist.run(_wrong_place, 4, timeout=45)
+    for rank in (0, 1):
+        assert all(v is None for k, v in out[rank].items() if "world" not in k), out[rank]
+    for rank in (2, 3):
+        assert out[rank]["all_reduce"] == (
+            f"ring.all_reduce (rank {rank}): rank={rank} but this process is rank {rank - 2} of "
+            "its group (size 2): pass the place in the group (rank="
+            f"{rank} is this process's global rank; the ranks of a group are numbered 0 … 1 in "
+            "the order of their global ranks)"), out[rank]["all_reduce"]
+        assert out[rank]["reduce_scatter_chunks"].startswith(
+            f"ring.reduce_scatter_chunks (rank {rank}): rank={rank} but")
+        assert out[rank]["all_gather_chunks"].startswith(f"ring.all_gather_chunks (rank {rank}):")
+        assert out[rank]["all_reduce_simple"].startswith(f"ring.all_reduce_simple (rank {rank}):")
+    for rank in range(4):
+        assert out[rank]["all_reduce (world wrong)"] == (
+            f"ring.all_reduce (rank {rank}): world=4 but its group has 2 ranks: pass the group's "
+            "size"), out[rank]
+    # the world, without a process group: rank 0 of 1 is the only place there is
+    ring.all_reduce(torch.ones(2), "sum", 0, 1)
+    with pytest.raises(ValueError, match=r"rank=1 but this process is rank 0 of its group \(size 1\)"):
+        ring.all_reduce(torch.ones(2), "sum", 1, 1)
+
+
+def test_help_states_the_contract_and_the_source_is_the_rings_own():
+    import inspect
+    for fn, contract in ((ring.reduce_scatter_chunks, "afterwards ``chunks[rank]`` holds"),
+                         (ring.all_gather_chunks, "``chunks[rank]`` is this rank's data"),
+                         (ring.all_reduce, "afterwards ``flat``"),
+                         (ring.reduce_scatter_simple, "afterwards ``chunks[rank]`` holds")):
+        assert inspect.getdoc(fn).startswith("In place: ") and contract in inspect.getdoc(fn)
+        assert "_check_place" not in inspect.getsource(fn)     # chapter 03 prints the ring itself
