@@ -23,12 +23,15 @@ class Result:
     message: str = ""
     stop: str = ""  # why later checks of the same code are not worth running ("timeout", ...)
     rule: str = ""  # the id of the rule this check enforces (an exercise part's RULES key)
+    not_checked: bool = False  # could not be judged (another check's failure hides it): no points,
+    #                            shown "–", not a failure of its own rule (the message says why)
 
     def line(self) -> str:
         if self.passed:
             return f"✓ {self.name}"
         first, *rest = (self.message or "failed").splitlines()
-        return "\n".join([f"✗ {self.name}: {first}"] + [f"    {r}" for r in rest])
+        mark = "–" if self.not_checked else "✗"
+        return "\n".join([f"{mark} {self.name}: {first}"] + [f"    {r}" for r in rest])
 
 
 def describe_exception(e: BaseException, max_lines: int = 6) -> str:
@@ -175,8 +178,8 @@ class Report:
 
     @property
     def failed_rules(self) -> list:
-        """The rule ids of the failed checks, in order, each once."""
-        return list(dict.fromkeys(r.rule for r in self.failed if r.rule))
+        """The rule ids of the failed checks, in order, each once (not those not checked)."""
+        return list(dict.fromkeys(r.rule for r in self.failed if r.rule and not r.not_checked))
 
     @property
     def raw_score(self) -> float:
@@ -231,9 +234,10 @@ class Report:
 
     def first_failure(self) -> "Result":
         """The failed check to quote first: one whose message decodes the mistake (which chunk,
-        which step) if any, else the first."""
-        return next((r for r in self.failed if "first difference" in r.message
-                     or "decoded" in r.message), self.failed[0])
+        which step) if any, else the first (a check not checked comes last)."""
+        failed = sorted(self.failed, key=lambda r: r.not_checked)
+        return next((r for r in failed if "first difference" in r.message
+                     or "decoded" in r.message), failed[0])
 
     def assert_passed(self, show: bool = True) -> None:
         """Print the report, then raise ``AssertionError`` if any check failed (or none ran).
@@ -247,8 +251,11 @@ class Report:
             raise AssertionError(f"{self.title}: no checks ran")
         if self.failed:
             note = f" {self.notes[0]}." if self.notes else ""
-            raise AssertionError(f"{self.title}: {len(self.failed)} of {len(self.results)} checks "
-                                 f"failed (score {self.score:g}/{self.max_score:g}).{note} First: "
+            unchecked = sum(r.not_checked for r in self.failed)
+            failed = f"{len(self.failed) - unchecked} of {len(self.results)} checks failed" + (
+                f", {unchecked} not checked" if unchecked else "")
+            raise AssertionError(f"{self.title}: {failed} (score {self.score:g}/"
+                                 f"{self.max_score:g}).{note} First: "
                                  f"{self.first_failure().line()}")
 
 

@@ -413,6 +413,19 @@ MUTANTS = [
       (("    pieces = list(tensor.tensor_split(L))\n",
         "    intra, inter = node_groups(rank, world_size, ranks_per_node)\n"
         "    pieces = list(tensor.tensor_split(L))\n"),), "groups made in every call"),
+    M("08b_hierarchical_allreduce", "hierarchical_all_reduce_grade", "in_place", "hierarchical_all_reduce",
+      (("    pieces = list(tensor.tensor_split(L))\n",
+        "    pieces = [p.clone() for p in tensor.tensor_split(L)]\n"),
+       ('    if op == "avg":\n        tensor.div_(world_size)',
+        '    tensor = torch.cat(pieces)\n    if op == "avg":\n        tensor.div_(world_size)')),
+      "cloned pieces joined by torch.cat"),
+    M("08b_hierarchical_allreduce", "hierarchical_all_reduce_grade", "in_place", "hierarchical_all_reduce",
+      (("tensor.div_(world_size)", "tensor = tensor / world_size"),), "avg as tensor = tensor / W"),
+    M("08b_hierarchical_allreduce", "hierarchical_all_reduce_grade", "inter_bytes", "hierarchical_all_reduce",
+      ((_HAR_PHASES, "    dist.all_reduce(tensor, op={'max': dist.ReduceOp.MAX, 'min': dist.ReduceOp.MIN}"
+                     ".get(op, dist.ReduceOp.SUM))\n"),), "torch's all_reduce"),
+    M("08b_hierarchical_allreduce", "hierarchical_all_reduce_grade", "result", "hierarchical_all_reduce",
+      (("    ring.all_reduce(pieces[local], op, node, M, inter)\n", ""),), "no phase across the nodes"),
     # ------------------------------------------------------------------ 10
     M("10_framework_map", "framework_map_grade", "dp", "framework_map",
       (('"hvd.DistributedOptimizer": "BucketedDDP"', '"hvd.DistributedOptimizer": "ShardedOptimizer(stage=1)"'),),

@@ -43,7 +43,11 @@ def test_every_rank_names_the_first_group_that_differs():
             and "dist.new_group call 2: rank 0 asks for [0], rank 1 for [1]" in text), text
 
 
-@pytest.mark.timeout(120)
+# mutants that break a second rule with the first, by the same mistake
+ALSO = {"no phase across the nodes": ["inter_bytes"]}   # nothing crossed: [result] and the bytes
+
+
+@pytest.mark.timeout(180)
 def test_part_b_solution_and_mutants_in_one_launch():
     chosen = [m for m in _mutants("hierarchical_all_reduce_grade") if m.what != CRASHES]
     assert {m.rule for m in chosen} == set(hierarchical.ALL_REDUCE_RULES)
@@ -51,9 +55,46 @@ def test_part_b_solution_and_mutants_in_one_launch():
     reports = hierarchical.grade_all_reduce_many(fns, world_sizes=(4,))
     assert reports[0].passed and reports[0].score == 4, str(reports[0])
     for m, report in zip(chosen, reports[1:]):
-        assert report.failed_rules == [m.rule], (m.what, str(report))
-    flat = reports[1 + [m.what for m in chosen].index("a flat ring over the world")]
-    assert "a flat ring's — its 2 ranks at a node boundary" in str(flat), str(flat)
+        assert report.failed_rules == [m.rule] + ALSO.get(m.what, []), (m.what, str(report))
+    by = {m.what: report for m, report in zip(chosen, reports[1:])}
+    text = {what: str(report) for what, report in by.items()}
+
+    def rule_line(what, key):
+        return next(line for line in text[what].splitlines() if line.lstrip()[2:].startswith(f"[{key}]"))
+
+    # a right result with the wrong bytes: half the points ([inter_bytes] is 3 of 6)
+    assert "a flat ring's — its 2 ranks at a node boundary" in text["a flat ring over the world"]
+    assert by["a flat ring over the world"].score == 2
+    assert by["the whole tensor in the node, then across"].score == 2
+    # torch's collective: nothing went through p2p, so nothing else is credited
+    torch_ = by["torch's all_reduce"]
+    assert torch_.score == 0, text["torch's all_reduce"]
+    assert all(r.not_checked and r.message == hierarchical.NOT_P2P
+               for r in torch_.results if r.rule != "inter_bytes"), text["torch's all_reduce"]
+    # a wrong result: the rules it hides are not checked (no points, not ✓), and the sum decoded
+    gather = text["no all-gather"]
+    assert "the all-gather inside the node did not run" in gather, gather
+    assert rule_line("no all-gather", "uneven").startswith("  – [uneven]"), gather
+    assert "decoded: result[" in by["no all-gather"].first_failure().message
+    across = text["no phase across the nodes"]
+    assert "holds the sum of ranks {0, 1} only, its node's: the phase across the nodes did not run" \
+        in across, across
+    assert "nothing crossed the nodes — the phase across the nodes did not run" in across, across
+    assert "this rank's own value: nothing was reduced" in text["skips tensors smaller than W"]
+    assert "÷L: averaged over the node only" in text["averaged over the node only"]
+    assert "the sum, not the max: pass op to every ring call" in text["always a sum"]
+    # in place: the caller's tensor is judged, not only what comes back
+    assert "the tensor you were given was not changed — reassigning `tensor = …` or `torch.cat`" \
+        in text["cloned pieces joined by torch.cat"]
+    assert "where you returned" in text["avg as tensor = tensor / W"]
+    assert "the library caches lazily" in text["groups made in every call"]
+
+
+def test_points_add_up_to_the_part():
+    """[inter_bytes] is half of Part B; every rule is worth something."""
+    points = hierarchical.ALL_REDUCE_POINTS
+    assert set(points) == set(hierarchical.ALL_REDUCE_RULES) and min(points.values()) > 0
+    assert points["inter_bytes"] == sum(points.values()) / 2
 
 
 @pytest.mark.timeout(120)
