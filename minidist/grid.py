@@ -38,7 +38,8 @@ an **expert-DP group** (``dp·cp/ep`` ranks holding the same experts), which sum
 gradients. Folding costs no extra ranks: an MoE model's EP ranks still do data parallelism for
 the dense layers. Example, world 8 = dp 4 x tp 2, ep 2: rank 5 is at dp 2, tp 1; DP group
 [1, 3, 5, 7], EP group [5, 7], expert-DP group [1, 5]. With ``ep == 1`` the EP group is this rank
-alone (``ep_group`` None) and the expert-DP group is the DP×CP group.
+alone (``ep_group`` is ``LOCAL``, :data:`minidist.comm.p2p.LOCAL`: no group, no collective;
+``None`` would be the world) and the expert-DP group is the DP×CP group.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import hierarchical, topology
-from .comm.p2p import destroy_group
+from .comm.p2p import LOCAL, destroy_group
 
 __all__ = ["ProcessGrid", "grid_layout"]
 
@@ -126,7 +127,7 @@ class ProcessGrid:
 
     Expert parallelism (``ep``, folded over DP×CP; module docstring): ``ep_rank``, ``ep_size``,
     ``ep_group``, ``ep_ranks``, ``expert_dp_rank``, ``expert_dp_size``, ``expert_dp_group``,
-    ``expert_dp_ranks``. With ``ep == 1``: ``ep_group`` None (the rank alone), the expert-DP group
+    ``expert_dp_ranks``. With ``ep == 1``: ``ep_group`` ``LOCAL`` (the rank alone), the expert-DP group
     is the DP×CP group. Every attribute exists at every size: nothing to ``getattr`` with a default.
 
     Under a two-level topology (:mod:`minidist.comm.topology`) each group whose ranks sit evenly
@@ -182,7 +183,7 @@ class ProcessGrid:
         if cp == 1:
             self.dp_cp_group, self.dp_cp_ranks = self.dp_group, self.dp_ranks
         if ep == 1:
-            self.ep_group, self.ep_ranks = None, [self.rank]
+            self.ep_group, self.ep_ranks = LOCAL, [self.rank]
             self.expert_dp_group, self.expert_dp_ranks = self.dp_cp_group, self.dp_cp_ranks
         self.ep_size, self.expert_dp_size = ep, dp * cp // ep
         self.ep_rank = self.ep_ranks.index(self.rank)

@@ -40,7 +40,7 @@ from . import staging, topology as _topology
 
 __all__ = [
     "send", "recv", "isend", "irecv", "wait_all", "exchange",
-    "destroy_group", "traffic", "reset_traffic", "count_traffic", "collective", "publish", "Traffic",
+    "destroy_group", "group_rank_world", "LOCAL", "traffic", "reset_traffic", "count_traffic", "collective", "publish", "Traffic",
 ]
 
 
@@ -154,10 +154,29 @@ def _record(kind: str, tensor: torch.Tensor, peer: int) -> None:
 _groups: dict = {}   # id(process group) -> (weakref to the group, this rank in it, its size)
 
 
+class _Local:
+    """The type of :data:`LOCAL`."""
+
+    def __repr__(self) -> str:
+        return "LOCAL"
+
+    def __reduce__(self) -> str:
+        return "LOCAL"     # copies and pickles are the one LOCAL (checked with ``is``)
+
+
+LOCAL = _Local()
+"""No process group: this process alone, ``(0, 1)``, and nothing is communicated. ``None`` is
+always the world; a layer that can run with no communication at all (MoE's ``ep_group`` and
+``stats_group``: the one-process layer) says so with ``LOCAL`` instead."""
+
+
 def group_rank_world(group=None) -> tuple[int, int]:
     """``(rank in group, group size)``, the one meaning of ``group=None`` in the library: the
-    world. Without an initialised process group this process is alone, ``(0, 1)``; a ``group``
-    given then is a ``RuntimeError`` (a group cannot exist without a world)."""
+    world. ``LOCAL``: ``(0, 1)``, this process alone. Without an initialised process group this
+    process is alone, ``(0, 1)``; a ``group`` given then is a ``RuntimeError`` (a group cannot
+    exist without a world)."""
+    if group is LOCAL:
+        return 0, 1
     if not dist.is_initialized():
         if group is not None:
             raise RuntimeError("a process group was given but torch.distributed is not initialised")

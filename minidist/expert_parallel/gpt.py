@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from ..comm.p2p import LOCAL
 from ..collectives import all_reduce
 from ..models.gpt import Block, GPTConfig
 from .layer import MoE
@@ -71,7 +72,7 @@ class MoEGPT(nn.Module):
                                  "one module, not pipeline stages, and its attention and MLPs "
                                  "are not tensor- or context-parallel")
             groups = dict(ep_group=grid.ep_group,
-                          stats_group=grid.dp_group if aux_stats == "global" else None)
+                          stats_group=grid.dp_group if aux_stats == "global" else LOCAL)
         self.blocks = nn.ModuleList(
             Block(cfg, mlp=MoE(cfg, num_experts, top_k, **groups, **moe_kwargs))
             for _ in range(cfg.n_layer))

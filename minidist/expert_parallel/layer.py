@@ -21,11 +21,12 @@ Options (Switch Transformer, Fedus et al. 2021; GShard, Lepikhin et al. 2020; ST
   ``f_i`` is counted over (the counts are all-reduced, no gradient needed). With the group of
   every rank that sees different tokens, ``f`` is the global batch's, and the average over ranks
   of the per-rank losses ``α·E·Σ f_i·P_i(local)`` is exactly the one-process loss on the global
-  batch (equal token counts per rank; Megatron-LM's ``global_aux_loss``). ``None``: per-rank
+  batch (equal token counts per rank; Megatron-LM's ``global_aux_loss``). ``LOCAL``: per-rank
   statistics (the original per-device formulation), which match one process only per micro-batch.
 
-Groups are process groups (``torch.distributed.group.WORLD`` for every rank); ``None`` means
-none: this process alone (the one-process layer), no collective is called.
+Groups are process groups; ``None`` is the world, as everywhere in the library, and the default
+``LOCAL`` (:data:`minidist.comm.p2p.LOCAL`) is no group: this process alone (the one-process
+layer), no collective is called.
 
 Parameters: ``router`` (``[E, h]``, fp32, no bias) is replicated over the EP group; ``experts`` holds
 only this rank's experts (``expert_ids``), initialised from the same RNG draws as a one-process
@@ -47,10 +48,10 @@ same tokens twice; a training loop reads it once per step.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..collectives import all_reduce
+from ..comm.p2p import LOCAL, group_rank_world
 from ..models.gpt import MLP, GPTConfig
 from .dispatch import dispatch_combine, local_experts
 from .router import DROP_POLICIES, expert_capacity, keep_mask, load_balancing_loss, route, z_loss
@@ -76,13 +77,6 @@ class AuxLossAutoScaler(torch.autograd.Function):
         return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
 
 
-def _group_info(group):
-    """(rank, size) in ``group``; ``None`` means no group: this process alone, (0, 1)."""
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 class MoE(nn.Module):
     """Top-k mixture of :class:`~minidist.models.gpt.MLP` experts, expert-parallel over ``ep_group``.
 
@@ -93,8 +87,8 @@ class MoE(nn.Module):
     def __init__(self, cfg: GPTConfig, num_experts: int, top_k: int = 1,
                  capacity_factor: float | None = None, drop_policy: str = "position",
                  normalize_topk: bool = False, aux_loss_coeff: float = 0.0,
-                 z_loss_coeff: float = 0.0, ep_group=None, ep_size: int | None = None,
-                 stats_group=None, capacity_group="ep", drop_chunks: int = 1):
+                 z_loss_coeff: float = 0.0, ep_group=LOCAL, ep_size: int | None = None,
+                 stats_group=LOCAL, capacity_group="ep", drop_chunks: int = 1):
         super().__init__()
         if not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"MoE: num_experts must be an int >= 1, got {num_experts!r}")
@@ -114,7 +108,7 @@ class MoE(nn.Module):
         self.drop_chunks = drop_chunks
         self.ep_group, self.stats_group = ep_group, stats_group
         self.capacity_group = ep_group if capacity_group == "ep" else capacity_group
-        self.ep_rank, self.ep_size = _group_info(ep_group)
+        self.ep_rank, self.ep_size = group_rank_world(ep_group)
         if ep_size is not None and ep_size != self.ep_size:
             raise ValueError(f"MoE (rank {self.ep_rank}): ep_size {ep_size} but the EP group has "
                              f"{self.ep_size} ranks")
@@ -152,7 +146,7 @@ class MoE(nn.Module):
         if self.capacity_factor is not None:
             local = torch.tensor([expert_capacity(T // n, E, k, self.capacity_factor)],
                                  device=flat.device)
-            if _group_info(self.capacity_group)[1] > 1:
+            if group_rank_world(self.capacity_group)[1] > 1:
                 all_reduce(local, op="max", group=self.capacity_group)
             capacity = int(local)
         kept = torch.cat([keep_mask(experts[c * (T // n):(c + 1) * (T // n)],
@@ -163,7 +157,7 @@ class MoE(nn.Module):
         routed = torch.bincount(experts.reshape(-1), minlength=E)
         local_routed = routed.clone()
         total = torch.tensor([T * k], device=flat.device)
-        if _group_info(self.stats_group)[1] > 1:
+        if group_rank_world(self.stats_group)[1] > 1:
             both = torch.cat([routed, total])
             all_reduce(both, op="sum", group=self.stats_group)
             routed, total = both[:E], both[E:]

@@ -46,6 +46,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from ..comm.p2p import LOCAL
 from ..expert_parallel.gpt import MoEGPT, is_expert
 from ..expert_parallel.layer import MoE
 from ..models.gpt import GPTConfig
@@ -89,11 +90,11 @@ def check_moe(moe: dict | None, grid, sequence_parallel: bool, who: str) -> None
 def install_experts(stage: nn.Module, moe: dict, grid) -> list[MoE]:
     """Replace the MLP of every block of ``stage`` by an EP-sharded :class:`MoE` (in place);
     return the layers. Their weights come from :func:`local_full_state` afterwards."""
-    dp_cp = grid.dp_cp_group if len(grid.dp_cp_ranks) > 1 else None
+    dp_cp = grid.dp_cp_group if len(grid.dp_cp_ranks) > 1 else LOCAL
     layers = []
     blocks, cfg = cast(nn.ModuleList, stage.blocks), cast(GPTConfig, stage.cfg)
     for block in blocks:
-        block.mlp = MoE(cfg, ep_group=grid.ep_group if grid.ep_size > 1 else None,
+        block.mlp = MoE(cfg, ep_group=grid.ep_group if grid.ep_size > 1 else LOCAL,
                         stats_group=dp_cp, **moe)
         use_tracker_dropout(block.mlp)   # the TP ranks' copies of an expert draw the same masks
         layers.append(block.mlp)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from minidist.comm.p2p import LOCAL
 from minidist.expert_parallel import MoE, MoEGPT, clip_grad_norm_, sync_grads
 from minidist.grid import ProcessGrid
 from minidist.expert_parallel.gpt import is_expert
@@ -38,7 +39,7 @@ B, S = 2, 5             # per rank, for the layer check
 AUX, ZC = 0.05, 0.01
 
 
-def make_layer(E, k, cf=None, policy="position", aux=AUX, ep_group=None, stats_group=None):
+def make_layer(E, k, cf=None, policy="position", aux=AUX, ep_group=LOCAL, stats_group=LOCAL):
     torch.manual_seed(0)
     return MoE(LAYER_CFG, E, k, capacity_factor=cf, drop_policy=policy, aux_loss_coeff=aux,
                z_loss_coeff=ZC if aux else 0.0, ep_group=ep_group, stats_group=stats_group)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import minidist
+from minidist.comm.p2p import LOCAL
 from minidist.expert_parallel import MoE
 from minidist.expert_parallel.dispatch import (
     all_to_all_rows,
@@ -164,7 +165,7 @@ def test_bad_arguments_are_named():
 
 
 # ------------------------------------------------------------------------------ multi-process
-def make_layer(E, k, cf, policy, aux, ep_group=None, stats_group=None, drop_chunks=1):
+def make_layer(E, k, cf, policy, aux, ep_group=LOCAL, stats_group=LOCAL, drop_chunks=1):
     torch.manual_seed(0)
     return MoE(CFG, E, k, capacity_factor=cf, drop_policy=policy, aux_loss_coeff=aux,
                z_loss_coeff=ZC if aux else 0.0, ep_group=ep_group, stats_group=stats_group,
@@ -294,7 +295,7 @@ def test_ep_layer_equals_the_dense_one_process_moe(world):
 
 def _local_stats_and_mismatch_rank(rank, world):
     wg = dist.group.WORLD
-    layer = make_layer(4, 2, None, "position", AUX, wg, stats_group=None)    # per-rank statistics
+    layer = make_layer(4, 2, None, "position", AUX, wg, stats_group=LOCAL)   # per-rank statistics
     xg, _ = global_batch(world, 0)
     layer(xg[rank * B:(rank + 1) * B]).sum()
     local_aux = float(layer.aux_loss.detach())
@@ -304,7 +305,10 @@ def _local_stats_and_mismatch_rank(rank, world):
             torch.randn(B, S, CFG.n_embd))
     except Exception as e:  # noqa: BLE001
         bad = f"{type(e).__name__}: {e}"
-    return local_aux, bad
+    # group=None is the world here as everywhere; the default LOCAL is this process alone
+    places = [(m.ep_rank, m.ep_size, m.expert_ids)
+              for m in (MoE(CFG, 4, 2), MoE(CFG, 4, 2, ep_group=None, stats_group=None))]
+    return local_aux, bad, places
 
 
 @pytest.mark.timeout(90)
@@ -319,9 +323,10 @@ def test_per_rank_aux_statistics_match_one_process_per_micro_batch_only():
                  for r in range(world)]
     global_aux = float(dense_moe(x, layer.router.weight, list(layer.experts), 2, aux_loss_coeff=AUX,
                                  z_loss_coeff=ZC)[1].detach())
-    for r, (local_aux, _) in enumerate(results):
+    for r, (local_aux, _, _) in enumerate(results):
         assert abs(local_aux - per_chunk[r]) <= TOL          # each rank: its own micro-batch's value
-    mean_local = sum(a for a, _ in results) / world
+    mean_local = sum(a for a, _, _ in results) / world
     assert abs(mean_local - global_aux) > 10 * TOL           # ... which is not the global batch's
-    for _, bad in results:
+    for r, (_, bad, places) in enumerate(results):
         assert bad is not None and "all_to_all" in bad and "disagree" in bad, bad
+        assert places == [(0, 1, [0, 1, 2, 3]), (r, 2, [2 * r, 2 * r + 1])], places
