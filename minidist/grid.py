@@ -201,7 +201,7 @@ class ProcessGrid:
         """Destroy this rank's process groups of the grid (local: no rank waits for another) and
         free their threads. Idempotent. Every collective on them must have finished: close after
         the training function's last step, and after closing what runs on the groups (a
-        BucketedDDP's or ZeRO's communication thread)."""
+        BucketedDDP's or a ShardedOptimizer's ``close()``, ``close_units`` of a fully_shard model)."""
         own, self._own = self._own, []
         for group in own:
             hierarchical.destroy_subgroups(group)

@@ -26,8 +26,8 @@ node).
 
 from .flat import FlatBuffer, padded_numel, plan_buckets
 from .zero import ShardedOptimizer
-from .fsdp import (FlatParamUnit, MixedPrecisionPolicy, fully_shard, set_requires_all_reduce,
-                   set_requires_gradient_sync, units)
+from .fsdp import (FlatParamUnit, MixedPrecisionPolicy, close_units, fully_shard,
+                   set_requires_all_reduce, set_requires_gradient_sync, units)
 from .fsdp_param import ParamShardUnit
 from .hsdp import HSDPMesh, hsdp_mesh
 from .replicate import ReplicateUnit, replicate, replicated_units
@@ -37,7 +37,7 @@ from .recompute import Checkpointed, checkpoint
 from .memory import ActivationMeter, account, zero_formula
 
 __all__ = ["FlatBuffer", "padded_numel", "plan_buckets", "ShardedOptimizer", "FlatParamUnit",
-           "ParamShardUnit", "MixedPrecisionPolicy", "fully_shard", "set_requires_gradient_sync",
+           "ParamShardUnit", "MixedPrecisionPolicy", "fully_shard", "close_units", "set_requires_gradient_sync",
            "set_requires_all_reduce",
            "units", "HSDPMesh", "hsdp_mesh", "ReplicateUnit", "replicate", "replicated_units",
            "clip_grad_norm_", "full_optim_state_dict", "full_state_dict",

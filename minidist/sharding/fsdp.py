@@ -62,13 +62,23 @@ from .fsdp_param import ParamShardUnit
 from .mixed_precision import MixedPrecisionPolicy
 from .replicate import replicated_units
 
-__all__ = ["fully_shard", "MixedPrecisionPolicy", "FlatParamUnit", "units", "set_requires_gradient_sync",
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "FlatParamUnit", "units", "close_units", "set_requires_gradient_sync",
            "set_requires_all_reduce"]
 
 
 def units(module: nn.Module) -> list[FlatParamUnit]:
     """Every unit in ``module`` (itself included), parents after children."""
     return [m._fsdp for m in module.modules() if getattr(m, "_fsdp", None) is not None][::-1]
+
+
+def close_units(module: nn.Module) -> None:
+    """Stop the communication thread of the units under ``module`` and destroy its process-group
+    copies (their gloo threads and sockets; HSDP's replicate copy too). Idempotent; local (no rank
+    waits for another). Call after the last step and before the grid's ``close()``: a process that
+    builds model after model keeps every one's threads otherwise. A forward or backward afterwards
+    raises ``RuntimeError`` (the thread is closed)."""
+    for ctx in {id(u.ctx): u.ctx for u in units(module) if u.ctx is not None}.values():
+        ctx.close()
 
 
 def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
