@@ -275,14 +275,20 @@ def _divisor(got: torch.Tensor, xs: torch.Tensor) -> float | None:
         else None
 
 
+# What a wrong average was divided by, per layout, and why (first match wins: "not divided" comes
+# first, since on a layout with one rank per node ÷L is ÷1).
+_AVG_MISTAKES = ((lambda M, L: 1, "not divided: 'avg' is the sum divided by W"),
+                 (lambda M, L: L, "÷L: averaged over the node only; divide by W = M·L"),
+                 (lambda M, L: M, "÷M: averaged over the nodes only; divide by W = M·L"),
+                 (lambda M, L: (M * L) ** 2, "divided by W twice"),
+                 (lambda M, L: M * L * L, "÷L inside the node and ÷W: divide once"),
+                 (lambda M, L: M * M * L, "÷M across the nodes and ÷W: divide once"))
+
+
 def _avg_words(d: float, M: int, L: int) -> str:
     """Why an average divided by ``d`` on M × L is wrong, in the terms of the layout."""
-    W = M * L
-    said = [text for k, text in ((1, "not divided"), (L if L > 1 else 0, "÷L: averaged over the node only"),
-                                 (M if M > 1 else 0, "÷M: averaged over the nodes only"),
-                                 (W * W, "divided by W twice"), (W * L if L > 1 else 0, "÷L and ÷W"))
-            if k == d]
-    return f"the sum ÷{d:g}" + (f" ({' or '.join(said)})" if said else "") + f", where W = {W}"
+    said = next((text for rule, text in _AVG_MISTAKES if abs(d - rule(M, L)) < 1e-3), "")
+    return f"the sum ÷{d:g}" + (f" ({said})" if said else "") + f", where W = {M * L}"
 
 
 def _decode_op(got: torch.Tensor, xs: torch.Tensor, op: str, M: int, L: int) -> str:
@@ -300,15 +306,13 @@ def _decode_op(got: torch.Tensor, xs: torch.Tensor, op: str, M: int, L: int) -> 
 
 
 def _decoded(got, x_all: torch.Tensor, op: str, rank: int, M: int, L: int) -> str:
+    """A wrong sum decoded into the ranks it holds; a wrong max/min into the phase that added."""
     if not (isinstance(got, torch.Tensor) and got.shape == x_all.shape[1:]
             and got.dtype == torch.float32):
         return ""
     got = got.detach().cpu()
     if op == "sum":
         return _decode_sum(got, x_all, rank, M, L)
-    if op == "avg":
-        d = _divisor(got, x_all)
-        return "" if d is None else _avg_words(d, M, L)
     return _decode_op(got, x_all, op, M, L)
 
 
@@ -398,9 +402,12 @@ def _all_reduce_rank(rank, world, fns, sizes, op_cases):
                 wrong = compare(value, expected, rank, rtol=1e-6 if op == "avg" else 0.0)
                 if wrong:
                     x_all = torch.stack([_data(r, world, n) for r in range(world)])
-                    why = _decoded(value, x_all, op, rank, M, L)
-                    if op == "avg":
-                        out[i]["avg"].append((M, L, _decoded_divisor(value, x_all)))
+                    if op == "avg":      # decoded by its divisor, here and over every layout
+                        d = _decoded_divisor(value, x_all)
+                        out[i]["avg"].append((M, L, d))
+                        why = "" if d is None else _avg_words(d, M, L)
+                    else:
+                        why = _decoded(value, x_all, op, rank, M, L)
                     out[i]["fail"].append((_rule_of(op, n, world),
                                            f"{case}: {wrong}" + (f"; decoded: {why}" if why else "")))
                 moved = _in_place_problem(t, x, got)
@@ -457,14 +464,6 @@ def _crash_of(e) -> tuple[str, str] | None:
 def _decoded_divisor(got, x_all: torch.Tensor) -> float | None:
     ok = isinstance(got, torch.Tensor) and got.shape == x_all.shape[1:] and got.is_floating_point()
     return _divisor(got.detach().cpu().float(), x_all) if ok else None
-
-
-_AVG_MISTAKES = ((lambda M, L: L, "÷L: averaged over the node only; divide by W = M·L"),
-                 (lambda M, L: M, "÷M: averaged over the nodes only; divide by W = M·L"),
-                 (lambda M, L: 1, "not divided: 'avg' is the sum divided by W"),
-                 (lambda M, L: (M * L) ** 2, "divided by W twice"),
-                 (lambda M, L: M * L * L, "÷L inside the node and ÷W: divide once"),
-                 (lambda M, L: M * M * L, "÷M across the nodes and ÷W: divide once"))
 
 
 def _avg_summary(divisors: set) -> str | None:
