@@ -77,7 +77,8 @@ def close_units(module: nn.Module) -> None:
     waits for another). Call after the last step and before the grid's ``close()``: a process that
     builds model after model keeps every one's threads otherwise. A forward or backward afterwards
     raises ``RuntimeError`` (the thread is closed)."""
-    for ctx in {id(u.ctx): u.ctx for u in units(module) if u.ctx is not None}.values():
+    shared = (getattr(u, "ctx", None) for u in units(module))   # units under one root share one
+    for ctx in {id(c): c for c in shared if c is not None}.values():
         ctx.close()
 
 
