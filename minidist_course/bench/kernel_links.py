@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from .alpha_beta import _nonneg_lstsq
+
 __all__ = ["SIZES", "PING_SIZES", "fit_link", "run_two_nodes", "software_twin", "main"]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "two-node-links.sh"
@@ -45,7 +47,9 @@ NODE_ADDR = ("10.78.0.11", "10.78.0.12")
 
 def fit_link(samples: dict[int, float]) -> tuple[float, float]:
     """``(alpha seconds, bandwidth bytes/s)`` of ``t = alpha + n / bandwidth`` fitted to
-    ``{bytes: one-way seconds}`` by least squares (alpha clipped at 0).
+    ``{bytes: one-way seconds}`` by least squares with alpha, beta >= 0 (the alpha-beta bench's
+    solver, :mod:`.alpha_beta`, unweighted: where alpha would be negative, beta is refitted
+    through the origin rather than kept from the unconstrained fit).
 
     Raises:
         ValueError: fewer than two sizes, or times that do not grow with size.
@@ -53,12 +57,12 @@ def fit_link(samples: dict[int, float]) -> tuple[float, float]:
     if len(samples) < 2:
         raise ValueError(f"fit_link: needs two sizes at least, got {len(samples)}")
     n = torch.tensor([float(k) for k in samples], dtype=torch.float64)
-    t = torch.tensor([float(v) for v in samples.values()], dtype=torch.float64)
-    a = torch.stack([torch.ones_like(n), n], dim=1)
-    alpha, beta = torch.linalg.lstsq(a, t.unsqueeze(1)).solution.squeeze(1).tolist()
-    if beta <= 0:
+    t = torch.tensor([float(v) for v in samples.values()], dtype=torch.float64)[None, :]
+    scale = float(n.max())          # solve for beta·scale: both columns O(1)
+    a, b, _, _ = _nonneg_lstsq(torch.ones_like(n), n / scale, t, torch.ones_like(t))
+    if not float(b) > 0:
         raise ValueError(f"fit_link: times do not grow with size: {samples}")
-    return max(alpha, 0.0), 1.0 / beta
+    return float(a), scale / float(b)
 
 
 def _pingpong(peer: int, nbytes: int, reps: int, lead: bool) -> float:
