@@ -4,8 +4,12 @@
 limited to 200 Mbit/s each way by ``tbf``; four ranks (two per namespace) fit alpha-beta per link
 class with gloo's send/recv, and time minidist's flat ring against ``algorithm="hierarchical"``.
 Checked: the fitted inter-node bandwidth recovers the shaped rate; the intra-node link is much
-faster; the software shaper set to the fitted link picks the same winner at every size, and the
-ring (one rank per node sending across at a time) takes the same time on both.
+faster; at the sizes the bandwidth term decides (1 and 4 MiB) the software shaper set to the
+fitted link picks the kernel's winner (hierarchical); at 64 KiB, where latency and the scheduling
+of four processes on two cores decide, the two algorithms tie within noise on both (measured
+2026-12-04/05, four runs: hierarchical/ring 0.66-1.49 in the kernel, 0.77-1.50 in software, so
+neither side names a winner there); and the ring (one rank per node sending across at a time)
+takes the same time on both.
 
 Measured (2026-12-04, 2 cores): inter 24.2 MB/s fitted for 25.0 shaped, intra 3.2 GB/s; all-reduce
 4 MiB: kernel ring 268 ms, hierarchical 182 ms; software ring 269 ms, hierarchical 99 ms. The
@@ -46,15 +50,22 @@ def test_the_fitted_inter_node_link_is_the_shaped_rate(runs):
     assert intra_bw > 10 * inter_bw, kernel["fit"]
 
 
-def test_the_software_shaper_picks_the_kernels_winner_at_every_size(runs):
+def test_the_software_shaper_picks_the_kernels_winner_where_bandwidth_decides(runs):
     kernel, software = runs
-    small, large = min(K.SIZES), max(K.SIZES)
+    small = min(K.SIZES)
     for name, by_size in (("kernel", kernel["allreduce"]), ("software", software)):
-        # 4 MiB: the ring sends 3/4 of the buffer across per sending rank, hierarchical 1/4
-        assert by_size[large]["hierarchical"] < 0.85 * by_size[large]["ring"], (name, by_size)
-        # 64 KiB: latency; hierarchical's extra steps do not pay
-        assert by_size[small]["hierarchical"] > by_size[small]["ring"] * 0.9, (name, by_size)
+        for nbytes in K.SIZES:
+            ratio = by_size[nbytes]["hierarchical"] / by_size[nbytes]["ring"]
+            if nbytes > small:
+                # 1 and 4 MiB: the ring sends 3/4 of the buffer across per sending rank,
+                # hierarchical 1/4 (both ranks of a node share the veth: 1/2 of the ring's time)
+                assert ratio < 0.85, (name, nbytes, by_size)
+            else:
+                # 64 KiB: a tie within noise; a broken hierarchical path (an extra round trip
+                # across, a serialised step) would be far outside it
+                assert 0.4 < ratio < 2.5, (name, nbytes, by_size)
     # the ring: one rank per node sends across at a time, so one NIC per rank or per node agree
+    large = max(K.SIZES)
     k, s = kernel["allreduce"][large]["ring"], software[large]["ring"]
     assert 0.75 < s / k < 1.33, (k, s)
 
