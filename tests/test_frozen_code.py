@@ -64,8 +64,8 @@ DISPLAYED: dict[str, list[str]] = {
         "minidist.comm.topology:pace", "minidist.comm.hierarchical:all_reduce"],
     "course/09_sharding.ipynb": [
         "minidist.sharding.zero:ShardedOptimizer.step", "minidist.sharding.zero:ShardedOptimizer._on_grad",
-        "minidist.sharding.fsdp_flat:FlatParamUnit.pre_backward",
-        "minidist.sharding.fsdp_flat:FlatParamUnit._on_grad",
+        "minidist.sharding.fsdp_unit:ShardUnit.pre_backward",
+        "minidist.sharding.fsdp_unit:ShardUnit._on_grad",
         "minidist.sharding.fsdp_param:ParamLayout.to_param_major",
         "minidist.sharding.recompute:checkpoint"],
     "course/10_frameworks.ipynb": ["frameworks/job.py:global_batch", "frameworks/job.py:shard"],

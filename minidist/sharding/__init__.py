@@ -1,9 +1,10 @@
 """Sharded data parallelism from scratch: ZeRO stages 1-3 and activation recomputation.
 
 * :class:`ShardedOptimizer` — ZeRO-1 (optimizer states) and ZeRO-2 (gradients too) (:mod:`.zero`);
-* :func:`fully_shard` — ZeRO-3 / FSDP units, each parameter sharded on dim 0 (:mod:`.fsdp`,
-  :mod:`.fsdp_param`; the flat-parameter first design with ``per_parameter=False``,
-  :mod:`.fsdp_flat`, whose unit hooks both layouts share);
+* :func:`fully_shard` — ZeRO-3 / FSDP units (:mod:`.fsdp`): a :class:`ShardUnit` (the hooks,
+  :mod:`.fsdp_unit`) holding a layout — :class:`ParamLayout`, each parameter sharded on dim 0
+  (:mod:`.fsdp_param`), or the flat-parameter first design with ``per_parameter=False``,
+  :class:`FlatLayout` (:mod:`.fsdp_flat`);
   full and sharded checkpoints, global-norm clipping (:mod:`.fsdp_state`);
 * HSDP — ``fully_shard(module, mesh=hsdp_mesh(R, S))``: sharded inside each group of S ranks
   (a node), replicated across the R groups; gradients reduce-scattered in the shard group, then
@@ -26,9 +27,10 @@ node).
 
 from .flat import FlatBuffer, padded_numel, plan_buckets
 from .zero import ShardedOptimizer
-from .fsdp import (FlatParamUnit, MixedPrecisionPolicy, close_units, fully_shard,
+from .fsdp import (MixedPrecisionPolicy, ShardUnit, close_units, fully_shard,
                    set_requires_all_reduce, set_requires_gradient_sync, units)
-from .fsdp_param import ParamShardUnit
+from .fsdp_flat import FlatLayout
+from .fsdp_param import ParamLayout
 from .hsdp import HSDPMesh, hsdp_mesh
 from .replicate import ReplicateUnit, replicate, replicated_units
 from .fsdp_state import (clip_grad_norm_, full_optim_state_dict, full_state_dict,
@@ -36,9 +38,9 @@ from .fsdp_state import (clip_grad_norm_, full_optim_state_dict, full_state_dict
 from .recompute import Checkpointed, checkpoint
 from .memory import ActivationMeter, account, zero_formula
 
-__all__ = ["FlatBuffer", "padded_numel", "plan_buckets", "ShardedOptimizer", "FlatParamUnit",
-           "ParamShardUnit", "MixedPrecisionPolicy", "fully_shard", "close_units", "set_requires_gradient_sync",
-           "set_requires_all_reduce",
+__all__ = ["FlatBuffer", "padded_numel", "plan_buckets", "ShardedOptimizer", "ShardUnit",
+           "ParamLayout", "FlatLayout", "MixedPrecisionPolicy", "fully_shard", "close_units",
+           "set_requires_gradient_sync", "set_requires_all_reduce",
            "units", "HSDPMesh", "hsdp_mesh", "ReplicateUnit", "replicate", "replicated_units",
            "clip_grad_norm_", "full_optim_state_dict", "full_state_dict",
            "load_full_optim_state_dict", "load_full_state_dict",

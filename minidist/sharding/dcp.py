@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .fsdp import units
-from .fsdp_param import ParamLayout, ParamShardUnit
+from .fsdp_param import ParamLayout
 from .fsdp_state import _prefix, check_covered
 
 __all__ = ["dcp_state_dict", "save_dcp", "load_dcp"]
@@ -83,12 +83,12 @@ def dcp_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None = 
     ``ValueError`` (via :func:`.fsdp_state.check_covered`) for trainable parameters no unit
     owns."""
     us = check_covered(module, "dcp_state_dict")
-    hybrid = [type(u.module).__name__ for u in us if getattr(u, "rep", None) is not None]
+    hybrid = [type(u.module).__name__ for u in us if u.rep is not None]
     if hybrid:   # FSDP2 describes them on a 2-D mesh, (Replicate(), Shard(0)): not written yet
         raise NotImplementedError(f"dcp_state_dict: units {hybrid} are HSDP (replicate_group / "
                                   "a 2-D mesh); their DCP layout is not written yet: export "
                                   "fsdp_state.full_state_dict / full_optim_state_dict instead")
-    flat = [type(u.module).__name__ for u in us if u.layout is not None and not hasattr(u, "params")]
+    flat = [type(u.module).__name__ for u in us if u.layout is not None and not u.layout.per_parameter]
     if flat:
         raise TypeError(f"dcp_state_dict: units {flat} use the flat layout (per_parameter=False), "
                         "which has no dim-0 shard per parameter; use fully_shard's default "
@@ -155,7 +155,7 @@ def load_dcp(path: str | os.PathLike, module: nn.Module, optimizer=None, group=N
                     optimizer.state[p][k] = v
     for u in units(module):                           # zero padding rows stay zero
         layout = u.layout
-        if isinstance(u, ParamShardUnit) and isinstance(layout, ParamLayout):
+        if isinstance(layout, ParamLayout):
             for i, p in enumerate(u.params):
                 c, d0 = layout.rows[i], layout.shapes[i][0]
                 real = max(0, min(c, d0 - u.rank * c))

@@ -3,14 +3,15 @@
 Each call turns one module into a *unit* (Zhao et al. 2023, "PyTorch FSDP", §3.2; Rajbhandari et
 al. 2020, ZeRO, §5.3, P_os+g+p) owning every parameter of the module that no unit below it owns
 (so ``fully_shard(model)`` after its blocks owns the embedding and head, as FSDP2's root does).
-Two layouts, one machinery (:mod:`.fsdp_flat`'s unit hooks; this file holds :func:`fully_shard`):
+One machinery, two layouts: a unit is a :class:`~.fsdp_unit.ShardUnit` (the hooks below) holding
+a layout object that says where each parameter lives (this file holds :func:`fully_shard`):
 
-* **per parameter** (default, :class:`~.fsdp_param.ParamShardUnit`, FSDP2's design): each
+* **per parameter** (default, :class:`~.fsdp_param.ParamLayout`, FSDP2's design): each
   parameter — trainable or frozen — is cut on dim 0, rank r keeps its [ceil(d0/W), ...] rows as
   the same ``nn.Parameter`` object under its own name, so the optimizer sees one sharded tensor
   per original parameter (param groups by name or ``p.dim()`` work) and ``requires_grad`` can
   change after wrapping; communication goes through one flat buffer per unit;
-* **flat** (``per_parameter=False``, :class:`~.fsdp_flat.FlatParamUnit`, FSDP1's ``FlatParameter``, the
+* **flat** (``per_parameter=False``, :class:`~.fsdp_flat.FlatLayout`, FSDP1's ``FlatParameter``, the
   first design, kept to teach why it was replaced): the unit's *trainable* parameters are packed
   into one flat buffer padded to W·S elements (:class:`~.flat.FlatBuffer`); rank r keeps its [S]
   slice as the parameter ``flat_shard``. Frozen parameters stay unsharded; one that later
@@ -57,16 +58,17 @@ from torch import nn
 
 from ..communicator import Communicator
 from . import hsdp
-from .fsdp_flat import FlatParamUnit, _Context
-from .fsdp_param import ParamShardUnit
+from .fsdp_flat import FlatLayout
+from .fsdp_param import ParamLayout
+from .fsdp_unit import ShardUnit, _Context
 from .mixed_precision import MixedPrecisionPolicy
 from .replicate import replicated_units
 
-__all__ = ["fully_shard", "MixedPrecisionPolicy", "FlatParamUnit", "units", "close_units", "set_requires_gradient_sync",
-           "set_requires_all_reduce"]
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "ShardUnit", "units", "close_units",
+           "set_requires_gradient_sync", "set_requires_all_reduce"]
 
 
-def units(module: nn.Module) -> list[FlatParamUnit]:
+def units(module: nn.Module) -> list[ShardUnit]:
     """Every unit in ``module`` (itself included), parents after children."""
     return [m._fsdp for m in module.modules() if getattr(m, "_fsdp", None) is not None][::-1]
 
@@ -77,7 +79,7 @@ def close_units(module: nn.Module) -> None:
     waits for another). Call after the last step and before the grid's ``close()``: a process that
     builds model after model keeps every one's threads otherwise. A forward or backward afterwards
     raises ``RuntimeError`` (the thread is closed)."""
-    shared = (getattr(u, "ctx", None) for u in units(module))   # units under one root share one
+    shared = (u.ctx for u in units(module))   # units under one root share one
     for ctx in {id(c): c for c in shared if c is not None}.values():
         ctx.close()
 
@@ -156,20 +158,15 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
            Communicator(collectives, replicate_group, where="sharding", algorithm=algorithm))
     below = units(module)
     mine = hsdp.replicate_ranks(rep)
-    other = [u for u in below if hsdp.replicate_ranks(getattr(u, "rep", None)) != mine]
+    other = [u for u in below if hsdp.replicate_ranks(u.rep) != mine]
     if other:
         raise ValueError(f"fully_shard (rank {comm.rank}): units "
                          f"{[u.unit_name() for u in other]} below {type(module).__name__} "
-                         f"replicate over {hsdp.replicate_ranks(getattr(other[0], 'rep', None))}, "
+                         f"replicate over {hsdp.replicate_ranks(other[0].rep)}, "
                          f"this one over {mine}; every unit under one root shares its replicate "
                          "group (None: plain FSDP)")
-    unit: FlatParamUnit
-    if per_parameter:
-        unit = ParamShardUnit(module, comm, mp_policy or MixedPrecisionPolicy(),
-                              reshard_after_forward, prefetch, rep=rep)
-    else:
-        unit = FlatParamUnit(module, comm, mp_policy or MixedPrecisionPolicy(),
-                             reshard_after_forward, prefetch)
+    unit = ShardUnit(module, comm, mp_policy or MixedPrecisionPolicy(), reshard_after_forward,
+                     prefetch, ParamLayout if per_parameter else FlatLayout, rep=rep)
     module._fsdp = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)

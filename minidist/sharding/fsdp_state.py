@@ -44,7 +44,7 @@ def _prefix(module: nn.Module) -> dict:
 
 
 def _per_param(u) -> bool:
-    return hasattr(u, "params")
+    return u.layout is not None and u.layout.per_parameter
 
 
 def _unit_entries(module: nn.Module, per_param: bool):
@@ -63,9 +63,9 @@ def check_covered(module: nn.Module, what: str) -> list:
     reps = replicated_units(module)
     owned: set[int] = {id(p) for r in reps for p in r.params}
     for u in us:
-        owned.update(id(p) for p in getattr(u, "params", []))
+        owned.update(id(p) for p in u.params)
         owned.update(id(p) for _, p in u.frozen)
-        if getattr(u, "flat_shard", None) is not None:
+        if u.flat_shard is not None:
             owned.add(id(u.flat_shard))
     outside = [n for n, p in module.named_parameters() if id(p) not in owned and p.requires_grad]
     if outside or not (us or reps):
@@ -128,7 +128,7 @@ def _first(module: nn.Module) -> bool:
     """Rank 0 of the data-parallel group the model is sharded over (of both groups under HSDP:
     one rank per model, as before per pipeline stage of a grid)."""
     for u in units(module):
-        rep = getattr(u, "rep", None)
+        rep = u.rep
         return u.rank == 0 and (rep is None or rep.rank == 0)
     for r in replicated_units(module):
         return all(c.rank == 0 for c in r.comms)
@@ -226,10 +226,10 @@ def load_full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimiz
     for mine, saved in zip(optimizer.param_groups, osd["param_groups"]):
         mine.update(saved)
     for u, entries in _unit_entries(module, per_param=False):
-        per: dict = {}
+        by_index: dict = {}
         for name, i in entries:
-            per.setdefault(i, osd["state"].get(name, {}))
-        per = [per[i] for i in range(len(per))]
+            by_index.setdefault(i, osd["state"].get(name, {}))
+        per = [by_index[i] for i in range(len(by_index))]
         new = {}
         for key in sorted(set().union(*per)):
             vals = [s.get(key) for s in per]

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..communicator import Communicator
-from .fsdp_flat import _CLAIMED, _claim, _tensors
+from .fsdp_unit import _CLAIMED, _claim, _tensors
 from .hsdp import resolve
 
 __all__ = ["ReplicateUnit", "replicate", "replicated_units"]

@@ -34,7 +34,7 @@ import minidist
 from _hsdp_cases import (STEPS, adamw, bad_inputs, make_norm_net, norm_batch, reduction_bytes,
                          rel, shard_norm_net, state, tied_batch, tied_batch24, tied_batch48,
                          torch_hsdp, traffic_of_a_step, train)
-from minidist.sharding import fsdp, fsdp_param, fsdp_state, hsdp_mesh
+from minidist.sharding import fsdp, fsdp_state, fsdp_unit, hsdp_mesh
 from minidist_course.references.sharding import Block, make_model
 
 REL = 1e-6
@@ -55,7 +55,7 @@ def _hsdp_tied(rank, world, mesh, seed=None, batch=tied_batch, wrap=None, **kw):
     return grads, norms, state(model)
 
 
-class _SumsReplicas(fsdp_param.ParamShardUnit):
+class _SumsReplicas(fsdp_unit.ShardUnit):
     """Broken on purpose: sums the pieces across replicas instead of averaging (the scaling bug
     kind of pytorch/pytorch#155903)."""
 
@@ -89,9 +89,9 @@ def _w4(rank, world):
         out[name] = res + (sd, state(model), state(again))
         out[name + " rank0_only"] = sorted(fsdp_state.full_state_dict(model, rank0_only=True))
     out["no sync"] = reduction_bytes(model, rank, world)       # the HSDP NormNet
-    fsdp.ParamShardUnit = _SumsReplicas                          # this rank's copy only
+    fsdp.ShardUnit = _SumsReplicas                               # this rank's copy only
     out["sums replicas"] = _hsdp_tied(rank, world, mesh, seed=0)
-    fsdp.ParamShardUnit = fsdp_param.ParamShardUnit
+    fsdp.ShardUnit = fsdp_unit.ShardUnit
     out["traffic fsdp"] = traffic_of_a_step(rank, world, None)
     out["traffic hsdp"] = traffic_of_a_step(rank, world, mesh)
     out["errors"] = bad_inputs(rank, world, mesh)

@@ -11,7 +11,7 @@ import torch
 import torch._dynamo  # noqa: F401  (forked ranks build optimizers, which import it)
 
 import minidist
-from minidist.sharding import fsdp, fsdp_param, fsdp_state
+from minidist.sharding import fsdp, fsdp_state, fsdp_unit
 from minidist.sharding.checkpoints import load_sharded_checkpoint, save_sharded_checkpoint
 from minidist_course.references.sharding import (OPTIMIZERS, Block, global_batch, local_batch,
     loss_fn, make_model, max_abs_diff, named_state, train_single)
@@ -129,7 +129,7 @@ def test_no_sync_accumulation_and_global_norm_clipping():
     assert max_abs_diff(single, train_single(*OPTIMIZERS["sgd"][:1], **OPTIMIZERS["sgd"][1])) > 1e-3
 
 
-class _FreesBeforeBackward(fsdp_param.ParamShardUnit):
+class _FreesBeforeBackward(fsdp_unit.ShardUnit):
     """Broken on purpose: does not all-gather again before the unit's backward."""
 
     def pre_backward(self):
@@ -140,7 +140,7 @@ class _FreesBeforeBackward(fsdp_param.ParamShardUnit):
 
 
 def _broken(rank, world):
-    fsdp.ParamShardUnit = _FreesBeforeBackward  # the name fully_shard uses; this rank's copy only
+    fsdp.ShardUnit = _FreesBeforeBackward  # the name fully_shard uses; this rank's copy only
     try:
         return _ours(rank, world, "sgd")
     except RuntimeError as e:

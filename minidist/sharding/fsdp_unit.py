@@ -1,0 +1,328 @@
+"""The unit of :func:`~.fsdp.fully_shard`: the machinery both layouts share, and nothing of either.
+
+A :class:`ShardUnit` (attached to its module as ``module._fsdp``) owns the parameters of its module
+that no unit below owns. Its hooks — gather before forward and before backward, prefetch, free, the
+reduce-scatter when the gradient is complete, no_sync, HSDP's all-reduce across replicas — do not
+depend on where each parameter lives in the flat communication buffer ``full`` [W·S]; that is the
+*layout*'s, an object the unit holds (composition, not a subclass):
+
+* :class:`~.fsdp_param.ParamLayout` (default, FSDP2): every parameter cut on dim 0;
+* :class:`~.fsdp_flat.FlatLayout` (``per_parameter=False``, FSDP1's ``FlatParameter``, the first
+  design, kept to teach why it was replaced): the trainable parameters packed into one buffer.
+
+A layout class has ``wrap(unit, module)`` (shard the module's parameters, set the unit's ``slots``,
+``names``, ``params`` or ``flat_shard``; returns the layout, or None when there is nothing to
+shard) and per instance ``per_parameter``, ``padded`` (W·S), ``shard_numel`` (S), ``dtype``,
+``device``, ``gather_into(comm, unit)`` (fill ``unit.full`` from the shards), ``bind(unit)``
+(the module's names → views of ``full``), ``unbind(unit)`` (→ the shards again),
+``to_rank_major(grad)`` (what reduce-scatter cuts), ``master_dtype(unit)`` and
+``accept(unit, out)`` (the reduced [S] slice → the shards' gradients).
+:mod:`.fsdp` has the whole picture (the four steps per training step) and :func:`~.fsdp.fully_shard`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..communicator import CommThread, Communicator, Handle
+from .hsdp import release, thread_copy
+from .mixed_precision import MixedPrecisionPolicy, cast_floating
+
+__all__ = ["ShardUnit"]
+
+
+class _Context:
+    """What the units under one root share: the comm thread, the order, pending reduce-scatters."""
+
+    def __init__(self, comm: Communicator, rep: Communicator | None = None):
+        self.comm = comm                 # the root unit's: its group, implementation, algorithm
+        self.rep = rep                   # HSDP: the root's replicate group (main thread), or None
+        self.rep_thread: Communicator | None = None   # ... its copy for the comm thread
+        self._worker: CommThread | None = None
+        self.order: list = []            # units in forward order (recorded in step 1)
+        self.recording = True
+        self.pending: list = []          # (unit, handle, reduced shard) of this backward
+        self.in_backward = False
+        self.prefetched = 0              # all-gathers that were started early on the comm thread
+
+    @property
+    def worker(self) -> CommThread:
+        """Created at first use (the first forward, on every rank): only the root's is ever made."""
+        if self._worker is None:
+            self._worker = CommThread(self.comm, name="fsdp-comm")
+            if self.rep is not None:
+                self.rep_thread = thread_copy(self.rep)
+        return self._worker
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self.rep_thread is not None:
+            release(self.rep_thread)
+            self.rep_thread = None
+
+
+class ShardUnit:
+    """The state :func:`~.fsdp.fully_shard` attaches to a module as ``module._fsdp``: a unit of
+    ``layout`` (a layout class, see the module doc) over ``comm``'s group (HSDP: and ``rep``'s).
+
+    Attributes: ``layout`` (None when the module has nothing to shard), ``params`` (per parameter:
+    the unit's parameters, each now its shard) or ``flat_shard`` (flat: the [S] parameter),
+    ``slots``/``names`` (where each parameter sits in the module), ``frozen`` (flat: parameters
+    left unsharded), ``full`` (the gathered [W·S] buffer, freed between uses), ``state``
+    (``"sharded"`` or ``"gathered"``), ``sync`` and ``requires_all_reduce`` (gradient
+    accumulation, :mod:`.fsdp`)."""
+
+    def __init__(self, module: nn.Module, comm: Communicator, mp: MixedPrecisionPolicy,
+                 reshard_after_forward: bool, prefetch: bool, layout, rep=None):
+        self.module, self.comm, self.mp, self.rep = module, comm, mp, rep
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.ctx: Any = None                # the root's _Context, set by fully_shard
+        self.sync, self.state = True, "sharded"
+        self.handle: Handle | None = None   # a prefetch in flight on the comm thread
+        self.requires_all_reduce = True     # HSDP: False keeps pieces uncrossed (see _reduce)
+        self.full: Any = None               # the gathered [W·S] buffer (None: nothing to shard)
+        self.unsharded_grad: torch.Tensor | None = None
+        self.slots: list = []               # set by the layout's wrap
+        self.names: list = []
+        self.params: list = []
+        self.flat_shard: nn.Parameter | None = None
+        self.frozen: list = []              # (name, parameter) the layout left unsharded
+        self._got_grad: set[int] = set()    # parameters that got a gradient here (this rank)
+        self._agreed: set[int] = set()      # ... on any rank, after the reduce (see _reduce)
+        self._partial: tuple | None = None  # HSDP: kept sum and flags until the next all-reduce
+        self.layout = layout.wrap(self, module)
+        if self.layout is None:
+            return
+        self.compute_dtype = mp.param_dtype or self.layout.dtype
+        self.full = torch.zeros(self.layout.padded, dtype=self.compute_dtype,
+                                device=self.layout.device).requires_grad_()
+        self.full.register_post_accumulate_grad_hook(lambda t: self._on_grad())
+        with torch.no_grad():
+            self.layout.bind(self)
+        self._free()
+
+    # ------------------------------------------------------------------ gather / free
+    def _alloc(self) -> None:
+        nbytes = self.layout.padded * self.full.element_size()
+        if self.full.untyped_storage().size() != nbytes:
+            self.full.untyped_storage().resize_(nbytes)
+
+    def _free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        self.state = "sharded"
+        self.layout.unbind(self)
+
+    def gather(self, comm_thread: bool = False) -> None:
+        """All-gather now (main thread), or start it on the comm thread (``comm_thread=True``)."""
+        if self.layout is None or self.state != "sharded" or self.handle is not None:
+            return
+        self._alloc()
+        if comm_thread and self.ctx is not None:
+            self.handle = self.ctx.worker.submit(f"all-gather of unit {self.unit_name()} "
+                                                 f"(rank {self.rank})", self.layout.gather_into,
+                                                 self)
+        else:
+            self.layout.gather_into(self.comm, self)
+            self.state = "gathered"
+
+    def wait_gathered(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle, self.state = None, "gathered"
+            self.ctx.prefetched += 1
+        self.gather()
+
+    def unit_name(self) -> str:
+        return type(self.module).__name__
+
+    # ------------------------------------------------------------------ hooks
+    def pre_forward(self, module, args, kwargs):
+        ctx = self.ctx
+        thawed = [n for n, p in self.frozen if p.requires_grad]
+        if thawed:   # the flat design packs what was trainable at wrap; it cannot take in more
+            raise RuntimeError(f"fully_shard(per_parameter=False) (rank {self.rank}): unit "
+                               f"{self.unit_name()} left {', '.join(thawed)} unsharded because "
+                               "it was frozen at wrap time, and it requires a gradient now; its "
+                               "gradient would never be averaged. Use the per-parameter "
+                               "fully_shard (the default), which shards frozen parameters too")
+        if ctx.recording and self not in ctx.order:
+            ctx.order.append(self)
+        if self.layout is not None:
+            self.wait_gathered()
+            self.layout.bind(self)            # fresh views, recorded by autograd if grad is on
+        if self.prefetch and not ctx.recording and not ctx.in_backward:
+            i = ctx.order.index(self)
+            if i + 1 < len(ctx.order):
+                ctx.order[i + 1].gather(comm_thread=True)
+        if self.mp.param_dtype is not None:
+            args, kwargs = cast_floating((args, kwargs), self.mp.param_dtype)
+        return args, kwargs
+
+    def post_forward(self, module, args, output):
+        if self.layout is None:
+            return output
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward_hook)
+        if self.reshard_after_forward and not self.ctx.in_backward:  # not while recomputing
+            self._free()
+        return output
+
+    def _pre_backward_hook(self, grad):
+        self.pre_backward()
+
+    def pre_backward(self) -> None:
+        ctx = self.ctx
+        if not ctx.in_backward:
+            ctx.in_backward, ctx.recording = True, False
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self.wait_gathered()
+        if self.prefetch and self in ctx.order:   # next in backward: the previous unit in forward
+            i = ctx.order.index(self)
+            ctx.order[i - 1 if i > 0 else -1].gather(comm_thread=True)
+        if self.state == "gathered":   # code that runs again in backward (recomputation) sees
+            with torch.enable_grad():  # the gathered parameters, as the first forward did
+                self.layout.bind(self)
+
+    def _on_grad(self) -> None:
+        grad = self.full.grad
+        self.full.grad = None
+        rdtype = self.mp.reduce_dtype or self.layout.master_dtype(self)
+        grad = grad.to(rdtype)
+        if self.unsharded_grad is not None:
+            grad = grad + self.unsharded_grad
+            self.unsharded_grad = None
+        if not self.sync:                               # no_sync: keep the full sum locally
+            self.unsharded_grad = grad
+        else:
+            out = torch.empty(self.layout.shard_numel, dtype=rdtype, device=grad.device)
+            h = self.ctx.worker.submit(f"reduce-scatter of unit {self.unit_name()} (rank "
+                                       f"{self.rank})", self._reduce, out,
+                                       self.layout.to_rank_major(grad))
+            self.ctx.pending.append((self, h, out))
+        self._free()
+
+    def _reduce(self, comm, out: torch.Tensor, grad: torch.Tensor) -> None:
+        """On the communication thread: ``out`` ← this rank's slice of the average of ``grad``.
+
+        Per parameter, then which parameters got a gradient on *any* rank (an all-reduce of a 0/1
+        flag per parameter, on the same thread so the collectives stay in order): a parameter one
+        rank used and another did not (an expert no token of this rank chose) must get the
+        averaged gradient on both, or the replicas' shards part ways.
+
+        HSDP: then the [S] average over the shard group is all-reduced (average) over the
+        replicate group — the ranks that hold the same piece — and the flags too (``max``), on
+        the comm thread's copy of that group (:class:`_Context`). Under
+        :func:`~.fsdp.set_requires_all_reduce` ``(False)`` the piece is kept instead (summed with
+        any kept before) and no gradient is handed out; the next backward that all-reduces adds
+        the kept sum to its own piece *before* the all-reduce, so every micro-batch crosses
+        (pytorch/pytorch#125484: accumulating after the all-reduce would leave earlier
+        micro-batches out)."""
+        if not self.layout.per_parameter:               # flat: one shard, every element kept
+            _reduce_scatter(comm, out, grad)
+            return
+        used = torch.tensor([float(i in self._got_grad) for i in range(len(self.params))],
+                            device=out.device)
+        _reduce_scatter(comm, out, grad)
+        comm.all_reduce(used, "max")
+        if self.rep is not None:
+            rep = getattr(self.ctx, "rep_thread", None)
+            if rep is None:
+                raise RuntimeError(f"fully_shard (rank {self.rank}): unit {self.unit_name()} "
+                                   "replicates but its root has no replicate group")
+            if self._partial is not None:
+                out.add_(self._partial[0])
+                used = torch.maximum(used, self._partial[1])
+                self._partial = None
+            if not self.requires_all_reduce:
+                self._partial, self._agreed = (out.clone(), used), set()
+                return
+            rep.all_reduce(out, "avg")
+            rep.all_reduce(used, "max")
+        self._agreed = {i for i, u in enumerate(used.tolist()) if u > 0}
+
+    def _mark(self, i: int):
+        """A hook for parameter ``i``'s view: record that it got a gradient in this backward."""
+        def hook(grad):
+            self._got_grad.add(i)
+        return hook
+
+    def _finish_backward(self) -> None:
+        ctx = self.ctx
+        ctx.in_backward = False
+        pending, ctx.pending = ctx.pending, []
+        with torch.no_grad():
+            for unit, h, out in pending:
+                h.wait()
+                unit.layout.accept(unit, out)
+        for unit in ctx.order:                # units whose gradient never came: free them too
+            if unit.layout is not None and unit.handle is not None:
+                unit.wait_gathered()
+            if unit.layout is not None and unit.state != "sharded":
+                unit._free()
+
+
+_CLAIMED: dict = {}   # id(parameter) -> (weak reference, unit name): which unit packed it
+
+
+def _claim(params, names, unit: str) -> None:
+    """Raise ``ValueError`` if a parameter was already packed by another unit (tied weights used in
+    two units); else record that ``unit`` owns them."""
+    for p, name in zip(params, names):
+        ref, owner = _CLAIMED.get(id(p), (None, None))
+        if ref is not None and ref() is p:
+            raise ValueError(f"fully_shard: parameter {name} of {unit} is tied to one already "
+                             f"packed by unit {owner}; a tied parameter must belong to one unit: "
+                             "shard a module that contains every use of it (e.g. the root)")
+    for p in params:
+        _CLAIMED[id(p)] = (weakref.ref(p), unit)
+
+
+def _reduce_scatter(comm, out, grad) -> None:
+    comm.reduce_scatter(out, grad, "avg")
+
+
+def _slots(module: nn.Module, shard) -> tuple[list, list, list]:
+    """(slots, params, names) of a unit: one slot (submodule, attribute name, index into params,
+    qualified name) per parameter attribute of ``module`` outside other units that ``shard(p)``
+    keeps; a tied parameter is one entry of ``params``, named by its first slot."""
+    slots: list = []
+    params: list = []
+    seen: dict = {}
+    for mod_name, sub in _own_modules(module):
+        for name, p in list(sub._parameters.items()):
+            if p is None or not shard(p):
+                continue
+            if id(p) not in seen:
+                seen[id(p)] = len(params)
+                params.append(p)
+            slots.append((sub, name, seen[id(p)], f"{mod_name}{name}"))
+    names = [next(fq for _, _, i, fq in slots if i == k) for k in range(len(params))]
+    return slots, params, names
+
+
+def _own_modules(module: nn.Module, prefix: str = ""):
+    """(qualified name prefix, submodule) of ``module`` and its descendants outside other units
+    (sharded ones, ``_fsdp``, and replicated ones, ``_replicate``: :mod:`.replicate`)."""
+    yield prefix, module
+    for name, child in module.named_children():
+        if getattr(child, "_fsdp", None) is None and getattr(child, "_replicate", None) is None:
+            yield from _own_modules(child, f"{prefix}{name}.")
+
+
+def _tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
