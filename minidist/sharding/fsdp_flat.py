@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .flat import FlatBuffer
-from .fsdp_unit import _claim, _own_modules, _slots
+from .ownership import _claim, _own_modules, _slots
 
 __all__ = ["FlatLayout"]
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .fsdp_unit import _claim, _own_modules, _slots
+from .ownership import _claim, _own_modules, _slots
 
 __all__ = ["ParamLayout"]
 

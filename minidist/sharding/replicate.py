@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from ..communicator import Communicator
-from .fsdp_unit import _CLAIMED, _claim, _tensors
+from .fsdp_unit import _tensors
+from .ownership import _CLAIMED, _claim
 from .hsdp import resolve
 
 __all__ = ["ReplicateUnit", "replicate", "replicated_units"]
