@@ -94,7 +94,7 @@ def install_experts(stage: nn.Module, moe: dict, grid) -> list[MoE]:
     layers = []
     blocks, cfg = cast(nn.ModuleList, stage.blocks), cast(GPTConfig, stage.cfg)
     for block in blocks:
-        block.mlp = MoE(cfg, ep_group=grid.ep_group if grid.ep_size > 1 else LOCAL,
+        block.mlp = MoE(cfg, ep_group=grid.ep_group,   # LOCAL at ep == 1 (the grid says so)
                         stats_group=dp_cp, **moe)
         use_tracker_dropout(block.mlp)   # the TP ranks' copies of an expert draw the same masks
         layers.append(block.mlp)
