@@ -20,9 +20,11 @@ import re
 import signal
 import sys
 
+from . import cgroups as _cgroups
+
 __all__ = ["RankError", "RankTimeoutError", "START_ATTEMPTS", "StartupFailure", "failure",
            "timeout_error", "is_startup_failure", "log_restart", "describe_exit", "memory_hint",
-           "resident_bytes", "memory_limit", "oom_kill_count", "stack_of",
+           "resident_bytes", "memory_limit", "oom_kill_count", "oom_cgroup", "oom_advice", "stack_of",
            "format_stack", "short_path", "tidy_traceback"]
 
 # A failure before any user code ran, while the ranks were still connecting, has no side effects,
@@ -136,25 +138,29 @@ def tidy_traceback(tb: str) -> str:
 
 # --------------------------------------------------------------------------- failures
 def oom_kill_count() -> int | None:
-    """How many processes the kernel's OOM killer has killed in this cgroup (``oom_kill`` in
-    cgroup v2's ``memory.events`` or v1's ``memory.oom_control``); None where neither is readable."""
-    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
-        try:
-            with open(path) as f:
-                for line in f:
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill":
-                        return int(value)
-        except (OSError, ValueError):
-            continue
-    return None
+    """How many processes the kernel's OOM killer has ended in this process's own memory cgroup
+    (and, on cgroup v1, the cgroups below it: see :mod:`minidist.launch.cgroups`); None where
+    the counter is unreadable."""
+    group = _cgroups.memory_cgroup()
+    return None if group is None else group.oom_kills()
+
+
+def oom_cgroup() -> str:
+    """The memory cgroup whose counter :func:`oom_kill_count` reads, for the report."""
+    group = _cgroups.memory_cgroup()
+    return "?" if group is None else f"{group.path or '/'} (cgroup v{group.version})"
 
 
 TRY_FOR_MEMORY = ("Try a smaller batch or model, fewer ranks on this machine, activation "
                   "recomputation, or sharding (ZeRO-2/3, fully_shard); `minidist plan` estimates "
                   "the memory per rank")
-OOM_ADVICE = ("out of memory: the kernel's OOM killer ended it (this cgroup's oom_kill count rose "
-              "during the run). " + TRY_FOR_MEMORY)
+
+
+def oom_advice(kills: int | None = None) -> str:
+    """What a SIGKILL says when the OOM killer's count rose (by ``kills``) during the run."""
+    rose = "rose" if kills is None else f"rose by {kills}"
+    return (f"out of memory: the kernel's OOM killer ended it (the oom_kill count of cgroup "
+            f"{oom_cgroup()} {rose} during the run). " + TRY_FOR_MEMORY)
 
 
 def resident_bytes(pid: int) -> int | None:
@@ -173,14 +179,10 @@ def resident_bytes(pid: int) -> int | None:
 def memory_limit() -> tuple[int, str] | None:
     """(bytes, what) the ranks share: this cgroup's ``memory.max`` (v2) or ``limit_in_bytes``
     (v1) when set, else the machine's ``MemTotal``; None where none is readable."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                value = f.read().strip()
-            if value != "max" and int(value) < 1 << 60:
-                return int(value), "this cgroup's memory limit"
-        except (OSError, ValueError):
-            continue
+    group = _cgroups.memory_cgroup()
+    limit = None if group is None else group.limit()
+    if limit is not None:
+        return limit, "this cgroup's memory limit"
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -209,9 +211,9 @@ def memory_hint(resident: int | None) -> str:
             + TRY_FOR_MEMORY)
 
 
-def describe_exit(code: int, oom_killed: bool | None = False, resident: int | None = None) -> str:
+def describe_exit(code: int, oom_killed: int | bool | None = False, resident: int | None = None) -> str:
     """What a rank's exit code says: a signal's name (with a hint for SIGABRT, and for SIGKILL
-    when the OOM killer struck, ``oom_killed`` True, or may have: ``oom_killed`` None — the
+    when the OOM killer struck, ``oom_killed`` True or the count's rise, or may have: ``oom_killed`` None — the
     counter is unreadable — then with the rank's last ``resident`` size in bytes) or os._exit."""
     if code < 0:
         name = signal.Signals(-code).name
@@ -220,7 +222,7 @@ def describe_exit(code: int, oom_killed: bool | None = False, resident: int | No
                 "MINIDIST_DEBUG=1 checks the arguments of minidist's collectives, not your own "
                 "send/recv)") if name == "SIGABRT" else ""
         if name == "SIGKILL" and oom_killed:
-            hint = f": {OOM_ADVICE}"
+            hint = ": " + oom_advice(None if oom_killed is True else int(oom_killed))
         elif name == "SIGKILL" and oom_killed is None:
             hint = memory_hint(resident)
         return f"killed by {name}{hint}"
@@ -228,7 +230,7 @@ def describe_exit(code: int, oom_killed: bool | None = False, resident: int | No
 
 
 def failure(world_size: int, errors: dict, exited: dict, have: set,
-            oom_killed: bool | None = False, resident: dict | None = None,
+            oom_killed: int | bool | None = False, resident: dict | None = None,
             returned: dict | None = None, progress: dict | None = None) -> RankError:
     """One :class:`RankError` from what the ranks reported, the root cause first.
 
@@ -236,7 +238,7 @@ def failure(world_size: int, errors: dict, exited: dict, have: set,
         errors: ``{rank: (time, summary, traceback)}`` for ranks that raised.
         exited: ``{rank: (time, exit code)}`` for ranks that died without a result.
         have: ranks that returned a result.
-        oom_killed: the OOM killer killed a process of this cgroup during the run (None: its
+        oom_killed: how many processes of this cgroup the OOM killer ended during the run (None: its
             counter is unreadable, so a SIGKILL is reported with the rank's resident size).
         resident: ``{rank: bytes}``, each rank's last resident size sampled by the launcher.
         returned: ``{rank: (time, collectives finished)}`` for ranks that returned a result.

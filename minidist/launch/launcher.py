@@ -271,7 +271,7 @@ def _supervise(procs, q, out, shms, dumps, timeout, world_size):
     if len(have) == world_size:
         return results
     oom_now = _errors.oom_kill_count()
-    oom_killed = None if None in (oom_at_start, oom_now) else oom_now > oom_at_start
+    oom_killed = None if None in (oom_at_start, oom_now) else max(0, oom_now - oom_at_start)
     error = failure(world_size, errors, exited, have, oom_killed=oom_killed, resident=resident,
                     returned=returned, progress=progress)
     if is_startup_failure(error, started=any(shm.raw.split(b"\0", 1)[0] for shm in shms)):
