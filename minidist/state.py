@@ -39,6 +39,7 @@ comparison, saves a plain tensor once (it takes it to be replicated) and a DTens
 from __future__ import annotations
 
 import hashlib
+import io
 import numbers
 
 import torch
@@ -67,11 +68,15 @@ def scope_of(obj, name: str, where: str) -> str:
     return scope
 
 
+_PLAIN = (str, bytes, bool, int, float, complex)   # exactly these: numpy's scalars are Numbers
+#                                                    that weights_only=True refuses to load
+
+
 def check_plain(value, path: str, where: str) -> None:
     """Raise ``TypeError`` naming ``path`` if ``value`` holds anything but tensors, numbers,
     strings, ``None`` and lists/tuples/dicts of them (what ``weights_only=True`` loads)."""
-    if value is None or isinstance(value, (str, bool, numbers.Number, torch.Tensor,
-                                           torch.dtype, torch.device)):
+    if value is None or type(value) in _PLAIN or isinstance(value, (torch.Tensor, torch.dtype,
+                                                                     torch.device)):
         return
     if isinstance(value, dict):
         for k, v in value.items():
@@ -84,9 +89,36 @@ def check_plain(value, path: str, where: str) -> None:
         for i, v in enumerate(value):
             check_plain(v, f"{path}[{i}]", where)
         return
-    raise TypeError(f"{where}: {path} is a {type(value).__name__}; a checkpoint holds only "
+    hint = (" (a numpy scalar: convert it with float() or int())"
+            if isinstance(value, numbers.Number) else "")
+    raise TypeError(f"{where}: {path} is a {type(value).__name__}{hint}; a checkpoint holds only "
                     "tensors, numbers, strings and lists/dicts of them (loadable with "
                     "weights_only=True)")
+
+
+def check_extra(extra, where: str) -> None:
+    """Raise ``TypeError`` unless ``extra`` (a save's small dict: epoch, step, losses) is None or a
+    dict of plain data; the message names the key and points at ``states=`` for an object."""
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
+        raise TypeError(f"{where}: extra must be a dict of plain data (epoch, step, losses), got "
+                        f"{type(extra).__name__}")
+    try:
+        check_plain(extra, "extra", where)
+    except TypeError as e:
+        raise TypeError(f"{e}. extra holds plain data only; to save and resume an object with "
+                        "state (a PowerSGD hook, a sampler, an optimizer), pass it as states="
+                        "{name: obj}: its state_dict() is saved and load_state_dict() resumes "
+                        "it exactly") from None
+    buffer = io.BytesIO()                          # what load will do, before anything is written
+    torch.save(extra, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - weights_only's refusal, whatever it raises
+        raise TypeError(f"{where}: extra cannot be loaded back with weights_only=True ({e}); "
+                        "pass objects with state as states={name: obj}") from None
 
 
 def _feed(h, value) -> None:
@@ -143,9 +175,10 @@ _HINTS = {
 
 
 def collect(states: dict | None, where: str, group=None, replicas: dict | None = None,
-            check_replicated: bool = True) -> tuple[dict, dict]:
+            check_replicated: bool = True, extra: dict | None = None) -> tuple[dict, dict]:
     """``(replicated, per_rank)`` state dicts of ``states`` (``{name: stateful object}``), each
-    checked plain; collective over ``group`` (call it on every rank with the same names).
+    checked plain, as is the save's ``extra`` (:func:`check_extra`); collective over ``group``
+    (call it on every rank with the same names).
 
     With ``check_replicated``, every replicated object's digest, and every entry of ``replicas``
     (``{"the model": state dict, "the optimizer": state dict}``: what rank 0 alone will save), is
@@ -157,6 +190,7 @@ def collect(states: dict | None, where: str, group=None, replicas: dict | None =
     replicated, per_rank, error = {}, {}, None
     digests: dict = {}
     try:
+        check_extra(extra, where)
         for name, obj in (states or {}).items():
             scope = scope_of(obj, name, where)
             sd = obj.state_dict()            # every rank: a ZeRO state_dict is collective

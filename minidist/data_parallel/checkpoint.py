@@ -115,7 +115,8 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict 
 
     Raises (on every rank, before anything is written; the previous generation kept):
         TypeError: a ``fully_shard`` (ZeRO-3) model (use :mod:`minidist.sharding.checkpoints`),
-            or a ``states`` object that is not stateful or not plain data (named).
+            a ``states`` object that is not stateful or not plain data, or an ``extra`` entry
+            that is not plain data (named, pointing at ``states=``).
         ValueError: the model or optimizer (or a replicated state) differs between ranks, so
             rank 0's copy would not resume the others: names it and the ranks (DiLoCo
             mid-round: pass the ``DiLoCo`` object, which saves each rank's replica; a local
@@ -136,7 +137,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict 
     replicas: dict = {"the model": dict(unwrap(model).named_parameters())}   # buffers may differ
     if optim_state is not None:
         replicas["the optimizer"] = optim_state
-    replicated, per_rank = collect(states, where, group, replicas=replicas)
+    replicated, per_rank = collect(states, where, group, replicas=replicas, extra=extra)
     parts: dict = {rank_name(rank): {"rng": rank_state(), "states": per_rank}}
     if rank == 0:
         parts[FILE] = {"model": model_state, "optimizer": optim_state,

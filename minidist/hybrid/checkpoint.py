@@ -106,7 +106,7 @@ def save_hybrid_checkpoint(folder: str | os.PathLike, model, optimizer=None, ste
                         "or minidist.sharding.checkpoints for other models")
     grid = model.grid
     where = f"save_hybrid_checkpoint (rank {grid.rank})"
-    replicated, per_rank = collect(states, where, check_replicated=False)
+    replicated, per_rank = collect(states, where, check_replicated=False, extra=extra)
     state = {
         "format": FORMAT, "rank": grid.rank, "step": int(step), "layout": _layout(model),
         "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank, grid.cp_rank),

@@ -55,7 +55,7 @@ def save_full_checkpoint(path, model, optimizer=None, extra: dict | None = None,
                                states=states)
     rank, _ = group_rank_world(group)
     where = f"save_full_checkpoint (rank {rank})"
-    replicated, per_rank = collect(states, where, group)
+    replicated, per_rank = collect(states, where, group, extra=extra)
     state = {"model": fsdp_state.full_state_dict(model),
              "optimizer": (fsdp_state.full_optim_state_dict(model, optimizer)
                            if optimizer is not None else None), "extra": extra or {},
@@ -122,7 +122,7 @@ def save_sharded_checkpoint(path, model, optimizer=None, extra: dict | None = No
     ``states`` (:mod:`minidist.state`); collective. Returns the generation's folder."""
     rank, world = group_rank_world(group)
     where = f"save_sharded_checkpoint (rank {rank})"
-    replicated, per_rank = collect(states, where, group, check_replicated=False)
+    replicated, per_rank = collect(states, where, group, check_replicated=False, extra=extra)
     part = {**_sharded_parts(model, optimizer, where, rank), "extra": extra or {},
             "rng": rank_state(), "states": {**replicated, **per_rank}}
     kind = "sharded-zero3" if _sharded_model(model) else "sharded-zero12"

@@ -7,13 +7,16 @@ reports: PowerSGD's error feedback, Q and step (pytorch#75666 made torch's check
 error feedback, DiLoCo's outer momentum at a round boundary and each rank's replica mid-round
 (torchft PR #277 added the outer optimizer's state), a DiLoCo inner optimizer local to each rank.
 The same launch checks the refusals: replicas that differ, an object that is not stateful or not
-plain data — on every rank, naming the object, before anything is written.
+plain data, an object or a numpy scalar in ``extra`` (written, then unreadable under
+``weights_only``, before this check) — on every rank, naming the object, before anything is
+written.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,6 +95,14 @@ def _first(rank, world, root):
                 "the optimizer differs", "states=")
             assert not generations(folder), "a refused save wrote something"
         save_checkpoint(folder, net, saved_opt, extra={"step": K}, states=states)
+        if case == "powersgd":   # an object (or a numpy scalar) in extra: refused before writing,
+            obj = states[case]   # the one good generation kept (keep=1 would have retired it)
+            out["extra-object"] = _expect_refusal(
+                lambda: save_checkpoint(folder, net, saved_opt, extra={"hook": obj}, keep=1),
+                "extra['hook'] is a PowerSGD", "states=")
+            out["extra-numpy"] = _expect_refusal(
+                lambda: save_checkpoint(folder, net, saved_opt, extra={"loss": np.float64(0.5)}),
+                "extra['loss'] is a float64", "numpy scalar")
         _train(net, opt, after, rank, K, STEPS)
         out[case] = _params(net)
     out["not-stateful"] = _expect_refusal(
@@ -126,7 +137,8 @@ def test_every_stateful_object_resumes_bitwise_and_bad_saves_are_refused(tmp_pat
     root = str(tmp_path)
     straight = minidist.run(_first, 2, root, timeout=180)
     for rank, out in enumerate(straight):
-        for key in ("refused-model", "refused-optimizer", "not-stateful", "not-plain"):
+        for key in ("refused-model", "refused-optimizer", "not-stateful", "not-plain",
+                    "extra-object", "extra-numpy"):
             assert out[key] == "", f"rank {rank}, {key}: {out[key]}"
     resumed = minidist.run(_resume, 2, root, timeout=180)
     for rank in range(2):
@@ -184,3 +196,25 @@ def test_one_process_round_trip_and_scope(tmp_path, scope):
     assert fresh.n.item() == 7
     with pytest.raises(KeyError, match=r"holds no state for \['other'\]"):
         load_checkpoint(tmp_path, torch.nn.Linear(2, 2), states={"other": Counter()})
+
+
+def _extra_in_every_kind(rank, world, root):
+    import _ckpt_kinds as kinds
+    from minidist.hybrid.checkpoint import save_hybrid_checkpoint
+    out = {}
+    for name, (setup, save, _, _) in kinds.KINDS.items():
+        model, opt, _ = setup(rank, world, 0, 1)
+        folder = os.path.join(root, name)
+        if name == "3d":
+            save = lambda p, m, o, extra: save_hybrid_checkpoint(p, m, o, step=1, extra=extra)  # noqa: E731
+        out[name] = _expect_refusal(lambda: save(folder, model, opt, extra={"hook": PowerSGD()}),
+                                    "extra['hook'] is a PowerSGD", f"(rank {rank})", "states=")
+        out[name] += "" if not generations(folder) else " and a generation was written"
+    return out
+
+
+def test_extra_is_plain_data_in_every_checkpoint_kind(tmp_path):
+    """DDP, ZeRO-1/2/3 (full and sharded) and the 3-D save all check ``extra`` on every rank before
+    writing (each used to write it, then fail to load under ``weights_only``)."""
+    for rank, out in enumerate(minidist.run(_extra_in_every_kind, 2, str(tmp_path), timeout=180)):
+        assert all(v == "" for v in out.values()), f"rank {rank}: {out}"
