@@ -95,6 +95,7 @@ class ShardUnit:
         self._got_grad: set[int] = set()    # parameters that got a gradient here (this rank)
         self._agreed: set[int] = set()      # ... on any rank, after the reduce (see _reduce)
         self._partial: tuple | None = None  # HSDP: kept sum and flags until the next all-reduce
+        self._gathered_from: tuple = ()     # the shards' versions ``full`` was gathered from
         self.layout = layout.wrap(self, module)
         if self.layout is None:
             return
@@ -122,6 +123,7 @@ class ShardUnit:
         if self.layout is None or self.state != "sharded" or self.handle is not None:
             return
         self._alloc()
+        self._gathered_from = self._versions()
         if comm_thread and self.ctx is not None:
             self.handle = self.ctx.worker.submit(f"all-gather of unit {self.unit_name()} "
                                                  f"(rank {self.rank})", self.layout.gather_into,
@@ -136,6 +138,17 @@ class ShardUnit:
             self.handle, self.state = None, "gathered"
             self.ctx.prefetched += 1
         self.gather()
+
+    def _versions(self) -> tuple:
+        shards = self.params if self.layout.per_parameter else [self.flat_shard]
+        return tuple(p._version for p in shards)
+
+    def _stale(self) -> bool:
+        """Gathered from shards that changed since (an optimizer step, a load) — what a kept
+        gathered copy would otherwise serve stale, as torch's FSDP2 does after a no-grad forward
+        between backward and step (pytorch/pytorch#149029)."""
+        return (self.state == "gathered" and self.handle is None
+                and self._gathered_from != self._versions())
 
     def unit_name(self) -> str:
         return type(self.module).__name__
@@ -153,6 +166,8 @@ class ShardUnit:
         if ctx.recording and self not in ctx.order:
             ctx.order.append(self)
         if self.layout is not None:
+            if not ctx.in_backward and self._stale():
+                self._free()
             self.wait_gathered()
             self.layout.bind(self)            # fresh views, recorded by autograd if grad is on
         if self.prefetch and not ctx.recording and not ctx.in_backward:
@@ -170,8 +185,12 @@ class ShardUnit:
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(self._pre_backward_hook)
-        if self.reshard_after_forward and not self.ctx.in_backward:  # not while recomputing
+        if self.ctx.in_backward:              # recomputing: the backward frees it
+            return output
+        if self.reshard_after_forward:
             self._free()
+        else:   # keep the gathered storage, but the module's names are the shards again: a
+            self.layout.unbind(self)   # no-grad forward has no backward to free it
         return output
 
     def _pre_backward_hook(self, grad):
