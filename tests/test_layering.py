@@ -35,6 +35,7 @@ HOUSES = ("minidist", "minidist_course")
 
 FLOORS = {
     0: ("minidist.env", "minidist.netif", "minidist.comm", "minidist.trace", "minidist.chrome_trace",
+        "minidist.backward",
         "minidist.zoo",
         "minidist.grid", "minidist.models"),
     1: ("minidist.collectives", "minidist.communicator", "minidist.launch", "minidist.checkpoint_io",

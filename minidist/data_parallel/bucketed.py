@@ -47,6 +47,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..backward import in_nested_backward, sink
 from ..comm import bucket_size, tuner
 from ..communicator import CommThread, Communicator
 from ..trace import Timeline
@@ -108,6 +109,7 @@ class BucketedDDP(DataParallelBase):
         # when the wrapper is closed or garbage-collected: hooks removed, thread stopped
         self._finalizer = weakref.finalize(self, _shutdown, self._handles, self._worker)
         self._in_backward = False
+        self._from_sink = False
         self._next_launch = 0
         self._spent: list[torch.Tensor] = []  # autograd's gradients, freed at the next forward
         self.ready_order: list[str] = []  # names, in the order the last backward produced them
@@ -130,18 +132,30 @@ class BucketedDDP(DataParallelBase):
 
     def forward(self, *args, **kwargs):
         self._spent = []  # step 5 of the module docstring: their pages go to this forward
-        return super().forward(*args, **kwargs)
+        out = super().forward(*args, **kwargs)
+        if self._sync_this_backward:   # the backward starts at the outputs (see minidist.backward)
+            out = sink(out, self._on_backward_start)
+        return out
+
+    def _on_backward_start(self) -> None:
+        if not self._in_backward and self._check_decision("backward"):
+            self._start_backward(from_sink=True)
 
     # ------------------------------------------------------------------ backward
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._check_decision("backward"):
             return  # inside no_sync(): p.grad accumulates locally
         if not self._in_backward:
-            self._start_backward()
+            self._start_backward(from_sink=False)
         bucket, i, view = self._where[p]
         if i in bucket.seen:
-            raise RuntimeError(f"BucketedDDP (rank {self.rank}): gradient of "
-                               f"{bucket.names[i]} produced twice in one backward")
+            raise RuntimeError(
+                f"BucketedDDP (rank {self.rank}): gradient of {bucket.names[i]} produced twice in "
+                "one backward: it is used both inside and outside a torch.utils.checkpoint("
+                "use_reentrant=True) region (whose backward is a separate one), or a backward "
+                "ran twice through one forward. Use checkpoint(..., use_reentrant=False); "
+                "torch's DDP refuses this too ('Expected to mark a variable ready only once') "
+                "unless static_graph=True")
         grad = p.grad
         if grad is not view and grad.data_ptr() != view.data_ptr():
             view.copy_(grad)  # else p.grad already is the slot (see _finish_backward)
@@ -154,8 +168,8 @@ class BucketedDDP(DataParallelBase):
                 self.timeline.add(f"ready b{bucket.index}", t, t, lane="main")
             self._launch_in_order()
 
-    def _start_backward(self) -> None:
-        self._in_backward = True
+    def _start_backward(self, from_sink: bool) -> None:
+        self._in_backward, self._from_sink = True, from_sink
         self._next_launch = 0
         self.ready_order = []
         self.launch_log = []
@@ -188,6 +202,14 @@ class BucketedDDP(DataParallelBase):
 
     def _finish_backward(self) -> None:
         """End of backward: handle missing gradients, wait for every bucket, copy averages back."""
+        if not self._from_sink and in_nested_backward():
+            # started by a gradient inside a reentrant checkpoint: the outer backward goes on
+            raise RuntimeError(
+                f"BucketedDDP (rank {self.rank}): the backward began inside a torch.utils."
+                "checkpoint(use_reentrant=True) region, whose backward ends before the "
+                "parameters outside it have gradients, because forward's output holds no tensor "
+                "the wrapper could see (return tensors, or lists/tuples/dicts of them). Or use "
+                "checkpoint(..., use_reentrant=False)")
         self._in_backward = False
         missing = [(b, i) for b in self.buckets for i in range(len(b.params)) if i not in b.seen]
         if missing and not self.find_unused_parameters:
