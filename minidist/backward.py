@@ -8,9 +8,11 @@ called inside ``CheckpointFunction.backward``), so a callback queued there runs 
 backward ends — before the parameters outside the block have their gradients.
 
 :func:`sink` puts an identity autograd function on the forward's outputs: its backward runs first,
-on the graph task of the user's ``loss.backward()``, and calls ``on_backward`` there. Source:
-torch's ``_DDPSink`` (torch/nn/parallel/distributed.py), which does the same for DDP's
-``static_graph``.
+on the graph task of the user's ``loss.backward()``, and calls ``on_backward`` there, where the
+wrapper queues its end-of-backward callback. A graph task through the outputs may produce no
+parameter gradient at all (``torch.autograd.grad`` of an input, a pipeline's input-gradient
+pass): the callback then has nothing to end. Source: torch's ``_DDPSink``
+(torch/nn/parallel/distributed.py), which does the same for DDP's ``static_graph``.
 """
 
 from __future__ import annotations

@@ -110,6 +110,7 @@ class BucketedDDP(DataParallelBase):
         self._finalizer = weakref.finalize(self, _shutdown, self._handles, self._worker)
         self._in_backward = False
         self._from_sink = False
+        self._sink_task: int | None = None   # the graph task through forward's outputs, if any
         self._next_launch = 0
         self._spent: list[torch.Tensor] = []  # autograd's gradients, freed at the next forward
         self.ready_order: list[str] = []  # names, in the order the last backward produced them
@@ -132,21 +133,30 @@ class BucketedDDP(DataParallelBase):
 
     def forward(self, *args, **kwargs):
         self._spent = []  # step 5 of the module docstring: their pages go to this forward
-        out = super().forward(*args, **kwargs)
-        if self._sync_this_backward:   # the backward starts at the outputs (see minidist.backward)
-            out = sink(out, self._on_backward_start)
-        return out
+        self._sink_task = None
+        # the backward through these outputs tells the wrapper which graph task it is (so the
+        # end-of-backward callback goes there, not on a reentrant checkpoint's nested one)
+        return sink(super().forward(*args, **kwargs), self._on_outputs_backward)
 
-    def _on_backward_start(self) -> None:
-        if not self._in_backward and self._check_decision("backward"):
-            self._start_backward(from_sink=True)
+    def _on_outputs_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._sink_task != task:    # once per graph task (several forwards: several sinks)
+            self._sink_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_outputs_task)
+
+    def _end_of_outputs_task(self) -> None:
+        """The graph task through forward's outputs ends: the gradients it produced are all in
+        (none: ``torch.autograd.grad`` of an input, a pipeline's input-gradient pass)."""
+        self._sink_task = None
+        if self._in_backward:
+            self._finish_backward()
 
     # ------------------------------------------------------------------ backward
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._check_decision("backward"):
             return  # inside no_sync(): p.grad accumulates locally
         if not self._in_backward:
-            self._start_backward(from_sink=False)
+            self._start_backward()
         bucket, i, view = self._where[p]
         if i in bucket.seen:
             raise RuntimeError(
@@ -168,8 +178,8 @@ class BucketedDDP(DataParallelBase):
                 self.timeline.add(f"ready b{bucket.index}", t, t, lane="main")
             self._launch_in_order()
 
-    def _start_backward(self, from_sink: bool) -> None:
-        self._in_backward, self._from_sink = True, from_sink
+    def _start_backward(self) -> None:
+        self._in_backward, self._from_sink = True, self._sink_task is not None
         self._next_launch = 0
         self.ready_order = []
         self.launch_log = []
@@ -177,7 +187,8 @@ class BucketedDDP(DataParallelBase):
             b.filled, b.error = 0, None
             b.seen.clear()
             b.done.clear()
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if not self._from_sink:   # forward's outputs were not on this backward's path
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _launch_in_order(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:

@@ -49,6 +49,22 @@ def _grads(rank, world, how, reentrant, find_unused, shared=False):
     return {k: p.grad.clone() for k, p in m.named_parameters()}
 
 
+def _penalty(rank, world, how):
+    """A gradient penalty: torch.autograd.grad of the output by the input (a graph task through
+    forward's outputs that produces no parameter gradient), then the backward of loss + penalty."""
+    torch.manual_seed(0)
+    m = _Net(False, False)
+    w = BucketedDDP(m, bucket_cap_mb=0.0001) if how == "ddp" else m
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+    n = 8 // world
+    x = x[rank * n:(rank + 1) * n].requires_grad_()
+    out = w(x)
+    (dx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    (F.mse_loss(out, y[rank * n:(rank + 1) * n]) + 0.1 * dx.pow(2).mean()).backward()
+    return {k: p.grad.clone() for k, p in m.named_parameters()}
+
+
 def _all(rank, world):
     out = {}
     for how in ("ddp", "torch"):
@@ -58,6 +74,7 @@ def _all(rank, world):
                     out[how, reentrant, fu] = _grads(rank, world, how, reentrant, fu)
                 except RuntimeError as e:
                     out[how, reentrant, fu] = str(e)
+    out["penalty"] = _penalty(rank, world, "ddp")
     try:
         out["shared"] = _grads(rank, world, "ddp", True, False, shared=True)
     except RuntimeError as e:
@@ -76,6 +93,9 @@ def test_bucketed_ddp_is_right_with_torchs_reentrant_checkpoint():
     for key in [("torch", False, False), ("torch", False, True), ("torch", True, False)]:
         err = max((out[key][k] - ref[k]).abs().max().item() for k in ref)
         assert err < TOL, f"torch's DDP {key}: {err:.2e}"
+    want = _penalty(0, 1, "single")
+    err = max((out["penalty"][k] - want[k]).abs().max().item() for k in want)
+    assert err < TOL, f"gradient penalty: {err:.2e} off one process"
     # torch refuses the reentrant form with find_unused_parameters (without static_graph)
     assert "mark a variable ready only once" in out[("torch", True, True)]
     # a parameter used inside and outside the reentrant region: refused by name, as torch does
