@@ -54,7 +54,7 @@ from ..tensor_parallel.gpt import use_tracker_dropout
 from .. import zoo
 from .dp_pipeline import average_params
 
-__all__ = ["MOE_OPTIONS", "check_moe", "install_experts", "local_full_state", "global_names",
+__all__ = ["MOE_OPTIONS", "check_moe", "install_experts", "local_full_state", "global_names", "local_names",
            "aux_weight", "average_gradients", "refuse_expert_dp_mode"]
 
 MOE_OPTIONS = ("num_experts", "top_k", "capacity_factor", "drop_policy", "normalize_topk",
@@ -123,6 +123,20 @@ def global_names(state: dict, expert_ids: list[int]) -> dict:
     for k, v in state.items():
         m = _EXPERT.match(k)
         out[k if m is None else f"{m.group(1)}{expert_ids[int(m.group(2))]}{m.group(3)}"] = v
+    return out
+
+
+def local_names(state: dict, expert_ids: list[int]) -> dict:
+    """``state`` (one-process names) with this rank's experts renamed to their local index and
+    the other ranks' experts left out (the inverse of :func:`global_names`)."""
+    local = {g: j for j, g in enumerate(expert_ids)}
+    out = {}
+    for k, v in state.items():
+        m = _EXPERT.match(k)
+        if m is None:
+            out[k] = v
+        elif int(m.group(2)) in local:
+            out[f"{m.group(1)}{local[int(m.group(2))]}{m.group(3)}"] = v
     return out
 
 

@@ -10,8 +10,10 @@ bit). This file writes a **layout-free** checkpoint instead — what one process
 * ``optimizer``: per parameter name, its optimizer state (AdamW's ``exp_avg``/``exp_avg_sq`` and
   ``step``; SGD's ``momentum_buffer``) in the parameter's full shape — TP shards gathered along the
   parameter's ``partition_dim``; a :class:`~.dp.ZeRO1Optimizer`'s 1/dp slices consolidated first
-  (:meth:`~minidist.sharding.zero.ShardedOptimizer.state_dict`, a collective over DP); and the
+  (:meth:`~minidist.sharding.zero.ShardedOptimizer.state_dict`, a collective over DP), a
+  ``fully_shard`` stage's (zero3, hsdp) dim-0 pieces made whole over its shard group first; and the
   hyperparameters of the first param group (every group of :func:`~.dp.make_optimizer` has the same);
+* experts (``moe=``, sharded over EP) under their one-process index, every expert once;
 * ``step``, ``cfg``, the layout that wrote it, and ``not_carried``.
 
 Loading cuts every tensor again for the new rank (:func:`~minidist.tensor_parallel.sharding.
@@ -33,8 +35,10 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint_io import agree, open_generation, read_part, save_generation
+from ..sharding import fsdp_state
+from .moe import global_names, local_names
 from ..sharding.zero import ShardedOptimizer
-from ..tensor_parallel.sharding import gather_tensor, shard_state_dict, shard_tensor
+from ..tensor_parallel.sharding import gather_tensor, gather_tensors, shard_state_dict, shard_tensor
 
 __all__ = ["save_layout_free", "load_layout_free", "NOT_CARRIED", "FORMAT"]
 
@@ -59,23 +63,42 @@ def _named(model):
             yield name, p, model.stages[s]
 
 
-def _full_state(opt_state: dict, p, group) -> dict:
+def _sharded(stage) -> bool:
+    """A ``fully_shard`` stage (zero3, hsdp): its parameters are dim-0 pieces of the TP shards."""
+    return getattr(stage, "_fsdp", None) is not None
+
+
+def _local(stage) -> dict:
+    """This rank's TP-shard state dict of ``stage``, whole over data parallelism (collective over
+    the shard group for a ``fully_shard`` stage)."""
+    return fsdp_state.full_state_dict(stage) if _sharded(stage) else dict(stage.state_dict())
+
+
+def _full_state(opt_state: dict, p, group, shape=None) -> dict:
     out = {}
+    shape = tuple(p.shape) if shape is None else tuple(shape)
     for key in sorted(opt_state):
         v = opt_state[key]
-        if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == tuple(p.shape):
+        if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == shape:
             v = gather_tensor(v, getattr(p, "partition_dim", None), getattr(p, "full_size", None),
                               group)
         out[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
     return out
 
 
-def _optimizer_states(model, optimizer) -> tuple[dict, dict]:
-    """{param name: full state}, hyperparameters. Collective over TP (and DP for ZeRO-1)."""
+def _optimizer_states(model, optimizer, shapes: dict) -> tuple[dict, dict]:
+    """{param name: full state}, hyperparameters. Collective over TP (and DP for ZeRO-1/3);
+    ``shapes``: each name's TP-shard shape."""
     if optimizer is None:
         return {}, {}
     tp = model.grid.tp_group
-    if isinstance(optimizer, ShardedOptimizer):
+    if any(_sharded(model.stages[s]) for s in model.stages):   # zero3, hsdp: DP-whole first
+        per = {}
+        for s in sorted(model.stages):
+            per.update(fsdp_state.full_optim_state_dict(model.stages[s], optimizer)["state"])
+        per = {name: per.get(name, {}) for name, _, _ in _named(model)}
+        groups = optimizer.state_dict()["param_groups"]
+    elif isinstance(optimizer, ShardedOptimizer):
         full = optimizer.state_dict()                       # consolidated over DP, by index
         index = {id(p): i for i, p in enumerate(optimizer.all_params)}
         per = {name: full["state"].get(index[id(p)], {}) for name, p, _ in _named(model)}
@@ -84,7 +107,8 @@ def _optimizer_states(model, optimizer) -> tuple[dict, dict]:
         per = {name: optimizer.state.get(p, {}) for name, p, _ in _named(model)}
         groups = optimizer.state_dict()["param_groups"]
     params = {name: p for name, p, _ in _named(model)}
-    states = {name: _full_state(per[name], params[name], tp) for name in sorted(per)}
+    states = {name: _full_state(per[name], params[name], tp, shapes.get(name))
+              for name in sorted(per)}
     hyper = {k: v for k, v in groups[0].items() if k != "params"} if groups else {}
     return states, hyper
 
@@ -97,13 +121,19 @@ def save_layout_free(path: str | os.PathLike, model, optimizer=None, step: int =
     checksummed, the ``keep`` newest kept); returns the generation's folder. Collective over the
     world: call on every rank, between steps."""
     grid = model.grid
-    weights = {}
+    weights, shapes = {}, {}
     for s in sorted(model.stages):
-        from ..tensor_parallel.sharding import gather_state_dict
+        local = _local(model.stages[s])
+        shapes.update({k: v.shape for k, v in local.items()})
         weights.update({k: v.cpu() for k, v in
-                        gather_state_dict(model.stages[s], grid.tp_group).items()})
-    states, hyper = _optimizer_states(model, optimizer)
-    mine = (weights, states) if grid.dp_rank == 0 and grid.tp_rank == 0 else None
+                        gather_tensors(model.stages[s], local, grid.tp_group).items()})
+    states, hyper = _optimizer_states(model, optimizer, shapes)
+    if getattr(model, "moe", None) is not None:   # local expert j is expert expert_ids[j]
+        weights, states = (global_names(weights, model.expert_ids),
+                           global_names(states, model.expert_ids))
+    # one copy per pipeline stage; with experts over EP, one per expert-parallel rank too
+    mine = ((weights, states) if grid.tp_rank == 0 and (grid.dp_rank == 0 or (
+        getattr(model, "moe", None) is not None and grid.ep_size > 1)) else None)
     every: list = [None] * grid.world_size
     if dist.is_initialized() and grid.world_size > 1:
         dist.all_gather_object(every, mine)
@@ -150,17 +180,43 @@ def load_layout_free(path: str | os.PathLike, model, optimizer=None,
     except (OSError, ValueError, KeyError) as e:
         error = e
     agree(where, error)
+    if getattr(model, "moe", None) is not None:   # the file's expert g is local j here
+        blob = {**blob, "model": local_names(blob["model"], model.expert_ids),
+                "optimizer": local_names(blob["optimizer"], model.expert_ids)}
     tp = grid.tp_group
+    sharded = [s for s in sorted(model.stages) if _sharded(model.stages[s])]
     with torch.no_grad():
         for s in sorted(model.stages):
             stage = model.stages[s]
             dev = next(stage.parameters()).device
-            stage.load_state_dict({k: v.to(dev) for k, v in
-                                   shard_state_dict(blob["model"], stage, tp).items()})
-    if optimizer is not None:
+            if s in sharded:
+                _load_sharded_stage(stage, optimizer, blob, tp)
+            else:
+                stage.load_state_dict({k: v.to(dev) for k, v in
+                                       shard_state_dict(blob["model"], stage, tp).items()})
+    if optimizer is not None and not sharded:
         _load_optimizer(optimizer, model, blob, tp)
     return {"step": blob["step"], "saved_layout": blob["layout"],
             "not_carried": blob["not_carried"]}
+
+
+def _load_sharded_stage(stage, optimizer, blob, tp) -> None:
+    """A ``fully_shard`` stage: cut each tensor to this rank's TP shard, then let the units take
+    their dim-0 pieces (:func:`~minidist.sharding.fsdp_state.load_full_state_dict`)."""
+    shapes = {k: v.shape for k, v in _local(stage).items()}
+    params = dict(stage.named_parameters(remove_duplicate=False))
+    dim = {k: getattr(params.get(k), "partition_dim", None) for k in shapes}
+    fsdp_state.load_full_state_dict(stage, {k: shard_tensor(blob["model"][k], dim[k], shapes[k], tp)
+                                            for k in shapes})
+    if optimizer is None:
+        return
+    state = {name: {key: (shard_tensor(v, dim[name], shapes[name], tp)
+                          if torch.is_tensor(v) and v.dim() > 0 else
+                          v.clone() if torch.is_tensor(v) else v) for key, v in st.items()}
+             for name, st in blob["optimizer"].items() if name in params and st}
+    fsdp_state.load_full_optim_state_dict(
+        stage, optimizer, {"state": state,
+                           "param_groups": [dict(blob["hyper"]) for _ in optimizer.param_groups]})
 
 
 def _shard_state(full: dict, p, group) -> dict:
