@@ -31,6 +31,7 @@ from torch import nn
 
 from ..communicator import Communicator
 from .replicas import broadcast_from_rank0, check_same_structure
+from .usage import gradient_users
 
 __all__ = ["DataParallelBase", "UnusedParametersError", "SyncDecisionError"]
 
@@ -121,34 +122,55 @@ class DataParallelBase(nn.Module):
         return self._sync_this_backward
 
     # ------------------------------------------------------------------ unused parameters
-    def _unused_error(self, params) -> UnusedParametersError:
+    def _unused_error(self, params, users: list[list[int]] | None = None) -> UnusedParametersError:
+        """The error every rank raises; ``users[k]``: the ranks that gave params[k] a gradient."""
         names = [self.param_names[p] for p in params]
+        if users is not None:
+            names = [f"{n} (gradient on rank(s) {u} of {self.world_size})" if u else n
+                     for n, u in zip(names, users)]
         return UnusedParametersError(
             f"{type(self).__name__} (rank {self.rank}): {len(names)} parameter(s) received no "
-            f"gradient in this backward: {', '.join(names)}. Every rank must produce a gradient "
-            "for every parameter that requires one. Use them in the loss, freeze them "
+            f"gradient in this backward on some rank: {', '.join(names)}. Every rank must produce "
+            "a gradient for every parameter that requires one. Use them in the loss, freeze them "
             "(requires_grad=False before wrapping), or pass find_unused_parameters=True.")
 
-    def _global_used(self, locally_used: list[bool]) -> list[bool]:
-        """Which parameters got a gradient on at least one rank (one small all-reduce)."""
+    def _users(self, locally_used: list[bool]) -> list[list[int]]:
+        """Per parameter, the ranks that gave it a gradient (collective: :mod:`.usage`)."""
         device = self.params[0].device if self.params else None
-        mask = torch.tensor([1.0 if u else 0.0 for u in locally_used], device=device)
-        self.communicator.all_reduce(mask, "sum")
-        return [bool(m > 0) for m in mask]
+        return gradient_users(locally_used, self.rank, self.world_size,
+                              self.communicator.group, device)
+
+    def _global_used(self, locally_used: list[bool]) -> list[bool]:
+        """Which parameters got a gradient on at least one rank; raises on every rank, without
+        ``find_unused_parameters``, when one got none on some rank."""
+        users = self._users(locally_used)
+        self._refuse_short(self.params, users)
+        return [bool(u) for u in users]
+
+    def _refuse_short(self, params: list, users: list[list[int]]) -> None:
+        """Without ``find_unused_parameters``: raise (on every rank, ``users`` being the same
+        everywhere) for parameters some rank gave no gradient. One frozen since wrapping
+        (``requires_grad=False`` now) with no gradient on any rank is left alone: ``grad`` stays
+        None and the optimizer skips it, as for a frozen parameter in one process."""
+        if self.find_unused_parameters:
+            return
+        short = [(p, u) for p, u in zip(params, users)
+                 if len(u) < self.world_size and (u or p.requires_grad)]
+        if short:
+            raise self._unused_error([p for p, _ in short], [u for _, u in short])
 
     def _begin_sync(self) -> tuple[list[torch.Tensor], list[bool]] | None:
         """What the explicit versions (naive, flat) do first: None if this backward does not
         synchronise (its forward ran inside ``no_sync()``); else, per parameter, the gradient to
         average (zeros where this rank has none and ``find_unused_parameters``) and whether any
-        rank used it. Raises :class:`UnusedParametersError` for a missing gradient otherwise."""
+        rank used it. Raises :class:`UnusedParametersError` on every rank for a gradient missing
+        on some rank otherwise."""
         if not self._check_decision("sync_gradients()"):
             return None
         used = [p.grad is not None for p in self.params]
-        if not all(used) and not self.find_unused_parameters:
-            raise self._unused_error([p for p, u in zip(self.params, used) if not u])
-        # with find_unused_parameters every rank joins the usage all-reduce, also one that used
-        # every parameter: otherwise ranks disagree on the collectives they issue (gloo aborts)
-        anywhere = self._global_used(used) if self.find_unused_parameters else used
+        # every rank joins the usage all-reduce, also one that used every parameter: ranks must
+        # issue the same collectives (gloo aborts otherwise), and all raise together if one lacks
+        anywhere = self._global_used(used)
         grads = [p.grad if u else torch.zeros_like(p) for p, u in zip(self.params, used)]
         return grads, anywhere
 

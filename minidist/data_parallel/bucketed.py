@@ -223,9 +223,7 @@ class BucketedDDP(DataParallelBase):
                 "checkpoint(..., use_reentrant=False)")
         self._in_backward = False
         missing = [(b, i) for b in self.buckets for i in range(len(b.params)) if i not in b.seen]
-        if missing and not self.find_unused_parameters:
-            raise self._unused_error([b.params[i] for b, i in missing])
-        for b, i in missing:  # find_unused_parameters: a zero contribution
+        for b, i in missing:  # a zero contribution (refused below without find_unused_parameters)
             b.slot(i).zero_()
             b.filled += 1
         self._launch_in_order()
@@ -240,14 +238,14 @@ class BucketedDDP(DataParallelBase):
             if b.error is not None:
                 raise RuntimeError(f"BucketedDDP (rank {self.rank}): all-reduce of bucket "
                                    f"{b.index} failed: {b.error}") from b.error
-        unused_everywhere = set()
-        if self.find_unused_parameters:  # which did no rank use? (all-reduce of a usage mask)
-            # on every rank, also one that used every parameter: ranks must issue the same
-            # collectives (a rank with nothing missing skipping it made gloo abort)
-            used = [i in b.seen for b in self.buckets for i in range(len(b.params))]
-            anywhere = self._global_used(used)
-            flat = [(b, i) for b in self.buckets for i in range(len(b.params))]
-            unused_everywhere = {id(b.params[i]) for (b, i), a in zip(flat, anywhere) if not a}
+        # which parameters did each rank use? Every rank asks (one small all-reduce), so that a
+        # gradient missing on one rank is refused on all of them, after the buckets' collectives
+        # matched: a rank raising alone would leave the others waiting in a bucket's all-reduce
+        used = [i in b.seen for b in self.buckets for i in range(len(b.params))]
+        flat = [b.params[i] for b in self.buckets for i in range(len(b.params))]
+        users = self._users(used)
+        self._refuse_short(flat, users)
+        unused_everywhere = {id(p) for p, u in zip(flat, users) if not u}
         spent = self._spent
         with torch.no_grad():
             for p, (_, _, avg) in self._where.items():

@@ -121,6 +121,30 @@ def test_unused_parameters_are_named(version):
     assert "find_unused_parameters=True" in msg
 
 
+def _unused_on_rank_1_then_go_on(rank, world, version):
+    # what a user loop that catches the error sees: every rank raises the same error (a rank that
+    # raised alone left the others in the gradient collective it skipped: a hang, or gloo's
+    # "Connection closed by peer"), and the ranks still agree on the next collective
+    ddp = _wrap(version, TwoHeads())
+    try:
+        ddp(torch.ones(2, 6), use_b=rank == 1).sum().backward()
+        ddp.sync_gradients()
+        msg = None
+    except minidist.data_parallel.UnusedParametersError as e:
+        msg = str(e)
+    total = torch.tensor([float(rank)])
+    torch.distributed.all_reduce(total)
+    return msg, float(total)
+
+
+@pytest.mark.parametrize("version", ALL)
+def test_a_gradient_missing_on_one_rank_is_refused_on_every_rank(version):
+    for msg, total in minidist.run(_unused_on_rank_1_then_go_on, 3, version, timeout=60):
+        assert msg is not None and "head_b.weight (gradient on rank(s) [1] of 3)" in msg, msg
+        assert "head_a.weight (gradient on rank(s) [0, 2] of 3)" in msg, msg
+        assert total == 3.0
+
+
 def _used_on_some_ranks(rank, world, version):
     # rank 0 uses head b, the others head a; head b's grad must be (g + 0 + ...)/W everywhere
     # and a parameter no rank uses keeps grad None. Compared with torch's DDP(find_unused=True).
