@@ -28,7 +28,10 @@ them for the following backwards), so staged fine-tuning ("unfreeze the backbone
 trains like one process. A parameter frozen *after* construction that shares a flat buffer with
 parameters that still train is a ``RuntimeError`` naming it at the next step (torch would skip
 only it; a flat slice cannot skip part of itself). Tied parameters appear once. A trainable
-parameter without a gradient at :meth:`step` is a ``RuntimeError`` naming it.
+parameter without a gradient on this rank counts as a zero contribution when another rank gave
+it one (ranks agree by a small all-reduce, :mod:`minidist.data_parallel.usage`; the one-process
+answer, as DeepSpeed's default ``ignore_unused_parameters``); one without a gradient on every rank
+is a ``RuntimeError`` naming it, on every rank.
 
 Construction syncs nothing: every rank must pass the same parameters (ZeRO-1/2 assume identical
 replicas, e.g. after :class:`~minidist.data_parallel.DDP`'s broadcast or a seeded init).
@@ -38,8 +41,10 @@ from __future__ import annotations
 
 import torch
 
+from ..backward import in_nested_backward
 from ..communicator import CommThread, Communicator
 from ..data_parallel.buckets import check_bucket_cap
+from ..data_parallel.usage import gradient_users
 from .flat import FlatBuffer, plan_buckets
 
 __all__ = ["ShardedOptimizer"]
@@ -55,6 +60,7 @@ class _Bucket:
         self.shard = layout.shard(self.flat)         # [S] what the inner optimizer steps
         self.grad_flat = None                        # stage 2: full bucket during backward
         self.filled, self.handle, self.reduced = 0, None, None
+        self.seen: set[int] = set()                  # stage 2: which params gave a gradient
 
 
 class ShardedOptimizer:
@@ -114,7 +120,7 @@ class ShardedOptimizer:
         if not self.buckets:
             raise ValueError("ShardedOptimizer: no parameter requires a gradient")
         self.optim = optimizer_class(inner_groups, **defaults)
-        self._handles, self._in_backward, self._next = [], False, 0
+        self._handles, self._in_backward, self._next, self._queued = [], False, 0, False
         if stage == 2:
             self.worker = CommThread(self.comm, name="zero-comm")
             self._hook(list(self._where))
@@ -177,16 +183,30 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ stage 2: backward hooks
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._in_backward:
+        if not self._in_backward:                        # the first gradient of a backward
             self._in_backward, self._next = True, 0
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_graph_task)
         b, i = self._where[p]
         if b.grad_flat is None:
-            b.grad_flat, b.filled = b.layout.empty(), 0
+            b.grad_flat, b.filled, b.seen = b.layout.empty(), 0, set()
+        if i in b.seen:
+            self._drop_backward()
+            raise RuntimeError(
+                f"ShardedOptimizer (rank {self.rank}): gradient of {b.names[i]} produced twice in "
+                "one backward: it is used both inside and outside a torch.utils.checkpoint("
+                "use_reentrant=True) region, or in two of them (each one's backward is a separate "
+                "one), and its bucket may be reduce-scattered before the second part comes. Use "
+                "checkpoint(..., use_reentrant=False)")
         o, k = b.layout.offsets[i], b.layout.numels[i]
         b.grad_flat[o:o + k].copy_(p.grad.reshape(-1))
         p.grad = None                                    # the full gradient is not kept
         b.filled += 1
+        b.seen.add(i)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
         while self._next < len(self.buckets):            # launch in bucket order on every rank
             nb = self.buckets[self._next]
             if not any(q.requires_grad for q in nb.params):   # frozen since: no gradient comes
@@ -201,46 +221,83 @@ class ShardedOptimizer:
                                            nb.grad_flat, self.gradient_divisor())
             self._next += 1
 
+    def _end_of_graph_task(self) -> None:
+        """The engine ends a graph task that produced some of the gradients. A reentrant
+        checkpoint's nested backward ends inside the user's one (:mod:`minidist.backward`): the
+        rest comes later, and the next hook queues this again on the outer task — or, when every
+        gradient came from nested backwards, :meth:`step` ends the backward."""
+        self._queued = False
+        if not in_nested_backward():
+            self._finish_backward()
+
     def _finish_backward(self) -> None:
+        """End of backward: a parameter some rank gave no gradient counts as a zero contribution
+        on that rank (its slot in the bucket stays zero, the bucket is reduce-scattered like the
+        others: the one-process answer); one no rank gave a gradient is refused on every rank
+        (:mod:`minidist.data_parallel.usage`)."""
         self._in_backward = False
         active = [b for b in self.buckets if any(q.requires_grad for q in b.params)]
-        missing = [(n, p) for b in active if b.grad_flat is None or b.filled < len(b.params)
-                   for n, p in zip(b.names, b.params)]
-        if missing:
-            for b in self.buckets[:self._next]:
-                if b.handle is not None:
-                    b.handle.wait()
-            cold = [n for n, p in missing if not p.requires_grad]
+        try:
+            self._refuse_refrozen()   # the cause, if a parameter was frozen since (not "missing")
+        except RuntimeError:
+            self._drop_backward()
+            raise
+        for b in active:              # slots no gradient reached are zero (layout.empty())
+            if b.grad_flat is None:
+                b.grad_flat, b.seen = b.layout.empty(), set()
+            b.filled = len(b.params)
+        self._launch_ready()
+        for b in active:
+            b.handle.wait()
+        used = [i in b.seen for b in active for i in range(len(b.params))]
+        names = [n for b in active for n in b.names]
+        users = gradient_users(used, self.rank, self.world_size, self.comm.group,
+                               active[0].layout.device if active else None)
+        nowhere = [n for n, u in zip(names, users) if not u]
+        if nowhere:
+            self._drop_backward()
             raise RuntimeError(f"ShardedOptimizer (rank {self.rank}): stage 2 got no gradient for "
-                               f"{', '.join(n for n, _ in missing)} in this backward"
-                               + (f"; {', '.join(cold)} were frozen after the optimizer was built "
-                                  "and share a flat buffer with parameters that train: build a "
-                                  "new ShardedOptimizer after freezing" if cold else
-                                  "; freeze them (requires_grad=False) or use them in the loss"))
+                               f"{', '.join(nowhere)} on any rank in this backward; freeze them "
+                               "(requires_grad=False) or use them in the loss")
         with torch.no_grad():
             for b in active:
-                b.handle.wait()
                 if b.shard.grad is None:
                     b.shard.grad = b.reduced
                 else:
                     b.shard.grad.add_(b.reduced)
                 b.grad_flat = b.reduced = b.handle = None
 
+    def _drop_backward(self) -> None:
+        self._in_backward = False
+        for b in self.buckets[:self._next]:
+            if b.handle is not None:
+                b.handle.wait()
+        for b in self.buckets:
+            b.grad_flat = b.reduced = b.handle = None
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def _stage1_grads(self, buckets=None, local: bool | None = None) -> None:
         buckets = self.buckets if buckets is None else buckets
         local = self.grads == "local" if local is None else local
-        for b in buckets:
-            grads = [p.grad for p in b.params]
-            if all(g is None for g in grads):
+        mine = [[p.grad is not None for p in b.params] for b in buckets]
+        if local:   # every rank learns who used what: zeros for this rank's skipped ones
+            flags = gradient_users([u for m in mine for u in m], self.rank, self.world_size,
+                                   self.comm.group, buckets[0].layout.device if buckets else None)
+            it = iter(flags)
+            anywhere = [[bool(next(it)) for _ in m] for m in mine]
+        else:       # averaged (by DDP): the same on every rank already
+            anywhere = mine
+        for b, used in zip(buckets, anywhere):
+            if not any(used):
                 b.shard.grad = None
                 continue
-            if any(g is None for g in grads):
+            if not all(used):
                 self._refuse_refrozen()
-                bad = [n for n, g in zip(b.names, grads) if g is None]
+                bad = [n for n, u in zip(b.names, used) if not u]
                 raise RuntimeError(f"ShardedOptimizer (rank {self.rank}): no gradient for "
-                                   f"{', '.join(bad)}; freeze it or use it in the loss")
+                                   f"{', '.join(bad)} on any rank; freeze it or use it in the loss")
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
             flat = b.layout.pack(grads)
             shard = b.layout.shard(flat)
             if local:
@@ -261,6 +318,8 @@ class ShardedOptimizer:
         steps. Returns None."""
         if closure is not None:
             raise ValueError("ShardedOptimizer.step: closures are not supported")
+        if self._in_backward:     # every gradient came from a reentrant checkpoint's backward
+            self._finish_backward()
         self._refuse_refrozen()
         new = self._take_in_thawed()
         if self.stage == 1:
