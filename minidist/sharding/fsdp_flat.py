@@ -80,7 +80,7 @@ class FlatLayout(FlatBuffer):
     def master_dtype(self, unit) -> torch.dtype:
         return unit.flat_shard.dtype
 
-    def accept(self, unit, out: torch.Tensor) -> None:
+    def accept(self, unit, out: torch.Tensor, got: set[int]) -> None:
         """Add this rank's averaged slice ``out`` [S] to ``flat_shard``'s gradient."""
         g = out.to(unit.flat_shard.dtype)
         if unit.flat_shard.grad is None:

@@ -150,10 +150,9 @@ class ParamLayout:
             dtype = torch.promote_types(dtype, p.dtype)
         return dtype
 
-    def accept(self, unit, out: torch.Tensor) -> None:
+    def accept(self, unit, out: torch.Tensor, got: set[int]) -> None:
         """Cut the averaged [S] slice into the shards' gradients: only parameters that got a
-        gradient on some rank in this backward (``unit._agreed``) and require one."""
-        got, unit._got_grad = unit._agreed, set()
+        gradient on some rank in this reduce (``got``, agreed by the reduce) and require one."""
         for i, p in enumerate(unit.params):
             if i not in got or not p.requires_grad:
                 continue

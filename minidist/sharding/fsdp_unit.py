@@ -93,7 +93,6 @@ class ShardUnit:
         self.flat_shard: nn.Parameter | None = None
         self.frozen: list = []              # (name, parameter) the layout left unsharded
         self._got_grad: set[int] = set()    # parameters that got a gradient here (this rank)
-        self._agreed: set[int] = set()      # ... on any rank, after the reduce (see _reduce)
         self._partial: tuple | None = None  # HSDP: kept sum and flags until the next all-reduce
         self._gathered_from: tuple = ()     # the shards' versions ``full`` was gathered from
         self.layout = layout.wrap(self, module)
@@ -141,14 +140,23 @@ class ShardUnit:
 
     def _versions(self) -> tuple:
         shards = self.params if self.layout.per_parameter else [self.flat_shard]
-        return tuple(p._version for p in shards)
+        return tuple(p._version for p in shards if p is not None)
 
-    def _stale(self) -> bool:
-        """Gathered from shards that changed since (an optimizer step, a load) — what a kept
-        gathered copy would otherwise serve stale, as torch's FSDP2 does after a no-grad forward
-        between backward and step (pytorch/pytorch#149029)."""
-        return (self.state == "gathered" and self.handle is None
-                and self._gathered_from != self._versions())
+    def _drop_if_stale(self) -> None:
+        """Free a gathered copy — kept, or prefetched and still in flight — of shards that
+        changed since (an optimizer step, a load): what it would otherwise serve stale, as
+        torch's FSDP2 does after a no-grad forward between backward and step
+        (pytorch/pytorch#149029). A prefetch can outlive its forward: a unit used twice
+        prefetches the next one again after it ran, and a no-grad forward has no backward to
+        consume that gather before the step."""
+        if self.state == "sharded" and self.handle is None:
+            return
+        if self._gathered_from == self._versions():
+            return
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        self._free()
 
     def unit_name(self) -> str:
         return type(self.module).__name__
@@ -166,8 +174,8 @@ class ShardUnit:
         if ctx.recording and self not in ctx.order:
             ctx.order.append(self)
         if self.layout is not None:
-            if not ctx.in_backward and self._stale():
-                self._free()
+            if not ctx.in_backward:
+                self._drop_if_stale()
             self.wait_gathered()
             self.layout.bind(self)            # fresh views, recorded by autograd if grad is on
         if self.prefetch and not ctx.recording and not ctx.in_backward:
@@ -221,14 +229,21 @@ class ShardUnit:
             self.unsharded_grad = grad
         else:
             out = torch.empty(self.layout.shard_numel, dtype=rdtype, device=grad.device)
+            # this reduce's own record of who got a gradient: a unit can reduce twice in one
+            # backward (run twice under a reentrant checkpoint: two nested backwards), and the
+            # comm thread must not read a set the main thread is refilling
+            got, self._got_grad = self._got_grad, set()
+            agreed: set[int] = set()
             h = self.ctx.worker.submit(f"reduce-scatter of unit {self.unit_name()} (rank "
                                        f"{self.rank})", self._reduce, out,
-                                       self.layout.to_rank_major(grad))
-            self.ctx.pending.append((self, h, out))
+                                       self.layout.to_rank_major(grad), got, agreed)
+            self.ctx.pending.append((self, h, out, agreed))
         self._free()
 
-    def _reduce(self, comm, out: torch.Tensor, grad: torch.Tensor) -> None:
-        """On the communication thread: ``out`` ← this rank's slice of the average of ``grad``.
+    def _reduce(self, comm, out: torch.Tensor, grad: torch.Tensor, got: set[int],
+                agreed: set[int]) -> None:
+        """On the communication thread: ``out`` ← this rank's slice of the average of ``grad``;
+        ``agreed`` ← the parameters that got a gradient on any rank (``got``: on this one).
 
         Per parameter, then which parameters got a gradient on *any* rank (an all-reduce of a 0/1
         flag per parameter, on the same thread so the collectives stay in order): a parameter one
@@ -246,7 +261,7 @@ class ShardUnit:
         if not self.layout.per_parameter:               # flat: one shard, every element kept
             _reduce_scatter(comm, out, grad)
             return
-        used = torch.tensor([float(i in self._got_grad) for i in range(len(self.params))],
+        used = torch.tensor([float(i in got) for i in range(len(self.params))],
                             device=out.device)
         _reduce_scatter(comm, out, grad)
         comm.all_reduce(used, "max")
@@ -260,11 +275,11 @@ class ShardUnit:
                 used = torch.maximum(used, self._partial[1])
                 self._partial = None
             if not self.requires_all_reduce:
-                self._partial, self._agreed = (out.clone(), used), set()
+                self._partial = (out.clone(), used)
                 return
             rep.all_reduce(out, "avg")
             rep.all_reduce(used, "max")
-        self._agreed = {i for i, u in enumerate(used.tolist()) if u > 0}
+        agreed.update(i for i, u in enumerate(used.tolist()) if u > 0)
 
     def _mark(self, i: int):
         """A hook for parameter ``i``'s view: record that it got a gradient in this backward."""
@@ -277,9 +292,9 @@ class ShardUnit:
         ctx.in_backward = False
         pending, ctx.pending = ctx.pending, []
         with torch.no_grad():
-            for unit, h, out in pending:
+            for unit, h, out, agreed in pending:
                 h.wait()
-                unit.layout.accept(unit, out)
+                unit.layout.accept(unit, out, agreed)
         for unit in ctx.order:                # units whose gradient never came: free them too
             if unit.layout is not None and unit.handle is not None:
                 unit.wait_gathered()
