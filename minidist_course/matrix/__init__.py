@@ -1,5 +1,6 @@
 """The composition matrix: every pair of values of every two features of the training step, run
-against one process or refused by name (``minidist matrix``; chapter 12).
+against one process or refused by name (``minidist matrix``; chapter 12); the user-loop matrix
+(:mod:`.user_loop`, ``minidist matrix --user-loop``): the wrappers in a user's own loop.
 
 :mod:`.covering` builds the configurations (a seeded pairwise covering array), :mod:`.run` trains
 and checks them. :func:`main` prints, per pair of dimensions, how many of their value pairs ran
@@ -64,7 +65,12 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="the resume matrix instead: each "
                    f"configuration trains {STEPS} steps, saved after step {SAVE_AT}, and is "
                    "resumed in a new launch; it must equal the run that never stopped, bitwise")
+    p.add_argument("--user-loop", action="store_true", help="the user-loop matrix instead: the "
+                   "library's wrappers in a user's own loop (evaluation forwards, accumulation, "
+                   "checkpoints, freezing) against one process, torch's own wrappers beside them")
     a = p.parse_args(argv)
+    if a.user_loop:
+        return _user_loop(a.quick)
     configs = covering_array(a.seed)
     if a.quick:
         configs = strength_one(configs)
@@ -83,6 +89,22 @@ def main(argv=None) -> int:
     bad = [r for r in rows if r["status"] == "✗"]
     print(f"\n{len(rows) - len(bad)} of {len(rows)} configurations as expected in "
           f"{time.perf_counter() - start:.0f} s")
+    return 1 if bad else 0
+
+
+def _user_loop(quick: bool) -> int:
+    from . import user_loop as U
+    models = ["plain", "tied+frozen+buffer"] if quick else None
+    todo = U.cells(models=models)
+    print(f"user-loop matrix: {len(todo)} cells (module x wrapper x loop event), W=2, "
+          f"{U.STEPS} AdamW steps each, against one process on the global batch", flush=True)
+    start = time.perf_counter()
+    rows = U.run_cells(todo, world=2)
+    print(U.format_table(rows))
+    mine = [r for r in rows if not r["wrapper"].startswith("torch")]
+    bad = sum(r["status"] == "✗" for r in mine)
+    print(f"\nminidist: {len(mine) - bad} of {len(mine)} cells right or refused by name; torch's "
+          f"wrappers are the references beside them; {time.perf_counter() - start:.0f} s")
     return 1 if bad else 0
 
 
