@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from ..backward import in_nested_backward, sink
+from .usage import gradient_users
 from ..comm import bucket_size, tuner
 from ..communicator import CommThread, Communicator
 from ..trace import Timeline
@@ -243,7 +244,10 @@ class BucketedDDP(DataParallelBase):
         # matched: a rank raising alone would leave the others waiting in a bucket's all-reduce
         used = [i in b.seen for b in self.buckets for i in range(len(b.params))]
         flat = [b.params[i] for b in self.buckets for i in range(len(b.params))]
-        users = self._users(used)
+        box: list = []   # asked on the comm thread, on its group: the main thread issues no
+        self._worker.submit(f"usage mask (rank {self.rank})", _ask_users, used, box,
+                            flat[0].device if flat else None).wait()
+        users = box[0]   # collective, so a profile of the main thread shows none of minidist's
         self._refuse_short(flat, users)
         unused_everywhere = {id(p) for p, u in zip(flat, users) if not u}
         spent = self._spent
@@ -280,6 +284,11 @@ def _weak_hook(ref):
         if ddp is not None:
             ddp._on_grad_ready(p)
     return hook
+
+
+def _ask_users(comm: Communicator, used: list[bool], box: list, device) -> None:
+    """On the communication thread: who gave each parameter a gradient (:mod:`.usage`)."""
+    box.append(gradient_users(used, comm.rank, comm.world_size, comm.group, device))
 
 
 def _run_bucket(comm: Communicator, ref, bucket: Bucket) -> None:

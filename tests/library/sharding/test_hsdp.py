@@ -59,8 +59,8 @@ class _SumsReplicas(fsdp_unit.ShardUnit):
     """Broken on purpose: sums the pieces across replicas instead of averaging (the scaling bug
     kind of pytorch/pytorch#155903)."""
 
-    def _reduce(self, comm, out, grad):
-        super()._reduce(comm, out, grad)
+    def _reduce(self, comm, out, grad, got, agreed):
+        super()._reduce(comm, out, grad, got, agreed)
         if self.rep is not None:
             self.ctx.rep_thread.all_reduce(out, "sum")   # on top of the average: R x too big
 
