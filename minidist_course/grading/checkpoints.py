@@ -38,6 +38,8 @@ RETIRE_RULES = {
     "older": "everything older than the last good one kept is removed, unfinished and corrupt "
              "ones included; nothing newer than it is",
     "list": "returns the numbers removed as a list of ints, oldest first",
+    "sorted": "the listing comes in any order (a directory's listing is not sorted): order the "
+              "generations by number before counting the good ones",
 }
 
 V, C, U = "verified", "corrupt", "unfinished"
@@ -144,6 +146,10 @@ def _retire_check(fn, case):
     text = f"expected {want}, got {got}"
     if new in got:
         return "new", text
+    if listing != sorted(listing) and _same_answer(fn, sorted(listing), new, keep, want):
+        return "sorted", text + (": your function gives the right answer when the listing is "
+                                 "sorted, so it reads the listing's order as the generations' "
+                                 "order")
     if sorted(got) == sorted(want):
         return "list", text + ": the right numbers, not oldest first"
     kept = sorted(set(status) - set(got) - {new})
@@ -167,6 +173,13 @@ def _retire_check(fn, case):
         return "good", text + f" (you kept {kept} besides the new one: only complete " \
                               f"generations that verify count toward keep = {keep})"
     return "good", text
+
+
+def _same_answer(fn, listing, new, keep, want) -> bool:
+    try:
+        return fn(list(listing), new, keep) == want
+    except Exception:  # noqa: BLE001 - the learner's code on another input: only a hint
+        return False
 
 
 def _describe_retire(case):

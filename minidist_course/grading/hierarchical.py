@@ -439,6 +439,14 @@ def _inter_problem(per_rank: list, M: int, L: int, n: int) -> str | None:
     if total == L * want_total and L > 1:
         return text + (": the whole tensor crossed the nodes — across nodes all-reduce only this "
                        "rank's piece, after the reduce-scatter inside the node")
+    senders = [[r for r in range(m * L, (m + 1) * L) if per_rank[r]] for m in range(M)]
+    if total == want_total and L > 1 and all(len(s) == 1 for s in senders):
+        return text + (": a leader scheme — one rank per node sends the whole tensor across. The "
+                       "same bytes cross in all, but through one rank's link per node, while its "
+                       f"{L - 1} neighbours' links stay idle: on a cluster with one NIC (rail) per "
+                       f"GPU that is {L}× the time across. The hierarchical all-reduce gives every "
+                       "rank a piece (reduce-scatter inside the node) and each sends only its "
+                       "piece across, over its own rail")
     flat = 2 * (W - 1) * n // W * ITEMSIZE
     if sorted(set(per_rank)) == sorted({0, flat}) and M > 1:
         return text + (f": a flat ring's — its {M} ranks at a node boundary send all of their "

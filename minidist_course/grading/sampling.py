@@ -4,8 +4,9 @@ against one process.
 * ``MySampler(n, num_replicas, rank, shuffle=True, seed=0)`` with ``set_epoch(epoch)``, ``__iter__``
   and ``__len__``: the same indices, in the same order, as ``torch.utils.data.DistributedSampler``
   (drop_last=False): shuffle with a generator seeded ``seed + epoch``, pad by wrapping around to a
-  multiple of W, then rank r takes every W-th index from r. Checked for n = 10, 12, 3 and 1 (fewer
-  samples than ranks), W = 1..4, two epochs, with and without shuffling.
+  multiple of W, then rank r takes every W-th index from r. Checked for n = 10, 12, 3, 2 and 1
+  (fewer samples than ranks, and padding longer than the data set: 1 sample on 4 ranks pads 3,
+  so repeating the order once is not enough), W = 1..7, two epochs, with and without shuffling.
 * ``evaluate_exact(model, x, y, rank, world_size)`` → ``(correct, count, loss_sum)`` over the whole
   data set, identical on every rank: each sample counted exactly once (no padding), integer counts
   all-reduced. Compared with one process on the full data, including a data set of 3 samples on 4
@@ -26,7 +27,8 @@ __all__ = ["grade_sampler", "grade_evaluation", "eval_model", "eval_data", "SAMP
            "EVAL_RULES"]
 
 SAMPLER_RULES = {
-    "pad": "pad by wrapping around to a multiple of W: ceil(n / W) indices on every rank",
+    "pad": "pad by wrapping around to a multiple of W, as often as needed (the padding may be "
+           "longer than the data set): ceil(n / W) indices on every rank, as many as len() says",
     "epoch": "shuffle with a generator seeded seed + epoch: set_epoch changes the order",
     "order": "shuffle first, then pad, then rank r takes every W-th index from r",
     "equal": "the indices of torch's DistributedSampler (drop_last=False), in its order",
@@ -38,7 +40,8 @@ EVAL_RULES = {
     "loss": "loss_sum is the sum of the per-sample losses (not a mean)",
 }
 
-_CASES = [(10, 4), (12, 3), (10, 1), (3, 4), (1, 2)]
+# (n, W); (1, 4) and (2, 7) pad more than n: wrapping around once leaves ranks empty
+_CASES = [(10, 4), (12, 3), (10, 1), (3, 4), (1, 2), (1, 4), (2, 7)]
 
 
 def _torch_indices(n, w, r, shuffle, epoch):
@@ -57,6 +60,13 @@ def _check_sampler(cls, n, w, shuffle):
             if len(s) != len(want):
                 return "pad", (f"n={n}, W={w}, rank {r}: len() is {len(s)}, expected {len(want)} "
                                f"(ceil(n / W): every rank takes the same number of steps)")
+            if len(got) != len(s):
+                return "pad", (f"n={n}, W={w}, rank {r}, epoch {epoch}: len() says {len(s)} but "
+                               f"the iterator gives {len(got)} indices {got}: the ranks would "
+                               "take different numbers of steps and the first collective hangs"
+                               + (f" (the padding is {w * len(want) - n}, more than the {n} "
+                                  "sample(s): repeat the order as often as needed, not once)"
+                                  if w * len(want) - n > n else ""))
             if got != want:
                 rule = "equal"
                 if epoch and got == _torch_indices(n, w, r, shuffle, 0):

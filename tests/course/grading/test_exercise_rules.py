@@ -732,6 +732,9 @@ MUTANTS = [
       "old unfinished and corrupt ones kept"),
     M("16_checkpoint_generations", "retire_grade", "list", "retire",
       (("    return sorted(removed)", "    return removed"),), "newest first"),
+    M("16_checkpoint_generations", "retire_grade", "sorted", "retire",
+      (("    for n in sorted(status, reverse=True):", "    for n in reversed(list(status)):"),),
+      "the listing taken as sorted"),
 
     # 12b: an answer whose symptoms differ from the mystery's, per rule; the zoo's own weights
     M("12b_bug_hunt", "diagnosis_grade", "scale", "diagnosis",

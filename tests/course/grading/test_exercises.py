@@ -290,6 +290,15 @@ class IgnoresEpoch(MySampler):
     def set_epoch(self, epoch):
         pass
 
+class PadsOnce(MySampler):     # order += order[:pad]: too short when the padding exceeds n
+    def __iter__(self):
+        order = list(range(self.n))
+        if self.shuffle:
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(
+                self.seed + self.epoch)).tolist()
+        order += order[:self.total_size - len(order)]
+        return iter(order[self.rank: self.total_size: self.num_replicas])
+
 def padded_evaluation(model, x, y, rank, world_size):
     idx = list(MySampler(len(x), world_size, rank, shuffle=False))   # the training sampler
     with torch.no_grad():
@@ -303,6 +312,10 @@ def padded_evaluation(model, x, y, rank, world_size):
     assert not rep.passed and "every rank takes the same number of steps" in str(rep)
     rep = grading.sampling.grade_sampler(ns["IgnoresEpoch"])
     assert not rep.passed and "epoch 0's order again" in str(rep), str(rep)
+    rep = grading.sampling.grade_sampler(ns["PadsOnce"])
+    failed = [r for r in rep.results if not r.passed]
+    assert failed and "n=1, W=4" in failed[0].name and "[pad]" in failed[0].message, str(rep)
+    assert "repeat the order as often as needed" in str(rep) and "hangs" in str(rep), str(rep)
     rep = grading.sampling.grade_evaluation(ns["padded_evaluation"])
     assert not rep.passed and "counted twice" in str(rep), str(rep)
 
@@ -712,3 +725,37 @@ def zigzag_positions(seq_len, world, rank):
     return torch.cat([torch.arange(rank * n, (rank + 1) * n),
                       torch.arange((2 * world - 1 - rank) * n, (2 * world - rank) * n)])
 '''}, "does not divide into")
+
+
+def test_ex12b_weights_in_float32_or_six_decimals_pass_and_a_close_miss_shows_its_digits():
+    """float32 or 6-decimal weights make the same run (the run's check is 1e-6 relative), so the
+    sweep accepts them; a miss that prints like the right values is shown with more digits and
+    the tolerance."""
+    import torch
+
+    from minidist_course.grading import bug_hunt
+
+    def exact(n, m):
+        return [len(p) / n for p in torch.arange(n).tensor_split(m)]
+    assert bug_hunt._weights_sweep(lambda n, m: torch.tensor(exact(n, m)).tolist()) is None
+    assert bug_hunt._weights_sweep(lambda n, m: [round(w, 6) for w in exact(n, m)]) is None
+    rule, text = bug_hunt._weights_sweep(lambda n, m: [w * (1 + 3e-5) for w in exact(n, m)])
+    assert rule == "proportional" and "1e-06 relative" in text, text
+    got, want = text.split(" = ")[1].split(", expected ")
+    assert got != want.split(" (")[0], text
+
+
+def test_a_rank_waiting_in_the_grader_is_not_told_it_waits_at_its_own_line():
+    """The launcher calls every frame outside the library "your code", the grader's too: a rank
+    whose function returned and that waits in the grader's next collective is told so, not sent
+    to a line of the grader (exercise 08b's all-reduce of the wrong piece)."""
+    from minidist_course.grading.core import _where_waiting
+    stack = ("    your code: minidist_course/grading/hierarchical.py, line 380, in _all_reduce_rank\n"
+             "        dist.all_reduce(expected, op=_TORCH_OPS[op])\n"
+             "    call stack (innermost first): minidist_course/grading/hierarchical.py:380 "
+             "_all_reduce_rank")
+    text = _where_waiting(stack, "idle after all_reduce")
+    assert "your line" not in text and "had returned" in text, text
+    own = stack.replace("minidist_course/grading/hierarchical.py, line 380, in _all_reduce_rank",
+                        "cell 7, line 4, in hierarchical_all_reduce")
+    assert "waiting at your line 4 in hierarchical_all_reduce" in _where_waiting(own, "x"), own

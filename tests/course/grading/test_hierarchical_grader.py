@@ -113,3 +113,13 @@ def test_the_byte_formulas():
     assert hierarchical.inter_bytes_per_rank(2, 2, n) == 131_072
     assert hierarchical.inter_bytes_total(2, 2, n) == 4 * 131_072
     assert hierarchical.inter_bytes_total(1, 4, n) == 0
+
+
+def test_a_leader_scheme_is_named_and_explained():
+    """One rank per node sends the whole tensor across (the textbook leader scheme): the same
+    bytes in all, so the feedback must say why it still breaks [inter_bytes]."""
+    n, M, L = 48, 2, 2
+    leader = 2 * (M - 1) * n // M * hierarchical.ITEMSIZE
+    text = hierarchical._inter_problem([leader, 0, leader, 0], M, L, n)
+    assert text and "a leader scheme" in text and "its own rail" in text, text
+    assert hierarchical._inter_problem([leader // L] * 4, M, L, n) is None
