@@ -281,7 +281,7 @@ register(
                       f"{calc.comm_time('all_reduce', GIB / 8, 2, *NDR) * 1e3:.2f} ms: "
                       f"{_two_level_s('hierarchical', 2, 8, GIB) * 1e3:.2f} ms, {a:.2f}× faster. "
                       "NCCL's own rings are not this flat ring: it runs one ring per port, so all "
-                      "8 ports work at once (NVIDIA/nccl#601), and on 2 nodes it may pick its "
+                      "8 ports work at once (NVIDIA/nccl#412), and on 2 nodes it may pick its "
                       "tree algorithm instead (NVIDIA/nccl-tests#196).",
             source="NVIDIA H100 and DGX H100 data sheets (minidist_course.planner.published.LINKS; "
                    "the α values are assumptions)"),
