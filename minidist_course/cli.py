@@ -248,13 +248,24 @@ def bisect(argv=None) -> int:
     return bisect_main(argv)
 
 
+def site(argv=None) -> int:
+    """``minidist site``: build the website (:mod:`minidist_course.site`)."""
+    try:
+        from . import site as S
+        import myst_nb  # noqa: F401
+    except ImportError as e:
+        print(f"minidist site needs the site extra: pip install -e '.[site]' ({e})", file=sys.stderr)
+        return 2
+    return S.main(argv)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"demo": demo, "bench": bench, "doctor": doctor, "plan": plan, "matrix": matrix,
-                "bisect": bisect}
+                "bisect": bisect, "site": site}
     if not argv or argv[0] not in commands:
         asked = bool(argv) and argv[0] in ("-h", "--help")
-        print("usage: minidist {demo,bench,doctor,plan,matrix,bisect} [options]\n"
+        print("usage: minidist {demo,bench,doctor,plan,matrix,bisect,site} [options]\n"
               "  demo    run every hand-built collective (and DDP/TP/PP) against torch; exit 1 if wrong\n"
               "  bench   nccl-tests-style table (algbw, busbw, ratio to torch); bench ddp | pp | zero |\n"
               "          alpha-beta (link latency/bandwidth with spreads) | flops (matmul GFLOP/s) |\n"
@@ -265,7 +276,8 @@ def main(argv=None) -> int:
               "  doctor  what this machine offers: torch, backends, devices, network, launch variables\n"
               "  plan    every valid dp x tp x pp (+ ZeRO, recompute) configuration: memory, step time\n"
               "  matrix  every pair of training-step features run against one process, or refused\n"
-              "  bisect  the first tensor where one configuration leaves one process (rank, pattern)",
+              "  bisect  the first tensor where one configuration leaves one process (rank, pattern)\n"
+              "  site    the course as a static website, English and Chinese (needs the site extra)",
               file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
     return commands[argv[0]](argv[1:])

@@ -8,7 +8,7 @@ import pytest
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--help"], "usage: minidist {demo,bench,doctor,plan,matrix,bisect}"),
+    (["--help"], "usage: minidist {demo,bench,doctor,plan,matrix,bisect,site}"),
     (["bisect", "--help"], "usage: minidist bisect"),
     (["plan", "--help"], "usage: minidist plan"),
 ])
