@@ -1,0 +1,120 @@
+"""One small object per way of averaging the gradients (``dp_mode``, :mod:`.dp` says what each
+does): what the step asks of it at three points — around each backward, after the pipeline's last
+backward, and when clipping.
+
+========================  ===================  ==========================  =====================
+mode                      around a backward    after the last backward     the clip's norm
+========================  ===================  ==========================  =====================
+``flat``                  nothing              one flat all-reduce         replicated grads
+``bucketed``              the wrapper's sync   (its buckets already ran)   replicated grads
+``zero1``                 nothing              ZeRO-1's reduce-scatter     from the slices
+``zero3``, ``hsdp``       the units' sync      (their hooks already ran)   from the shards
+========================  ===================  ==========================  =====================
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..sharding.fsdp import set_requires_gradient_sync
+from .clip import clip_grad_norm_
+from .dp import SHARDED
+from .moe import average_gradients
+
+__all__ = ["DPMode", "dp_mode_for"]
+
+
+class DPMode:
+    """``flat`` (and ``zero1`` without an optimizer): after the last backward the engine averages
+    all of a rank's gradients over DP×CP as one flat buffer; with experts, each over its own
+    replicas (:func:`~.moe.average_gradients`)."""
+
+    works_after_backward = False   # the step records its after_backward as "dp_sync" if True
+
+    def __init__(self, model, optimizer, modules: dict):
+        self.model, self.optimizer, self.modules = model, optimizer, modules
+
+    def backward_context(self):
+        """``(stage, module, last micro-batch) -> context manager`` around each backward, or None."""
+        return None
+
+    def average(self):
+        """What :func:`~.dp_pipeline.dp_pipeline_step` averages with: True (one flat all-reduce),
+        False (someone else does), or a function of no argument."""
+        if self.model.moe_layers:
+            return lambda: average_gradients(self.model.parameters(), self.model.grid)
+        return True
+
+    def after_backward(self) -> None:
+        """Work after the pipeline, before clipping."""
+
+    def clip(self, max_norm: float) -> float:
+        return clip_grad_norm_(self.model, max_norm)
+
+
+class Bucketed(DPMode):
+    """Each stage's :class:`~.dp.PipelineBucketedDDP` all-reduces its buckets during the stage's
+    last backward."""
+
+    def backward_context(self):
+        return lambda s, m, last: self.modules[s].backward_sync(last)
+
+    def average(self):
+        return False
+
+
+class ZeRO1(DPMode):
+    """The :class:`~.dp.ZeRO1Optimizer` reduce-scatters the local gradients after the pipeline and
+    clips from its averaged slices."""
+
+    works_after_backward = True
+
+    def average(self):
+        return False
+
+    def after_backward(self) -> None:
+        self.optimizer.reduce_gradients()
+
+    def clip(self, max_norm: float) -> float:
+        return self.optimizer.clip_grad_norm_(max_norm)
+
+
+class Sharded(DPMode):
+    """ZeRO-3 and HSDP: each stage's ``fully_shard`` unit reduce-scatters (HSDP: then all-reduces
+    over DP) the accumulated gradient during the stage's last backward; the norm sums each shard
+    once (HSDP's DP replicas hold the same piece, so over CP only)."""
+
+    def __init__(self, model, optimizer, modules: dict, hsdp: bool):
+        super().__init__(model, optimizer, modules)
+        self.hsdp = hsdp
+
+    def backward_context(self):
+        return lambda s, m, last: _gradient_sync(self.modules[s], last)
+
+    def average(self):
+        return False
+
+    def clip(self, max_norm: float) -> float:
+        return clip_grad_norm_(self.model, max_norm, dp_sharded=not self.hsdp, cp_sharded=self.hsdp)
+
+
+def dp_mode_for(dp_mode: str, model, optimizer, modules: dict) -> DPMode:
+    """The object for ``dp_mode`` (already checked by :func:`~.check_step.check_step`)."""
+    if dp_mode == "bucketed":
+        return Bucketed(model, optimizer, modules)
+    if dp_mode == "zero1" and optimizer is not None:
+        return ZeRO1(model, optimizer, modules)
+    if dp_mode in SHARDED:
+        return Sharded(model, optimizer, modules, hsdp=dp_mode == "hsdp")
+    return DPMode(model, optimizer, modules)
+
+
+@contextlib.contextmanager
+def _gradient_sync(stage, sync: bool):
+    """The backward inside reduce-scatters the accumulated gradient iff ``sync`` (the stage's last
+    micro-batch), else keeps accumulating it unsharded."""
+    set_requires_gradient_sync(stage, sync)
+    try:
+        yield
+    finally:
+        set_requires_gradient_sync(stage, True)
