@@ -1,26 +1,11 @@
 """minidist: distributed deep-learning training built from scratch on torch.distributed.
 
-The few names a notebook needs::
-
     import minidist
     results = minidist.run(fn, world_size=4)        # fn(rank, world_size, *args) on 4 ranks
     minidist.collectives.all_reduce(t, op="sum")     # hand-built ring all-reduce (inside a rank)
     info = minidist.init()                           # in a script under torchrun or srun
 
-The strategies are one attribute away, imported on first use (``import minidist`` stays light)::
-
-    minidist.data_parallel.BucketedDDP               # DDP: NaiveDDP, FlatDDP, BucketedDDP, ...
-    minidist.tensor_parallel.ColumnParallelLinear    # Megatron-style TP layers, TPGPT, ...
-    minidist.pipeline_parallel.make_schedule         # GPipe / 1F1B / interleaved, engine, simulator
-    minidist.sharding                                # ZeRO-style sharding (when installed)
-    minidist.hybrid.HybridGPT                        # DP x PP x CP x TP: the GPT on a ProcessGrid
-    minidist.expert_parallel.MoEGPT                  # mixture of experts, EP folded over DP
-    minidist.context_parallel.ring_attention         # long context: ring attention, Ulysses
-
-What drives and checks them is the course kit beside this package, :mod:`minidist_course`: the
-planner (``minidist plan``), the one-process references, the benchmarks, the lessons, the graders
-and the ``minidist`` command. Nothing in ``minidist`` imports it.
-"""
+The strategies (``data_parallel``, ``hybrid``, ...) load on first use."""
 
 import importlib
 import importlib.util

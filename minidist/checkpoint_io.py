@@ -1,39 +1,12 @@
 """Checkpoint generations: a new save never touches the last good one (shared by every checkpoint kind).
 
-A checkpoint *location* is a folder holding numbered **generations**::
+A location holds numbered generations ``path/gen-000007/``: every rank's parts, then
+``manifest.json`` written last and atomically (sizes, SHA-256, shapes). A save that fails on any
+rank fails on every rank and leaves the previous generation untouched; loading takes the newest
+generation with a manifest and verifies each file (the protocol of ``torch.distributed.checkpoint``
+and Megatron-LM).
 
-    path/gen-000007/manifest.json      <- written last: the generation exists once this exists
-    path/gen-000007/rank00000.pt ...   <- every rank's part(s)
-
-A save (:func:`save_generation`, collective over ``group``) goes
-
-1. rank 0 picks the next number (and removes unfinished generations a killed save left behind);
-2. every rank writes its parts into the new folder: ``torch.save`` into memory, then
-   ``write`` + ``flush`` + ``fsync``, each checked; a full disk is an ``OSError(ENOSPC)`` that
-   names the file and says the disk is full;
-3. every rank's outcome is all-gathered (this is the barrier): if any rank failed, **every** rank
-   raises (the failing rank its own error, the others a ``RuntimeError`` quoting it) and the new
-   folder is removed — the previous generation is untouched;
-4. rank 0 writes ``manifest.json`` atomically (temporary file, fsync, ``os.rename``, fsync of the
-   folder) with the format, kind, world size, the caller's metadata and, per file, its size,
-   SHA-256, model-structure signature and parameter shapes; its outcome is broadcast, so a failed
-   manifest also fails the save on every rank;
-5. only then rank 0 retires the older generations: the ``keep`` newest that verify are kept (a
-   corrupt one is not counted, so it never pushes out the last good one).
-
-A rank killed anywhere in 1-4 leaves a folder without a manifest: invisible to loading and
-cleared by the next save. Loading (:func:`open_generation`, :func:`read_part`) takes the newest
-generation *with* a manifest, says which (and warns when it skipped an unfinished newer one), or
-the one asked for (``generation=``, or with ``fallback=True`` the newest that verifies;
-:func:`list_generations` shows them all), and checks the size and SHA-256 of every file before
-unpickling it; :func:`check_tensors` names the
-parameter, the expected and the found shape/dtype; :func:`agree` makes one rank's load error an
-error on every rank (no rank resumes while another waits for it forever).
-
-The same commit protocol (parts, then a barrier, then a small metadata file written atomically)
-is what ``torch.distributed.checkpoint`` does with its ``.metadata`` file, and Megatron-LM with
-``latest_checkpointed_iteration.txt``.
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -188,12 +161,10 @@ def _raise_agreed(where: str, mine: Exception | None, outcomes: list) -> None:
 
 def save_generation(path, parts: dict, *, where: str, kind: str, meta: dict | None = None,
                     group=None, keep: int = 1, model_key: str | None = "model") -> str:
-    """Write this rank's ``parts`` (``{file name: object to torch.save}``; may be empty) as a new
-    generation under ``path``; collective over ``group``. Returns the generation's folder.
-
-    ``meta`` (JSON-able, e.g. the grid, the step) goes into the manifest; ``model_key``: the key of
-    a part's model state dict, whose signature and shapes are recorded. Raises on every rank if
-    any rank failed (see the module notes); the previous generation is kept in every case."""
+    """Write this rank's ``parts`` (``{file name: object}``) as a new generation under ``path``;
+    collective over ``group``; returns its folder. ``meta`` goes into the manifest, ``model_key`` names
+    the model's part. Raises on every rank if any failed; the previous generation is kept.
+    """
     if keep < 1:
         raise ValueError(f"{where}: keep must be >= 1 (the newest generation), got {keep!r}")
     path = os.fspath(path)
@@ -254,8 +225,7 @@ def save_generation(path, parts: dict, *, where: str, kind: str, meta: dict | No
 
 
 def _retire(path: str, new: str, keep: int) -> None:
-    """Remove what :func:`~minidist.resume_rule.generations_to_retire` says: ``new`` and the
-    ``keep - 1`` newest older generations that verify stay; a corrupt one does not count."""
+    """Remove what :func:`~minidist.resume_rule.generations_to_retire` says."""
     gens = generations(path)
     folder_of = {n: f for n, f, _ in gens}
     number = next(n for n, f, _ in gens if f == new)
@@ -283,8 +253,7 @@ def _read_manifest(folder: str, where: str) -> dict:
 
 
 def verify(folder: str, manifest: dict) -> str | None:
-    """None if every file the manifest lists has its recorded size and SHA-256, else what is
-    wrong with the first one that does not (missing, truncated, corrupted)."""
+    """None if every file has its manifest's size and SHA-256, else what is wrong with the first."""
     for name, record in sorted(manifest.get("files", {}).items()):
         file = os.path.join(folder, name)
         try:
@@ -308,11 +277,9 @@ def _problem(folder: str, where: str) -> str | None:
 
 
 def list_generations(path, check: bool = True) -> list[dict]:
-    """Every generation under ``path``, oldest first: ``{"generation": n, "folder", "status",
-    "detail", "step"}`` with status ``"unfinished"`` (no manifest: a save that did not end),
-    ``"corrupt"`` (a file differs from the manifest; ``detail`` says which and how; only with
-    ``check``), ``"verified"`` (every file checked) or ``"complete"`` (``check=False``: manifest
-    present, files not read). ``step`` is the manifest's ``meta["step"]`` when it has one."""
+    """Every generation under ``path``, oldest first: ``{"generation", "folder", "status", "detail",
+    "step"}``, status ``"unfinished"`` (no manifest), ``"corrupt"`` (only with ``check``; ``detail``
+    says why), ``"verified"`` or ``"complete"`` (``check=False``: files not read)."""
     out = []
     for number, folder, complete in generations(path):
         row = {"generation": number, "folder": folder, "status": "unfinished", "detail": "",
@@ -372,20 +339,10 @@ def _pick(path: str, where: str, generation, fallback: bool) -> str:
 
 def open_generation(path, where: str, kind: str, world_size: int | None = None,
                     generation: int | None = None, fallback: bool = False) -> tuple[str, dict]:
-    """``(folder, manifest)`` of the generation to load, checked for ``kind`` and (if given)
-    ``world_size``.
-
-    ``path`` is a checkpoint location (its newest complete generation is taken; a newer
-    unfinished one is skipped with a warning) or one generation's own folder
-    (``path/gen-000003``). ``generation=n`` picks generation ``n`` of the location. With
-    ``fallback=True`` every file of the newest generation is verified first and, if one is
-    corrupt, the next older verified generation is taken — logged and warned, never silently.
-
-    Raises:
-        FileNotFoundError: no complete generation (nothing saved, every save unfinished, or no
-            generation ``n``).
-        ValueError: an unreadable manifest, another kind or another world size; with
-            ``fallback``, every generation corrupt.
+    """``(folder, manifest)`` of the generation to load (newest complete, or ``generation=n``; with
+    ``fallback`` the newest that verifies), checked for ``kind`` and ``world_size``. ``path``: a
+    location or one generation's folder. FileNotFoundError: none complete; ValueError: a bad manifest,
+    another kind or world size, or (``fallback``) every generation corrupt.
     """
     path = os.fspath(path)
     folder = _pick(path, where, generation, fallback)
@@ -429,8 +386,7 @@ def _older(folder: str) -> str:
 
 
 def check_tensors(where: str, file: str, found: dict, expected: dict, strict: bool = True) -> None:
-    """Compare a saved state dict with the one the model expects: names, shapes and dtypes.
-    Raises ``ValueError`` naming the file, the first parameters that differ, expected vs found."""
+    """ValueError naming the file and the first parameters whose name, shape or dtype differ."""
     lines = []
     for k, v in expected.items():
         if not torch.is_tensor(v):
@@ -451,8 +407,7 @@ def check_tensors(where: str, file: str, found: dict, expected: dict, strict: bo
 
 
 def agree(where: str, error: Exception | None, group=None) -> None:
-    """Collective: raise on every rank of ``group`` if any rank has an ``error``; that rank
-    raises its own, the others a ``RuntimeError`` quoting it (its file, parameter, shapes)."""
+    """Collective: if any rank of ``group`` has an ``error``, it raises its own, the others a RuntimeError."""
     outcomes = _gather((error is None, f"{type(error).__name__}: {error}" if error else None),
                        group)
     bad = [r for r, (ok, _) in enumerate(outcomes) if not ok]

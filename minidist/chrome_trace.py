@@ -1,35 +1,11 @@
-"""Per-rank timelines as Chrome trace-event JSON: open them in Perfetto (ui.perfetto.dev) or
-``chrome://tracing``.
-
-Every timeline minidist records is a list of :class:`minidist.trace.Event` — DDP's lanes (the
-main thread's forward/backward/wait and the communication thread's ``all-reduce bN``), a
-pipeline's ``F``/``B``/``W``/``send``/``recv`` (engine or simulator), a 3-D step
-(:func:`minidist.hybrid.timeline.record_step`), ring attention's steps — and every one exports the
-same way::
+"""Per-rank timelines as Chrome trace-event JSON, for Perfetto (ui.perfetto.dev) or chrome://tracing.
 
     from minidist.chrome_trace import write_chrome_trace
     write_chrome_trace(per_rank_events, "step.json")      # then drag step.json into Perfetto
 
-The format is the Trace Event Format's JSON object form (Google's "Trace Event Format" document,
-the one chrome://tracing and Perfetto's JSON importer read): ``{"traceEvents": [...],
-"displayTimeUnit": "ms"}``, with
+One process per rank, one thread per lane, one complete event (``ph: "X"``) per interval.
 
-* one *process* per rank: ``pid`` = rank, named ``"rank r"`` by a ``process_name`` metadata event
-  (``ph: "M"``) and ordered by ``process_sort_index``;
-* one *thread* per lane (``tid`` numbered per rank in order of first appearance), named by a
-  ``thread_name`` metadata event;
-* one *complete event* (``ph: "X"``) per interval: ``ts`` its start and ``dur`` its length, in
-  microseconds rounded to the nanosecond, the earliest event of the trace at 0; ``cat`` the lane; ``args`` the micro-batch
-  and stage where they apply; an event shorter than a nanosecond (DDP's ``ready bN`` marks) becomes a
-  thread-scoped *instant event* (``ph: "i"``, ``s: "t"``).
-
-Complete events on one thread must nest (the viewers draw a thread as a stack of slices). Events
-of one lane that overlap without nesting — a pipeline's ``send`` posted while a ``recv`` waits —
-go to an extra thread named ``"<lane> (2)"``, ``"(3)"``..., so nothing is dropped or misdrawn.
-
-Times: seconds by default (``us_per_unit=1e6``); a simulator's unit-less times with e.g.
-``us_per_unit=1e3`` (one unit drawn as a millisecond).
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -43,9 +19,7 @@ __all__ = ["to_chrome_trace", "write_chrome_trace", "read_chrome_trace"]
 
 
 def _tracks(spans: list[tuple[float, float]]) -> list[int]:
-    """For (start, end) spans of one lane sorted by (start, -end): the track (0, 1, ...) of each,
-    so that the spans of every track nest (each either contains the next or ends before it
-    starts)."""
+    """The track (0, 1, ...) of each of one lane's sorted spans, so that each track's spans nest."""
     stacks: list[list[float]] = []           # per track: the ends of the spans still open
     out = []
     for start, end in spans:
@@ -63,30 +37,14 @@ def _tracks(spans: list[tuple[float, float]]) -> list[int]:
 
 
 def _us(t: float, us_per_unit: float) -> float:
-    """A time in µs, rounded to the nanosecond: equal times stay equal after scaling, so touching
-    events do not overlap by a rounding error (which a viewer would draw as misnested)."""
+    """A time in µs rounded to the nanosecond (touching events stay touching)."""
     return round(t * us_per_unit, 3)
 
 
 def to_chrome_trace(events, t0s=None, us_per_unit: float = 1e6, name: str = "minidist") -> dict:
-    """The trace-event JSON object (a dict, ready for ``json.dump``) of per-rank timelines.
-
-    Args:
-        events: a flat list of :class:`~minidist.trace.Event` (their ``rank`` is the process), or
-            one list per rank (of Events or ``(name, start, end[, lane])`` tuples; the rank is the
-            index), as :func:`minidist.trace.plot_timeline` takes.
-        t0s: with one list per rank, each rank's clock at its start (added first; see
-            :func:`minidist.trace.align`).
-        us_per_unit: microseconds per unit of the events' times (1e6: seconds).
-        name: put in ``otherData`` (the viewers show it as the trace's metadata).
-
-    Returns:
-        ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``: ``M`` metadata,
-        ``X`` complete and ``i`` instant events (see the module docstring).
-
-    Raises:
-        ValueError: a time that is not finite, an event that ends before it starts, or a
-            non-positive ``us_per_unit``.
+    """The trace-event JSON dict of per-rank timelines: ``events`` flat or one list per rank; ``t0s``
+    each rank's start (:func:`minidist.trace.align`); ``us_per_unit`` (1e6: seconds); ``name`` into
+    ``otherData``. ValueError: a non-finite time, an end before its start, ``us_per_unit`` <= 0.
     """
     if not (isinstance(us_per_unit, (int, float)) and math.isfinite(us_per_unit) and us_per_unit > 0):
         raise ValueError(f"to_chrome_trace: us_per_unit must be a positive number, got {us_per_unit!r}")
@@ -144,10 +102,7 @@ def write_chrome_trace(events, path: str | os.PathLike, **kwargs) -> str:
 
 
 def read_chrome_trace(trace) -> list[Event]:
-    """The Events of a trace written by :func:`to_chrome_trace` (a dict, or the path of its JSON):
-    ``rank`` from ``pid``, ``lane`` from the thread's name (without a ``" (k)"`` overflow
-    suffix), times back in the units written (``otherData.us_per_unit``). Sorted by (rank, start).
-    Metadata events are read, not returned; events of other phases are ignored."""
+    """The Events of a :func:`to_chrome_trace` dict or JSON file, in its units, by (rank, start)."""
     if not isinstance(trace, dict):
         with open(trace) as f:
             trace = json.load(f)

@@ -1,46 +1,12 @@
 """Hand-built collectives with torch.distributed's names and in-place semantics.
 
-Each function checks its input, optionally checks that every rank passed the same shape, dtype and
-arguments (``debug=True`` or ``MINIDIST_DEBUG=1``: before any data moves), then runs one of the
-algorithms in ``minidist.comm`` — built only from point-to-point isend/irecv:
+Each function checks its input (``debug=True`` / ``MINIDIST_DEBUG=1``: also that every rank passed
+the same arguments), then runs an algorithm of ``minidist.comm`` built from isend/irecv
+(:data:`ALGORITHMS`; ``"auto"``: the tuner's choice; ``"hierarchical"``: needs a two-level
+topology). Ops ``sum``, ``avg``, ``max``, ``min``; ranks and roots are ranks inside ``group``;
+non-contiguous tensors go through a copy. Each returns its output tensor.
 
-=================  =========================  ============================================
-collective         algorithms                 torch.distributed equivalent
-=================  =========================  ============================================
-all_reduce         ring (default), naive,     ``dist.all_reduce``
-                   recursive_doubling, auto,
-                   hierarchical
-reduce_scatter     ring (default), naive,     ``dist.reduce_scatter`` / ``reduce_scatter_tensor``
-                   auto, hierarchical
-all_gather         ring (default), naive,     ``dist.all_gather`` / ``all_gather_into_tensor``
-                   auto, hierarchical
-broadcast          tree (default), naive,     ``dist.broadcast``
-                   ring (pipelined chain), auto
-reduce             tree (default), naive      ``dist.reduce``
-all_to_all         naive (pairwise)           ``dist.all_to_all``
-=================  =========================  ============================================
-
-``algorithm="auto"`` runs the algorithm with the lowest predicted time for this size
-and world size (:mod:`minidist.comm.tuner`, as NCCL's tuner does); the traffic counters name the
-algorithm it ran (``"all_reduce/recursive_doubling"``), ``MINIDIST_DEBUG=1`` prints each choice.
-
-``algorithm="hierarchical"`` (all_reduce, reduce_scatter, all_gather: :data:`TOPOLOGY_ALGORITHMS`)
-runs two levels, inside each node and across nodes (:mod:`minidist.comm.hierarchical`); it needs
-an installed two-level topology (:mod:`minidist.comm.topology`) and raises ``ValueError`` on every
-rank without one. It is not in :data:`ALGORITHMS`, whose every entry runs anywhere (the bench,
-the demo and the tests run them all); with a topology installed ``auto`` considers it too.
-The strategies (DDP, ZeRO, FSDP, the 3-D DP step) use ``auto`` through
-:class:`minidist.communicator.Communicator`; these functions keep their explicit defaults.
-
-Ops: ``sum``, ``avg`` (sum, then divide by the world size, on every backend), ``max``, ``min``
-(see ``minidist.comm.ops``); on bool ``sum`` is a logical or, as torch's; complex tensors move as
-their real views (``max``/``min`` of complex are an error, as in torch). ``requires_grad`` is
-ignored, as by ``torch.distributed`` (for differentiable collectives see
-``minidist.tensor_parallel.regions``). Ranks and roots are ranks inside ``group`` (default: the
-world).
-Non-contiguous tensors are worked on as a contiguous copy that is copied back, so the call is still
-in place. Every function returns the output tensor for convenience.
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -74,18 +40,13 @@ TOPOLOGY_ALGORITHMS: dict[str, dict] = {
 
 
 def _algorithm(opname: str, algorithm: str):
-    """The function that runs ``algorithm`` of ``opname`` (looked up per call: tests replace
-    entries of :data:`ALGORITHMS`)."""
+    """The function of ``algorithm`` for ``opname``, looked up per call (tests replace entries)."""
     fn = ALGORITHMS[opname].get(algorithm)
     return fn if fn is not None else TOPOLOGY_ALGORITHMS[opname][algorithm]
 
 
 def _check_movable(opname: str, **tensors) -> None:
-    """Refuse, before any message, a tensor no collective can move: sparse (only the strided
-    layout has one flat buffer of values) or on the meta device (a shape without data). Each
-    rank checks its own arguments; the error names the rank, the op and the argument. A check
-    after the first message would leave the other ranks' messages half sent, and the next,
-    valid collective would meet them (a hang)."""
+    """Refuse a sparse or meta tensor before any message (after one, a hang)."""
     for arg, value in tensors.items():
         items = value if isinstance(value, (list, tuple)) else [value]
         for i, t in enumerate(items):
@@ -130,8 +91,7 @@ def _setup(opname: str, algorithm: str, tensor, group, arg: str = "tensor", **ot
 
 def resolve_algorithm(opname: str, algorithm: str, nbytes: int, itemsize: int, world: int,
                       group=None, debug: bool | None = None) -> str:
-    """``algorithm``, or for ``"auto"`` the tuner's choice for an ``nbytes`` buffer on ``world``
-    ranks (the same on every rank of ``group``: :func:`minidist.comm.tuner.agreed_table`)."""
+    """``algorithm``, or for ``"auto"`` the tuner's choice, the same on every rank of ``group``."""
     if algorithm != AUTO:
         return algorithm
     if topology.state.maybe and world > 1 and topology.current() is not None:   # two levels
@@ -140,9 +100,7 @@ def resolve_algorithm(opname: str, algorithm: str, nbytes: int, itemsize: int, w
 
 
 def _data(tensor):
-    """What the algorithms move: ``tensor`` without autograd (``torch.distributed`` ignores
-    ``requires_grad`` too: a leaf that requires grad is reduced in place, no error), and for a
-    complex dtype its real view ``[..., 2]`` (sum and avg act on both parts, as torch's do)."""
+    """What the algorithms move: ``tensor`` detached, a complex one as its real view ``[..., 2]``."""
     if isinstance(tensor, (list, tuple)):
         return [_data(t) for t in tensor]
     if not isinstance(tensor, torch.Tensor):
@@ -158,12 +116,9 @@ def _check_root(opname: str, root: int, rank: int, world: int) -> None:
 
 def all_reduce(tensor: torch.Tensor, op="sum", algorithm: str = "ring", group=None,
                debug: bool | None = None) -> torch.Tensor:
-    """Reduce ``tensor`` across ranks, in place; every rank ends with the same values.
+    """Reduce ``tensor`` (any shape, the same on every rank) across ranks, in place.
 
-    Shape: any (it is treated as flat). Every rank must pass the same shape and dtype.
-    Traffic per rank (ring): 2(W-1)/W · numel elements. ``algorithm="auto"``: the tuner's choice
-    (:mod:`minidist.comm.tuner`).
-    """
+    Traffic per rank (ring): 2(W-1)/W · numel elements."""
     rank, world = _setup("all_reduce", algorithm, tensor, group)
     op = normalize_op(op, tensor.dtype, f"all_reduce (rank {rank})")
     debug = debug_enabled(debug)
@@ -208,10 +163,8 @@ def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring
                    debug: bool | None = None) -> torch.Tensor:
     """Reduce ``input`` across ranks and leave piece ``rank`` of the result in ``output``.
 
-    ``input``: a list of W tensors (piece r is ``input[r]``, same numel as ``output`` on rank r)
-    or one tensor of W · output.numel() elements (piece r is the r-th slice along the flat order).
-    ``input`` is used as scratch space. Traffic per rank (ring): (W-1)/W of the input.
-    """
+    ``input``: a list of W tensors (piece r is ``input[r]``, numel of rank r's ``output``) or one
+    tensor of W · output.numel() elements; it is used as scratch space. Traffic (ring): (W-1)/W of it."""
     rank, world = _setup("reduce_scatter", algorithm, output, group, "output", input=input)
     op = normalize_op(op, output.dtype, f"reduce_scatter (rank {rank})")
     pieces = _data(input)
@@ -239,10 +192,8 @@ def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
                debug: bool | None = None):
     """Gather every rank's ``input`` into ``output`` on every rank.
 
-    ``output``: a list of W tensors (``output[r]`` receives rank r's input; sizes may differ by
-    rank) or one tensor of W · input.numel() elements (rank r's input is the r-th slice).
-    Traffic per rank (ring): (W-1) · input.numel() elements sent.
-    """
+    ``output``: a list of W tensors (``output[r]`` receives rank r's input; sizes may differ) or one
+    tensor of W · input.numel() elements. Traffic per rank (ring): (W-1) · input.numel() sent."""
     rank, world = _setup("all_gather", algorithm, input, group, "input", output=output)
     result, output, mine = output, _data(output), _data(input)
     strided = isinstance(output, list) and any(not o.is_contiguous() for o in output)

@@ -1,29 +1,11 @@
 """Hand-built or torch: the collectives a strategy uses, bound to one process group, and the one
 communication thread that runs them beside the computation.
 
-Every strategy (DDP, SyncBatchNorm, ZeRO, FSDP, the 3-D DP modes) takes ``collectives=`` and
-``group=`` and talks through a :class:`Communicator` made from them:
+:class:`Communicator`: ``collectives="hand-built"`` (:mod:`minidist.collectives`, ``"auto"`` by
+default) or ``"torch"``, in place and flat as torch's. :class:`CommThread` runs submitted work in
+order on its own thread and process group, so communication overlaps backward and compute.
 
-* ``collectives="hand-built"`` — minidist's own (:mod:`minidist.collectives`, built from
-  isend/irecv; traffic counted by :mod:`minidist.comm.p2p`), with ``algorithm="auto"`` by
-  default: per call, the algorithm with the lowest predicted time for its size
-  (:mod:`minidist.comm.tuner`, as NCCL's tuner); ``algorithm="ring"`` (or any name of
-  ``collectives.ALGORITHMS``: the ops that have it run it, the others their default) fixes one;
-* ``collectives="torch"`` — ``torch.distributed``'s (``all_reduce``, ``all_gather_single`` /
-  ``reduce_scatter_single``, formerly ``*_into_tensor`` / ``*_tensor``; not counted by minidist's
-  counters). gloo has no average (``ReduceOp.AVG`` raises): a sum, then a division.
-
-Every operation is in place and shaped as the flat collectives of torch: ``all_gather(out, x)``
-fills ``out`` (``W · x.numel()`` elements) with every rank's ``x``; ``reduce_scatter(shard, flat)``
-leaves in ``shard`` piece ``rank`` of the sum of ``flat`` (``W · shard.numel()`` elements). On one
-rank they copy (or do nothing).
-
-:class:`CommThread` runs submitted work in submission order on a thread of its own, on a process
-group of its own (so nothing on the main thread — SyncBatchNorm, a metric — can interleave with it
-on the wire): BucketedDDP's bucket all-reduces overlap the rest of backward (Li et al. 2020, §3.2.3),
-ZeRO-2's reduce-scatters too, and FSDP's prefetched all-gather overlaps the current unit's compute
-(Zhao et al. 2023, §3.3). gloo releases the GIL while it waits, so the main thread keeps computing.
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -50,8 +32,7 @@ _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.Re
 
 
 def check_algorithm(algorithm: str) -> str:
-    """``"auto"`` or the name of a hand-built algorithm of at least one op (``"hierarchical"``
-    included: it needs a two-level topology when it runs); else a ValueError."""
+    """``"auto"`` or a hand-built algorithm name of at least one op; else ValueError."""
     names = {a for tables in (C.ALGORITHMS, C.TOPOLOGY_ALGORITHMS)
              for table in tables.values() for a in table}
     if algorithm != C.AUTO and algorithm not in names:
@@ -67,15 +48,10 @@ def check_collectives(collectives: str) -> str:
 
 
 class Communicator:
-    """``all_reduce`` / ``all_gather`` / ``reduce_scatter`` / ``broadcast`` on ``group`` (default:
-    the world) with the implementation ``collectives`` names; hand-built ones with ``algorithm``
-    (default ``"auto"``; a fixed name applies to the ops that have it, the others run their
-    default: ring, or tree for broadcast).
-
-    Raises ``ValueError`` for an unknown ``collectives`` and ``RuntimeError`` without a process group;
-    a ``group`` that is not a process group of this rank is a ``TypeError`` / ``ValueError``
-    naming ``where`` (the caller: "data parallel", "sharding").
-    """
+    """``all_reduce`` / ``all_gather`` / ``reduce_scatter`` / ``broadcast`` on ``group`` (default: the
+    world) by the implementation ``collectives`` names; ``algorithm`` (default ``"auto"``) applies to
+    the ops that have it. ValueError: unknown ``collectives``; RuntimeError: no process group; a
+    ``group`` not of this rank: TypeError / ValueError naming ``where``."""
 
     def __init__(self, collectives: str = "hand-built", group=None, where: str = "communicator",
                  algorithm: str = "auto"):
@@ -173,14 +149,9 @@ class Handle:
 
 
 class CommThread:
-    """The communication thread of ``comm`` (a :class:`Communicator`): runs ``fn(communicator,
-    *args)`` for each :meth:`submit`, in submission order, with a communicator like ``comm`` (the
-    same implementation and algorithm) on a process group of its own (the members of
-    ``comm.group``).
-
-    Every rank of the group must submit the same collectives in the same order. Stopped by
-    :meth:`close` or when garbage-collected.
-    """
+    """The communication thread of ``comm``: runs ``fn(communicator, *args)`` for each :meth:`submit`,
+    in order, on a process group of its own (the members of ``comm.group``). Every rank must submit the
+    same collectives in the same order. Stopped by :meth:`close` or garbage collection."""
 
     def __init__(self, comm: Communicator, name: str = "comm"):
         group = comm.group
@@ -229,9 +200,7 @@ class CommThread:
         self._finalizer()
 
     def close(self) -> None:
-        """Stop the thread and wait for it (up to 5 s); then destroy its process group, which
-        frees the group's gloo threads (kept if the thread has not stopped: it may still be
-        inside a collective)."""
+        """Stop the thread (wait up to 5 s), then destroy its process group (kept if it has not stopped)."""
         self._finalizer()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)

@@ -1,22 +1,13 @@
-"""Who am I? Rank, local rank and world size from torchrun, Slurm or minidist.run; backend and device.
+"""Who am I? Rank, local rank and world size from the launcher; backend and device.
 
-Device and backend are chosen here and nowhere else:
+Device and backend are chosen here and nowhere else: a rank's device is ``cuda:LOCAL_RANK``
+(never ``RANK``, never ``rank % device_count``); the backend is ``nccl`` when every local rank can
+have its own GPU, else ``gloo``. Sources: torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, ...),
+Slurm's (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, ...; srun(1)) and the Kubeflow training
+operator's (RANK, WORLD_SIZE, PET_*). The network-interface check and :class:`EnvError` live in
+:mod:`minidist.netif`, re-exported here.
 
-* the device of a rank is ``cuda:LOCAL_RANK`` — never ``RANK``, never ``rank % device_count``
-  (RANK=5, LOCAL_RANK=1 on a 4-GPU node is device 1);
-* the backend is ``nccl`` when every local rank can have its own GPU, else ``gloo``.
-
-Sources: torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK) and
-Slurm's (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_NODEID, SLURM_NNODES,
-SLURM_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE) — see the torchrun manual and the "OUTPUT ENVIRONMENT
-VARIABLES" of srun(1)/sbatch(1) — and Kubernetes' Kubeflow training operator (a PyTorchJob pod:
-RANK = the pod's index, WORLD_SIZE = pods × nprocPerNode, MASTER_ADDR/PORT, and torchrun's
-arguments as PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT;
-kubeflow/training-operator, pkg/controller.v1/pytorch/envvar.go, release 1.9; the Trainer's
-TrainJob sets only the PET_* ones). The network-interface check ``init`` makes before it connects
-(:func:`~minidist.netif.check_socket_ifnames`, also what ``minidist doctor`` runs) and
-:class:`~minidist.netif.EnvError` are in :mod:`minidist.netif`, re-exported here.
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -38,8 +29,7 @@ __all__ = ["DistEnv", "detect", "choose_backend", "device_for", "set_device", "i
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Where this process sits in the job. ``launcher`` is torchrun, slurm, pytorchjob (a
-    Kubeflow pod running the script directly, one process per pod), minidist, env or single."""
+    """Where this process sits; ``launcher``: torchrun, slurm, pytorchjob, minidist, env or single."""
 
     rank: int
     local_rank: int
@@ -67,13 +57,7 @@ _TASKS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 def parse_tasks_per_node(value: str) -> list[int]:
     """Slurm's ``SLURM_TASKS_PER_NODE`` -> the task count of each node, in node-list order.
 
-    Slurm compresses runs of equal counts: ``"2(x3),1"`` means three nodes with 2 tasks, then one
-    with 1 (srun(1), OUTPUT ENVIRONMENT VARIABLES). ``"4"`` -> ``[4]``; ``"2,1"`` -> ``[2, 1]``;
-    ``"2(x3),1"`` -> ``[2, 2, 2, 1]``; ``"1(x2),3(x2)"`` -> ``[1, 1, 3, 3]``.
-
-    Raises:
-        EnvError: a piece is neither ``N`` nor ``N(xM)``.
-    """
+    ``"4"`` -> ``[4]``; ``"2(x3),1"`` -> ``[2, 2, 2, 1]``. EnvError: a piece neither ``N`` nor ``N(xM)``."""
     counts = []
     for piece in value.split(","):
         m = _TASKS.match(piece.strip())
@@ -97,12 +81,8 @@ def _slurm_local_world(environ, node: int, world: int, nnodes: int) -> int:
 
 
 def detect(environ=None) -> DistEnv:
-    """Read the launch environment (``os.environ`` by default); pure, so it can be tested.
-
-    Raises:
-        EnvError: RANK without LOCAL_RANK and no SLURM_LOCALID; srun with several tasks per node
-            plus torchrun with several processes each; a multi-node job whose MASTER_ADDR is
-            localhost; indices out of range.
+    """Read the launch environment (``os.environ`` by default); pure. EnvError: RANK without a local
+    rank, srun and torchrun both multi-process, a multi-node MASTER_ADDR of localhost, bad indices.
     """
     environ = os.environ if environ is None else environ
     slurm_tasks_per_node = _int(environ, "SLURM_NTASKS_PER_NODE")
@@ -152,10 +132,7 @@ def detect(environ=None) -> DistEnv:
 
 
 def _kubeflow_pod(environ) -> DistEnv | None:
-    """A Kubeflow pod (PET_NNODES set) that started the script without torchrun. With one process
-    per pod the operator's RANK / WORLD_SIZE are the process's (a PyTorchJob with a Master); with
-    several, or with only the PET_* variables (a TrainJob, an elastic PyTorchJob), every pod would
-    train alone or with the wrong world: refused. None when there is nothing to refuse or read."""
+    """The place of a Kubeflow pod started without torchrun (one process per pod), else refused; or None."""
     nnodes, nproc = environ.get("PET_NNODES", ""), environ.get("PET_NPROC_PER_NODE", "")
     fix = ("make the container's command `python -m torch.distributed.run train.py`: torchrun "
            "reads the PET_* variables as its arguments and starts the processes")
@@ -232,16 +209,10 @@ def device() -> torch.device:
 
 def init(backend: str = "auto", timeout: float = 300.0, check_hosts: bool = True,
          device: str | None = None, memory_fraction: float | None = None) -> DistEnv:
-    """Initialise the process group for a script run by torchrun, srun or plain python.
-
-    Reads the environment (see :func:`detect`), checks that GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME
-    name interfaces that exist, picks the backend and the device, initialises the
-    process group (env://), then all-gathers ``(hostname, local_rank)`` and checks that no pair is
-    duplicated. Without a launcher it initialises a single-rank group. Returns the :class:`DistEnv`.
-
-    ``device="cuda"`` (or ``MINIDIST_DEVICE=cuda`` in the environment): compute on the GPU even
-    with more local ranks than GPUs (they share; gloo carries the messages; see
-    :func:`plan_devices`), each rank limited to ``memory_fraction`` of the GPU (default 1/sharers).
+    """Initialise the process group for a script run by torchrun, srun or plain python; returns the
+    :class:`DistEnv`. Checks interface names, picks backend and device (``device="cuda"`` /
+    ``MINIDIST_DEVICE=cuda``: the GPU even when shared, :func:`plan_devices`), initialises (env://)
+    and refuses a repeated ``(hostname, local_rank)``; without a launcher, a single-rank group.
     """
     info = detect()
     check_socket_ifnames()  # a wrong interface name fails here, not in a hang
@@ -280,11 +251,8 @@ def init(backend: str = "auto", timeout: float = 300.0, check_hosts: bool = True
 # device, so a plan that asks for it is an error that says so.
 @dataclass(frozen=True)
 class DevicePlan:
-    """Where a job's ranks compute and what carries their messages (see :func:`plan_devices`).
-
-    ``ranks_per_gpu`` > 1 means ranks share a GPU: gloo moves the bytes (CUDA tensors through
-    :mod:`minidist.comm.staging`) and each rank may use ``memory_fraction`` of the device.
-    """
+    """Where a job's ranks compute and what carries their messages (:func:`plan_devices`); with
+    ``ranks_per_gpu`` > 1 gloo moves the bytes and each rank may use ``memory_fraction`` of the GPU."""
 
     backend: str  # "gloo" | "nccl"
     device: str  # "cpu" | "cuda"
@@ -297,18 +265,9 @@ class DevicePlan:
 
 def plan_devices(device: str | None, backend: str, local_world_size: int, gpus: int,
                  nccl_available: bool = True) -> DevicePlan:
-    """Backend and device for ``local_world_size`` ranks on a node with ``gpus`` GPUs; pure.
-
-    ``device=None``/``"auto"``: as :func:`choose_backend` (nccl and ``cuda:LOCAL_RANK`` when every
-    rank can have its own GPU, else gloo on the CPU). ``device="cpu"``: gloo. ``device="cuda"``:
-    every rank computes on a GPU; with fewer GPUs than ranks they share (rank i on GPU
-    ``i % gpus``, ``ceil(ranks / gpus)`` per GPU) and the backend is gloo, because NCCL refuses
-    two ranks on one device by default ("Duplicate GPU detected" before NCCL 2.30, "Multiple Ranks
-    are using the same GPU" since; NCCL troubleshooting guide).
-
-    Raises:
-        ValueError: unknown device/backend; ``device="cuda"`` with no GPU; nccl with
-            ``device="cpu"``; nccl with more ranks than GPUs.
+    """Backend and device for ``local_world_size`` ranks on ``gpus`` GPUs; pure. ``device`` None/"auto"
+    as :func:`choose_backend`, "cpu" gloo, "cuda" a GPU each or shared over gloo. ValueError: unknown
+    device/backend, "cuda" without a GPU, nccl on "cpu" or with more ranks than GPUs.
     """
     if device in (None, "auto"):
         chosen = choose_backend(backend, local_world_size)

@@ -1,46 +1,11 @@
 """The process grid: which ranks do data, pipeline, tensor, context and expert parallelism together.
 
-The world's ranks are laid out as ``torch.arange(world).view(dp, pp, tp)`` (picotron's
-``process_group_manager``; Megatron-LM's ``parallel_state`` uses the same order): tensor-parallel
-ranks are neighbours (they talk most, and on a GPU node they share NVLink), then pipeline stages,
-then data-parallel replicas. Rank ``r`` sits at ``(dp_rank, pp_rank, tp_rank)`` and belongs to
+Ranks are laid out as ``torch.arange(world).view(dp, pp, cp, tp)`` (picotron, Megatron-LM): TP
+neighbours, then CP, PP, DP. A rank's group of dimension d holds the ranks that differ from it
+only in d; the DP×CP group reduces gradients; ``ep`` is folded over DP×CP (Megatron-core).
+Example, world 8 = dp 2 x pp 2 x tp 2: rank 5 is at (1, 0, 1); DP [1, 5], PP [5, 7], TP [4, 5].
 
-* a **DP group**: the ranks with its ``(pp_rank, tp_rank)`` — replicas of the same shard of the
-  model, which average gradients;
-* a **PP group**: the ranks with its ``(dp_rank, tp_rank)`` — the stages of one pipeline;
-* a **TP group**: the ranks with its ``(dp_rank, pp_rank)`` — the shards of one layer.
-
-Example, world 8 = dp 2 x pp 2 x tp 2: rank 5 is at (1, 0, 1); DP group [1, 5], PP group [5, 7],
-TP group [4, 5].
-
-With ``pp > 1`` there is a fourth kind, the **embedding group**: the first and the last stage of
-each pipeline (``[pp_ranks[0], pp_ranks[-1]]``), which sum the gradients of an embedding tied to
-the output head (Megatron-LM's ``_allreduce_word_embedding_grads``). Rank 5 above: [5, 7].
-
-**Context parallelism** (``cp``, default 1: the layout above unchanged): the sequence of each
-sample is split over ``cp`` ranks (:mod:`minidist.context_parallel`). The layout becomes
-``arange(world).view(dp, pp, cp, tp)`` — tp fastest, then cp, then pp, then dp: in Megatron-core's
-notation ``order="tp-cp-pp-dp"``; its default ``"tp-cp-ep-dp-pp"`` agrees on the inner part (tp
-neighbours, then cp: ring attention's K/V traffic is the next heaviest) and, without ep, differs
-only in putting dp inside pp, where minidist has always put pp inside dp. A **CP group** holds the
-ranks with the same ``(dp, pp, tp)``; the **DP×CP group** (Megatron's data-parallel group "with
-context parallel") the ranks with the same ``(pp, tp)``: parameters are replicated over it, so
-gradients are reduced over it. Example, world 8 = dp 2 x cp 2 x tp 2: rank 5 is at dp 1, cp 0,
-tp 1; CP group [5, 7], DP group [1, 5], DP×CP group [1, 3, 5, 7], TP group [4, 5].
-
-**Expert parallelism** (``ep``, default 1) is not a fifth factor of the world: it is *folded* over
-the DP×CP ranks (``ep`` must divide ``dp·cp``), as Megatron-core does. Every DP×CP rank holds the
-same dense parameters and its own tokens; the experts of an MoE layer are the only parameters
-that are not replicated over DP×CP, so they are the ones sharded: each DP×CP group (in its order,
-cp fastest) is cut into consecutive **EP groups** of ``ep`` ranks that split the experts between
-them and exchange tokens by all-to-all, and the ranks with the same place in their EP group form
-an **expert-DP group** (``dp·cp/ep`` ranks holding the same experts), which sums the expert
-gradients. Folding costs no extra ranks: an MoE model's EP ranks still do data parallelism for
-the dense layers. Example, world 8 = dp 4 x tp 2, ep 2: rank 5 is at dp 2, tp 1; DP group
-[1, 3, 5, 7], EP group [5, 7], expert-DP group [1, 5]. With ``ep == 1`` the EP group is this rank
-alone (``ep_group`` is ``LOCAL``, :data:`minidist.comm.p2p.LOCAL`: no group, no collective;
-``None`` would be the world) and the expert-DP group is the DP×CP group.
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -63,14 +28,9 @@ def grid_layout(world_size: int, dp: int, pp: int = 1, tp: int = 1,
                 cp: int = 1, ep: int = 1) -> dict[str, list[list[int]]]:
     """The groups of each dimension as lists of global ranks, no processes needed.
 
-    Returns ``{"dp": [...], "pp": [...], "tp": [...], "cp": [...], "dp_cp": [...], "ep": [...],
-    "expert_dp": [...]}``, each a list of rank lists that partitions ``range(world_size)``
-    (``"dp_cp"``: the ranks that hold the same dense parameters, DP replicas and CP ranks
-    together; with ``cp == 1`` it is ``"dp"``; ``"ep"``/``"expert_dp"``: module docstring).
-
-    Raises:
-        ValueError: ``dp·pp·cp·tp != world_size``, a size < 1, or ``ep`` not dividing ``dp·cp``.
-    """
+    Returns ``{"dp", "pp", "tp", "cp", "dp_cp", "ep", "expert_dp": [[rank, ...], ...]}``, each a
+    partition of ``range(world_size)``. ValueError: ``dp·pp·cp·tp != world_size``, a size < 1, or
+    ``ep`` not dividing ``dp·cp``."""
     for name, n in zip(_DIMS + ("cp", "ep"), (dp, pp, tp, cp, ep)):
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"ProcessGrid: {name} must be an int >= 1, got {n!r}")
@@ -98,11 +58,7 @@ def grid_layout(world_size: int, dp: int, pp: int = 1, tp: int = 1,
 
 
 def _new_group(ranks: list[int]):
-    """``dist.new_group(ranks)``; under a two-level topology of the world
-    (:mod:`minidist.comm.topology`), with the sub-groups ``algorithm="hierarchical"`` needs when
-    the ranks sit evenly on the nodes they span (:func:`minidist.comm.hierarchical.new_group`), so
-    that ``auto`` may pick it on the grid's groups. Every rank calls it for every group, in the
-    same order, and decides alike (the topology is the same everywhere)."""
+    """``dist.new_group(ranks)``, with the hierarchical sub-groups under a two-level topology."""
     topo = topology.current()
     if topo is not None and topo.size == dist.get_world_size():
         if len({sum(1 for r in ranks if topo.node(r) == n) for n in {topo.node(r) for r in ranks}}) == 1:
@@ -111,33 +67,12 @@ def _new_group(ranks: list[int]):
 
 
 class ProcessGrid:
-    """This rank's place in a ``dp x pp x tp`` (``x cp``) grid and a process group per dimension.
+    """This rank's place in a ``dp x pp x cp x tp`` grid (``ep`` folded) and a group per dimension.
 
-    Every rank must construct it (``dist.new_group`` is collective), with the same sizes.
-    Attributes: ``dp_rank``, ``pp_rank``, ``tp_rank`` (coordinates = ranks inside each group),
-    ``dp_size``, ``pp_size``, ``tp_size``, ``dp_group``, ``pp_group``, ``tp_group``,
-    ``dp_ranks``/``pp_ranks``/``tp_ranks`` (global ranks of this rank's groups), ``grid``;
-    ``embedding_ranks`` / ``embedding_group``: the first and last stage of this rank's pipeline
-    (``embedding_group`` is None on the stages between, and when ``pp == 1``).
-
-    Context parallelism (``cp > 1``): ``cp_rank``, ``cp_size``, ``cp_group``, ``cp_ranks``, and
-    ``dp_cp_group`` / ``dp_cp_ranks`` (DP replicas and CP ranks: reduce gradients over it). With
-    ``cp == 1`` no group is created: ``cp_group`` is None (never pass it to a collective: None
-    means the world), ``dp_cp_group`` is ``dp_group``.
-
-    Expert parallelism (``ep``, folded over DP×CP; module docstring): ``ep_rank``, ``ep_size``,
-    ``ep_group``, ``ep_ranks``, ``expert_dp_rank``, ``expert_dp_size``, ``expert_dp_group``,
-    ``expert_dp_ranks``. With ``ep == 1``: ``ep_group`` ``LOCAL`` (the rank alone), the expert-DP group
-    is the DP×CP group. Every attribute exists at every size: nothing to ``getattr`` with a default.
-
-    Under a two-level topology (:mod:`minidist.comm.topology`) each group whose ranks sit evenly
-    on the nodes it spans is made with the sub-groups of ``algorithm="hierarchical"``.
-
-    Each group this rank belongs to holds gloo threads and sockets (12 threads per rank for a
-    ``dp 2 x pp 2`` grid, measured) until it is destroyed: a process that builds many grids (a
-    sweep, a test matrix) calls :meth:`close`, or uses the grid as a context manager. A closed
-    grid keeps its coordinates; its ``*_group`` attributes are gone (an ``AttributeError`` that
-    says so).
+    Every rank constructs it (collective) with the same sizes. For d in dp, pp, tp, cp, ep, expert_dp:
+    ``d_rank``, ``d_size``, ``d_group``, ``d_ranks``; also ``dp_cp_*``, ``embedding_*`` and ``grid``,
+    at every size (``cp == 1``: ``cp_group`` None, never a collective's group; ``ep == 1``: ``LOCAL``).
+    :meth:`close` (or ``with``) frees the groups' threads.
     """
 
     # set per dimension in __init__ (setattr over "dp", "pp", "tp"; with cp > 1 also "cp", "dp_cp")
@@ -198,10 +133,8 @@ class ProcessGrid:
                     self._own.append(group)
 
     def close(self) -> None:
-        """Destroy this rank's process groups of the grid (local: no rank waits for another) and
-        free their threads. Idempotent. Every collective on them must have finished: close after
-        the training function's last step, and after closing what runs on the groups (a
-        BucketedDDP's or a ShardedOptimizer's ``close()``, ``close_units`` of a fully_shard model)."""
+        """Destroy this rank's groups of the grid (local, idempotent) after every collective on them
+        has finished, and after closing what runs on them (a BucketedDDP, a ShardedOptimizer, ...)."""
         own, self._own = self._own, []
         for group in own:
             hierarchical.destroy_subgroups(group)

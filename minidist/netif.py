@@ -1,9 +1,5 @@
 """Network interfaces: which ones this machine has, and a check that ``GLOO_SOCKET_IFNAME`` /
-``NCCL_SOCKET_IFNAME`` name ones that exist — made by :func:`minidist.init` before it connects and
-by ``minidist doctor`` (a wrong name otherwise shows up as a failed or hanging
-``init_process_group``). Name rules: gloo's ``GLOO_SOCKET_IFNAME`` (exact names, comma-separated)
-and NCCL's ``NCCL_SOCKET_IFNAME`` (prefixes, ``=`` exact, ``^`` exclusions; NCCL environment
-variables documentation)."""
+``NCCL_SOCKET_IFNAME`` name ones that exist (:func:`minidist.init`, ``minidist doctor``)."""
 
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ __all__ = ["EnvError", "interfaces", "check_socket_ifnames"]
 
 
 class EnvError(RuntimeError):
-    """The environment describes an impossible or dangerous launch; the message says what to change.
-    Raised by :mod:`minidist.env` (launch variables) and here (interface names)."""
+    """The environment describes an impossible or dangerous launch; the message says what to change."""
 
 
 def interfaces() -> dict[str, str | None]:
@@ -38,19 +33,9 @@ def _ipv4_of(name: str) -> str | None:
 def check_socket_ifnames(environ=None, existing=None) -> None:
     """Fail early when ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name missing interfaces.
 
-    Gloo takes a comma-separated list of exact names; NCCL takes prefixes (``eth`` matches eth0),
-    ``=name`` for an exact name and ``^...`` for exclusions (never an error). Without this check a
-    wrong name shows up as a failed or hanging ``init_process_group``.
-
-    Args:
-        environ: mapping to read (``os.environ`` by default).
-        existing: interface names to check against (this machine's by default).
-
-    Raises:
-        EnvError: naming the variable, the interface and the interfaces that exist, e.g.
-            ``GLOO_SOCKET_IFNAME=doesnotexist0: no such network interface on host 'vm'; this
-            host has: eth0, lo``.
-    """
+    Gloo: comma-separated exact names; NCCL: prefixes, ``=name`` exact, ``^...`` exclusions (never an
+    error). ``environ`` (default ``os.environ``), ``existing`` (default: this machine's). EnvError
+    naming the variable, the interface and those that exist."""
     environ = os.environ if environ is None else environ
     existing = sorted(interfaces() if existing is None else existing)
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):

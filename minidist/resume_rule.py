@@ -1,17 +1,10 @@
 """The two rules of checkpoint generations, on a listing (no files): which generation a run
-resumes from, and which ones a save retires. :mod:`minidist.checkpoint_io` applies them to the
-folders it finds; course exercise 16 asks a learner to write them.
+resumes from, and which ones a save retires (:mod:`minidist.checkpoint_io` applies them; course
+exercise 16 asks a learner to write them). A listing is ``[(number, complete), ...]``;
+``verifies(number) -> bool`` is asked lazily (it reads every file). Keeping the newest good
+generations, not the newest, means a corrupt save never pushes out the last good one.
 
-A listing is ``[(number, complete), ...]`` in any order: ``complete`` is whether the generation
-has its manifest (a save that finished). Whether a complete generation's files still match the
-manifest is asked lazily, through ``verifies(number) -> bool``, because checking means reading
-every file of it.
-
-Sources: the same commit-then-pick protocol as ``torch.distributed.checkpoint`` (a checkpoint
-exists once its ``.metadata`` is written) and Megatron-LM (``latest_checkpointed_iteration.txt``
-names the newest finished save); keeping the newest *good* ones, not the newest ones, is what
-lets a corrupt save never push out the last good one.
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -23,14 +16,9 @@ __all__ = ["choose_generation", "generations_to_retire"]
 def choose_generation(listing: Iterable[tuple[int, bool]], generation: int | None = None,
                       fallback: bool = False,
                       verifies: Callable[[int], bool] = lambda n: True) -> int:
-    """The generation to resume from.
-
-    * ``generation`` given: that one, if complete;
-    * else the newest complete one (an unfinished newer save is skipped: it never finished);
-    * with ``fallback``, the newest complete one that ``verifies`` (a corrupt one is skipped).
-
-    Raises ``FileNotFoundError`` when the asked generation is not complete or when none is
-    complete, ``ValueError`` when every complete one fails ``verifies`` (with ``fallback``)."""
+    """The generation to resume from: ``generation`` if given and complete, else the newest complete
+    one; with ``fallback`` the newest complete one that ``verifies``. FileNotFoundError: the asked one
+    or every one incomplete; ValueError: none verifies (with ``fallback``)."""
     listing = list(listing)
     done = sorted(n for n, complete in listing if complete)
     if generation is not None:
@@ -50,10 +38,8 @@ def choose_generation(listing: Iterable[tuple[int, bool]], generation: int | Non
 
 def generations_to_retire(listing: Iterable[tuple[int, bool]], new: int, keep: int,
                           verifies: Callable[[int], bool] = lambda n: True) -> list[int]:
-    """The generations a save of ``new`` removes, oldest first: walking from the newest down,
-    ``new`` and then the complete ones that verify count as good until ``keep`` are counted;
-    everything older than the last one counted is removed. A corrupt or unfinished generation
-    does not count (it would push out a good one); it goes once it is older than that."""
+    """The generations a save of ``new`` removes, oldest first: everything older than the ``keep``-th
+    good one counting down from ``new`` (corrupt or unfinished ones do not count)."""
     good, out = 1, []
     for n, complete in sorted(listing, reverse=True):
         if n == new:

@@ -1,40 +1,14 @@
 """The state protocol: every object that carries training state is saved and restored one way.
 
-An object is **stateful** when it has ``state_dict()`` and ``load_state_dict(state)``, as
-``torch.optim.Optimizer`` and ``nn.Module`` do, and its state is *plain*: tensors, numbers,
-strings, ``None`` and lists/tuples/dicts of them, so that ``torch.load(weights_only=True)`` reads
-it back (no pickled classes: a checkpoint is data, not code). Its class attribute
-``checkpoint_scope`` says where the state lives:
+An object is stateful when it has ``state_dict()`` and ``load_state_dict(state)`` (as
+``torch.optim.Optimizer``, ``nn.Module``: ``torch.distributed.checkpoint``'s ``Stateful``) and its
+state is plain (tensors, numbers, strings, None, lists/tuples/dicts of them), so that
+``torch.load(weights_only=True)`` reads it. Its class attribute ``checkpoint_scope`` says where
+the state lives: ``"replicated"`` (the same on every rank, saved once, every rank's digest compared
+first) or ``"per_rank"`` (the default; saved in that rank's file, restored on the same world size).
+An object whose state holds each rank's model replica says so with ``holds_replica``.
 
-* ``"replicated"`` — the same on every rank of the group; saved once (rank 0's file). Before
-  anything is written, every rank's digest of it is compared, and replicas that differ are
-  refused on every rank, naming the object and the ranks.
-* ``"per_rank"`` (the default for an object that does not say) — each rank its own; saved in
-  that rank's file and given back to the same rank. It cannot be restored on another world size.
-
-The library's stateful objects and their scope:
-
-====================================================  ===========  ===============================
-object                                                scope        state
-====================================================  ===========  ===============================
-``DistributedSampler``                                per_rank     epoch, position
-``PowerSGD``                                          per_rank     step, Q, error feedback, RNG
-``TopK``                                              per_rank     error feedback
-``DiLoCo``                                            per_rank     anchor, outer optimizer, step in
-                                                                   the round; mid-round also this
-                                                                   rank's replica
-``MixedPrecision``                                    replicated   dtype, loss scale and its counter
-``ShardedOptimizer`` (ZeRO-1/2; consolidated)         replicated   the optimizer's full state
-``RNGTracker`` (TP dropout)                           per_rank     each named generator
-====================================================  ===========  ===============================
-
-Every rank's own random generators (CPU, CUDA, Python) are saved in its file without being
-named. An object whose state holds each rank's *model replica* (DiLoCo mid-round) says so with a
-true ``holds_replica``; otherwise a save whose model replicas differ is refused (see
-:func:`replica_digest`). The two methods are ``torch.distributed.checkpoint``'s ``Stateful``
-protocol (``torch/distributed/checkpoint/stateful.py``); the scope is minidist's: DCP, for
-comparison, saves a plain tensor once (it takes it to be replicated) and a DTensor per shard.
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -54,9 +28,8 @@ SCOPES = ("replicated", "per_rank")
 
 
 def scope_of(obj, name: str, where: str) -> str:
-    """``obj``'s ``checkpoint_scope`` ("per_rank" when it does not say). Raises ``TypeError``
-    naming ``name`` when ``obj`` has no ``state_dict``/``load_state_dict``, ``ValueError`` for an
-    unknown scope."""
+    """``obj``'s ``checkpoint_scope`` (default "per_rank"). TypeError naming ``name`` if ``obj`` is
+    not stateful; ValueError for an unknown scope."""
     if not (callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None))):
         raise TypeError(f"{where}: states[{name!r}] is a {type(obj).__name__}, which has no "
@@ -73,8 +46,7 @@ _PLAIN = (str, bytes, bool, int, float, complex)   # exactly these: numpy's scal
 
 
 def check_plain(value, path: str, where: str) -> None:
-    """Raise ``TypeError`` naming ``path`` if ``value`` holds anything but tensors, numbers,
-    strings, ``None`` and lists/tuples/dicts of them (what ``weights_only=True`` loads)."""
+    """TypeError naming ``path`` unless ``value`` is plain data (what ``weights_only=True`` loads)."""
     if value is None or type(value) in _PLAIN or isinstance(value, (torch.Tensor, torch.dtype,
                                                                      torch.device)):
         return
@@ -97,8 +69,7 @@ def check_plain(value, path: str, where: str) -> None:
 
 
 def check_extra(extra, where: str) -> None:
-    """Raise ``TypeError`` unless ``extra`` (a save's small dict: epoch, step, losses) is None or a
-    dict of plain data; the message names the key and points at ``states=`` for an object."""
+    """TypeError unless ``extra`` is None or a dict of plain data (objects go in ``states=``)."""
     if extra is None:
         return
     if not isinstance(extra, dict):
@@ -176,16 +147,9 @@ _HINTS = {
 
 def collect(states: dict | None, where: str, group=None, replicas: dict | None = None,
             check_replicated: bool = True, extra: dict | None = None) -> tuple[dict, dict]:
-    """``(replicated, per_rank)`` state dicts of ``states`` (``{name: stateful object}``), each
-    checked plain, as is the save's ``extra`` (:func:`check_extra`); collective over ``group``
-    (call it on every rank with the same names).
-
-    With ``check_replicated``, every replicated object's digest, and every entry of ``replicas``
-    (``{"the model": state dict, "the optimizer": state dict}``: what rank 0 alone will save), is
-    compared across ranks — except the model when an object :func:`holds_replica`. A difference
-    is a ``ValueError`` on every rank naming the object and the ranks that differ from rank 0.
-    Any error on one rank (not stateful, not plain) is raised on every rank, before anything is
-    written.
+    """``(replicated, per_rank)`` state dicts of ``states`` (``{name: stateful}``), checked plain;
+    collective over ``group``. With ``check_replicated`` replicated state and ``replicas`` are compared
+    across ranks; any difference or error is raised on every rank, before anything is written.
     """
     replicated, per_rank, error = {}, {}, None
     digests: dict = {}
@@ -225,10 +189,8 @@ def collect(states: dict | None, where: str, group=None, replicas: dict | None =
 
 def require(states: dict | None, saved: dict, where: str, file: str,
             saved_world: int | None = None, world: int | None = None) -> None:
-    """Check, before anything is loaded, that ``saved`` (``{name: state dict}``, both scopes
-    merged, as read by this rank) holds every object of ``states``. Raises ``ValueError`` when
-    the missing ones are per rank and ``saved_world`` ranks wrote them (this run has ``world``),
-    else ``KeyError`` naming them and ``file``."""
+    """Check that ``saved`` (``{name: state dict}``) holds every object of ``states``: ValueError
+    when missing per-rank ones come from another world size, else KeyError naming them and ``file``."""
     missing = [name for name in (states or {}) if name not in saved]
     if missing and saved_world is not None and saved_world != world:
         raise ValueError(f"{where}: states {missing} are per rank, saved by {saved_world} ranks; "

@@ -3,22 +3,11 @@
     tl = Timeline()
     with tl.record("backward"):
         loss.backward()
-    tl.events  # [Event(name="backward", start=0.0012, end=0.0410, lane="main", ...), ...]
 
-Times are seconds since the Timeline was created (``time.perf_counter``), per process: compare
-timelines of different ranks by their shapes, not by absolute clocks. ``lane`` groups events into
-rows of a plot (e.g. "compute" and "comm"); it defaults to the recording thread's name. Recording
-from several threads is safe (a DDP communication thread records beside backward).
+Times: seconds since the Timeline was created, per process; ``lane``: the plot row (default the
+thread's name). Bubble fraction: ``1 - (Σ_r busy_r) / (P · span)`` (Huang et al. 2019, §2.3).
 
-A pipeline's events (engine or simulator) are the same :class:`Event` with ``name`` the op —
-``"F"``/``"B"``/``"W"`` (compute) or ``"send"``/``"recv"``/``"wait"``/``"dp_sync"`` — and ``rank``,
-``mb`` (micro-batch) and ``stage`` set. **Bubble fraction**, the definition this course uses: over
-the span of the step (first event on any rank to the last), the fraction of time a rank does no
-compute, averaged over ranks, ``bubble = 1 - (Σ_r busy_r) / (P · span)``. Communication and
-waiting count as bubble. With equal stage costs, GPipe and 1F1B give ``(P-1)/(M+P-1)`` (Huang et
-al. 2019, §2.3; the ratio to compute alone, ``(P-1)/M``, is another common definition: Narayanan
-et al. 2021).
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -90,12 +79,7 @@ class Timeline:
 
 
 def align(events, t0s=None) -> list[Event]:
-    """Events of several ranks on one time axis, the earliest starting at 0, sorted by (rank, start).
-
-    ``events``: one list per rank (or one flat list). ``t0s``: with one list per rank, each rank's
-    clock at its start (``StepResult.t0``: the rank's events are relative to it), added first —
-    ranks on one machine share ``time.perf_counter``, so that puts them on one axis.
-    """
+    """Events of several ranks on one axis, earliest at 0, by (rank, start); ``t0s``: each rank's start."""
     per_rank = isinstance(events, (list, tuple)) and bool(events) and \
         isinstance(events[0], (list, tuple)) and not isinstance(events[0], Event)
     if t0s is not None:
@@ -163,16 +147,9 @@ def plot_timeline(events, title: str = "", lanes: list[str] | None = None, ax=No
                   time_unit: str | None = None, label_fontsize: int = 7):
     """Gantt chart of per-rank timelines, rank 0 on top. Returns the matplotlib Axes.
 
-    ``events``: a flat list of :class:`Event` (their ``rank``), or one list per rank (of Events
-    or ``(name, start, end[, lane])`` tuples).
-
-    * Pipeline timelines (events ``"F"``/``"B"``): one row per rank, bars labelled with the
-      micro-batch, communication as thin grey bars under the row (``show_comm``), the bubble
-      fraction in the title; times as given (``time_unit`` names them, default "s").
-    * Other timelines: one row per (rank, lane) (``lanes`` picks and orders them), bars coloured
-      by name prefix (backward, forward, all-reduce, wait, optimizer), zero-length events drawn as
-      ticks, bucket numbers on "all-reduce bN" bars (``labels``); times in ms.
-    """
+    ``events``: a flat list of :class:`Event`, or one list per rank (of Events or ``(name, start,
+    end[, lane])``). Pipeline timelines (``"F"``/``"B"``): one row per rank, the bubble fraction in
+    the title, times in ``time_unit``; others: one row per (rank, lane) (``lanes``), times in ms."""
     import matplotlib.pyplot as plt
 
     events = as_events(events)

@@ -6,16 +6,15 @@ Every module of both packages is parsed (``ast``), every import counted — at t
 function, or relative — and compared with the floor of the room it imports from:
 
 * the library, ``minidist``:
-  floor 0, the ground: ``env``, ``netif``, ``comm``, ``trace``, ``chrome_trace``, ``grid``, ``models``,
-  ``zoo`` (the bug switches every floor reads);
+  floor 0, the ground: ``env``, ``netif``, ``comm``, ``trace``, ``chrome_trace``, ``grid``, ``models``;
   floor 1, the launcher, the public collectives and checkpoint generations: ``collectives``,
   ``communicator``, ``launch``, ``checkpoint_io``;
   floor 2, the strategies: ``data_parallel``, ``tensor_parallel``, ``pipeline_parallel``,
   ``sharding``, ``hybrid``, ``expert_parallel``, ``context_parallel``
 * the course kit, ``minidist_course``, above the whole library, in sub-floors (3.0 < ... < 3.3):
-  3.0 ``references`` (the oracles), ``planner``, ``diagrams``, ``data``, ``text``; 3.1 ``bench``
-  (measures); 3.2 ``lessons``, ``grading``, ``exercises``, ``doctor`` (teach, grade, inspect);
-  3.3 ``cli``
+  3.0 ``references`` (the oracles), ``planner``, ``diagrams``, ``data``, ``text``, ``zoo`` (the bugs,
+  patched into the library from outside); 3.1 ``bench`` (measures); 3.2 ``lessons``, ``grading``,
+  ``exercises``, ``doctor`` (teach, grade, inspect); 3.3 ``cli``
 
 Importing down is allowed, and sideways within one (sub-)floor, but never both ways. The one
 module of the library that names the kit is ``minidist/__main__.py``: the door ``python -m
@@ -36,7 +35,7 @@ HOUSES = ("minidist", "minidist_course")
 FLOORS = {
     0: ("minidist.env", "minidist.netif", "minidist.comm", "minidist.trace", "minidist.chrome_trace",
         "minidist.backward",
-        "minidist.zoo",
+        "minidist.core",
         "minidist.grid", "minidist.models"),
     1: ("minidist.collectives", "minidist.communicator", "minidist.launch", "minidist.checkpoint_io",
         "minidist.resume_rule",
@@ -44,10 +43,10 @@ FLOORS = {
     2: ("minidist.data_parallel", "minidist.tensor_parallel", "minidist.pipeline_parallel",
         "minidist.sharding", "minidist.hybrid", "minidist.expert_parallel", "minidist.context_parallel"),
     3.0: ("minidist_course.references", "minidist_course.planner", "minidist_course.diagrams",
-          "minidist_course.data", "minidist_course.text"),
+          "minidist_course.data", "minidist_course.text", "minidist_course.zoo"),
     3.1: ("minidist_course.bench", "minidist_course.matrix", "minidist_course.problems"),
     3.2: ("minidist_course.lessons", "minidist_course.grading", "minidist_course.exercises",
-          "minidist_course.doctor"),
+          "minidist_course.doctor", "minidist_course.site"),
     3.3: ("minidist_course.cli", "minidist.__main__"),
 }
 FLOOR_OF = {name: floor for floor, names in FLOORS.items() for name in names}

@@ -1,35 +1,11 @@
 """Hierarchical (two-level) collectives: the slow links between nodes carry as little as possible.
 
-A group of W ranks spread over M nodes, L of its ranks on each (the installed
-:class:`~minidist.comm.topology.Topology` says which node a rank is on). Rank (m, l) is the l-th
-of the group's ranks on the m-th of its nodes (both in group-rank order). Two kinds of sub-group:
-the *intra* group of a node (its L ranks) and, for each l, the *inter* group of the M ranks
-(m, l), one per node. Each phase is a ring of :mod:`minidist.comm.ring` on one kind:
+On M nodes of L ranks: all-reduce = reduce-scatter inside the node, all-reduce of one piece across
+nodes, all-gather inside the node (n/L bytes cross instead of n); reduce-scatter and all-gather
+are its halves (Mikami et al. 2018, §3.2). Each phase is a ring on a sub-group; a group's
+sub-groups are made once (:func:`new_group` for a group smaller than the world).
 
-* **all-reduce** = reduce-scatter inside the node (rank (m, l) ends with piece l of the node's sum)
-  -> all-reduce of piece l across the nodes (among the M ranks holding it) -> all-gather inside
-  the node. Per rank: 2(L-1)/L · n bytes over intra links and 2(M-1)/M · n/L over inter links,
-  where a flat ring of W ranks sends 2(W-1)/W · n, every step waiting on the slowest (inter) link;
-* **reduce-scatter** = reduce-scatter inside the node (of super-pieces: piece l' of the node's
-  sum holds the M pieces destined for ranks (·, l')) -> reduce-scatter across nodes;
-* **all-gather** = all-gather across nodes first (each rank's piece crosses once per node) ->
-  all-gather inside the node (of super-pieces of M pieces): the mirror of reduce-scatter.
-
-Sources: the two-level / "2D-torus" all-reduce of Mikami et al. 2018 ("Massively distributed SGD:
-ImageNet/ResNet-50 training in a flash", §3.2) and Jia et al. 2018 ("Highly scalable deep
-learning training system with mixed-precision", §4.3, hierarchical all-reduce); NCCL's
-``NCCL_ALGO=CollnetChain/NVLS`` and tree algorithms split intra- from inter-node the same way; the
-Ultra-Scale Playbook (Hugging Face, 2025), "A1: Distributed training primer" on why the inter-node
-link sets the pace.
-
-Sub-groups: ``dist.new_group`` is collective over the *world* (every rank calls it, member or
-not), and each gloo group keeps threads of its own, so they are made once per (group, node
-layout) and remembered. The world's are made at its first hierarchical call (every rank is in
-it); a smaller group's sub-groups must be made when the group is, on every rank of the world:
-:func:`new_group`. Errors (every rank of the group raises the same, before any message): no
-topology installed, a group made by plain ``dist.new_group``, a group with different numbers of
-its ranks on different nodes.
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -47,9 +23,8 @@ __all__ = ["Layout", "layout", "check", "available", "new_group", "destroy_subgr
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a group's ranks sit: ``where[r] = (m, l)`` for group rank r, ``rank_of[m][l]`` the
-    group rank at (m, l); M nodes, L ranks on each. ``intra``/``inter``: this rank's sub-groups
-    (None where the phase is skipped: L = 1, M = 1; the group itself where it is the sub-group)."""
+    """Where a group's ranks sit: ``where[r] = (m, l)``, ``rank_of[m][l]``; M nodes, L ranks each;
+    ``intra``/``inter``: this rank's sub-groups (None where a phase is skipped)."""
 
     M: int
     L: int
@@ -77,8 +52,7 @@ _made: dict = {}   # (id(group), nodes, ranks_per_node) -> (weakref to the group
 
 
 def _remember(pg, key, lay: Layout) -> None:
-    """Keep ``lay`` (and its sub-groups) while ``pg`` lives: the group is held weakly, and when it
-    goes its sub-groups are dropped too (their gloo threads with them)."""
+    """Keep ``lay`` and its sub-groups while ``pg`` lives (held weakly)."""
     _made[key] = (weakref.ref(pg), lay)
     if pg is not dist.GroupMember.WORLD:
         weakref.finalize(pg, _made.pop, key, None)
@@ -99,8 +73,7 @@ def _where(opname: str) -> str:
 
 
 def check(opname: str, group=None) -> topology.Topology:
-    """Raise, naming the rank and ``opname``, what makes ``algorithm="hierarchical"`` unusable on
-    ``group``; the topology otherwise. The same on every rank of the group."""
+    """Raise, the same on every rank, what makes ``"hierarchical"`` unusable on ``group``; else the topology."""
     topo = topology.current()
     if topo is None:
         raise ValueError(f"{_where(opname)}: algorithm='hierarchical' needs a two-level topology "
@@ -184,11 +157,8 @@ def layout(group=None) -> Layout:
 
 
 def new_group(ranks: list[int]):
-    """``dist.new_group(ranks)`` and the sub-groups ``algorithm="hierarchical"`` needs on it,
-    under the installed topology: call it on every rank of the world with the same ``ranks``
-    (global ranks), as ``dist.new_group``. Returns the group (``GroupMember.NON_GROUP_MEMBER`` on
-    the ranks outside it). ValueError when no topology is installed or ``ranks`` put different
-    numbers of ranks on different nodes."""
+    """``dist.new_group(ranks)`` plus the sub-groups ``"hierarchical"`` needs; call it on every rank of
+    the world with the same global ``ranks``. ValueError: no topology installed, or uneven nodes."""
     topo = topology.current()
     if topo is None:
         raise ValueError(f"hierarchical.new_group (rank {dist.get_rank()}): no topology is "
@@ -203,9 +173,7 @@ def new_group(ranks: list[int]):
 
 
 def destroy_subgroups(group) -> None:
-    """Destroy the sub-groups :func:`new_group` made for ``group`` on this rank (local; their
-    threads go with them) and forget them; nothing when it made none. Every collective on them
-    must be done."""
+    """Destroy (locally) and forget the sub-groups :func:`new_group` made for ``group``."""
     pg = group if group is not None else dist.GroupMember.WORLD
     for key in [k for k, (ref, _) in _made.items() if ref() is pg]:
         lay = _made.pop(key)[1]
@@ -218,8 +186,7 @@ def destroy_subgroups(group) -> None:
 
 
 def all_reduce(flat: torch.Tensor, op: str, rank: int, world: int, group=None) -> None:
-    """Two-level all-reduce of a contiguous 1-D tensor, in place (``avg`` left to the caller);
-    every rank ends with bit-identical values (each phase's ring does)."""
+    """Two-level all-reduce of a contiguous 1-D tensor, in place, bit-identical on every rank."""
     lay = _layout_of(group, "all_reduce")
     m, l_ = lay.where[rank]
     chunks = list(flat.tensor_split(lay.L)) if lay.L > 1 else [flat]
@@ -233,8 +200,7 @@ def all_reduce(flat: torch.Tensor, op: str, rank: int, world: int, group=None) -
 
 def reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, rank: int, world: int,
                           group=None) -> None:
-    """In place: ``chunks[rank]`` ends with the reduction of every rank's ``chunks[rank]``
-    (W contiguous 1-D tensors, sizes as every rank passes them; the others are scratch)."""
+    """In place: ``chunks[rank]`` ends with the reduction of every rank's ``chunks[rank]``."""
     lay = _layout_of(group, "reduce_scatter")
     m, l_ = lay.where[rank]
     if lay.L > 1:

@@ -1,13 +1,8 @@
 """Naive (linear) algorithms: one root talks to everyone. Simple, correct, and slow at scale.
 
-* all-reduce = reduce to rank 0, then broadcast from rank 0: rank 0 receives and sends
-  (W-1)·N elements, so its link is the bottleneck and the time grows linearly with W;
-* reduce: the root receives from every rank in rank order (a deterministic summation order);
-* broadcast: the root sends the whole tensor to each rank in turn;
-* all-gather / reduce-scatter: every rank sends directly to every other rank.
-
-These are the baselines the ring and the tree are measured against (``minidist bench``).
-"""
+All-reduce = reduce to rank 0, then broadcast (rank 0 moves (W-1)·N elements each way); reduce in
+rank order; all-gather / reduce-scatter: every rank sends to every other. The baselines of
+``minidist bench``."""
 
 from __future__ import annotations
 
@@ -18,12 +13,7 @@ from .ops import combine_, scratch_buffer
 
 
 def reduce(flat: torch.Tensor, op: str, dst: int, rank: int, world: int, group=None) -> None:
-    """Linear reduce to ``dst`` (in place on ``dst``; other ranks' tensors are unchanged).
-
-    The root adds the W-1 tensors in rank order, with two receive slots: the next tensor is
-    already arriving while the root adds the one before (measured on 3-4 ranks sharing two cores,
-    1-16 MiB: 5-12 % less time than one slot, received one after another).
-    """
+    """Linear reduce to ``dst`` (in place on ``dst``), adding in rank order with two receive slots."""
     if rank != dst:
         p2p.send(flat, dst, group)
         return

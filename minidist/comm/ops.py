@@ -1,12 +1,8 @@
 """Reduction operators, input checks and the cross-rank debug check shared by all algorithms.
 
-Rules (the same on every backend, unlike history: one backend once summed where it should average):
-
-* ``sum``, ``max``, ``min`` work for floating and integer dtypes; ``max``/``min`` also for bool;
-* ``avg`` is ``sum`` then a division by the world size, for floating dtypes only: an integer
-  average would silently truncate, so it raises ``TypeError`` (use ``sum`` and divide yourself);
-* torch's ``dist.ReduceOp.SUM`` etc. are accepted as well as the strings.
-"""
+``sum``, ``max``, ``min`` for floating and integer dtypes (``max``/``min`` also bool); ``avg`` is
+``sum`` then a division by the world size, floating dtypes only (TypeError otherwise); torch's
+``dist.ReduceOp`` values are accepted as well as the strings."""
 
 from __future__ import annotations
 
@@ -62,10 +58,7 @@ _scratch = threading.local()
 
 
 def scratch_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
-    """A reusable receive buffer of ``numel`` elements of ``like``'s dtype and device, one per
-    thread (a DDP communication thread has its own). Fresh allocations of tens of MiB cost a page
-    fault per 4 KiB page on every call: at 64 MiB that was a third of a recursive-doubling
-    all-reduce. The contents are garbage; no algorithm may return it or hold it across a call."""
+    """A reusable per-thread receive buffer of ``numel`` elements like ``like`` (garbage contents)."""
     key = (like.dtype, like.device)
     bufs = getattr(_scratch, "bufs", {})
     buf = bufs.get(key)
@@ -92,9 +85,7 @@ def finish_avg_(tensor: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
 
 
 class contiguous:
-    """``with contiguous(t) as work:`` a contiguous tensor to work on; if a copy was needed, the
-    result is copied back into ``t`` (in place) when the block ends without an error. (A class,
-    not a generator: every collective enters one.)"""
+    """``with contiguous(t) as work:`` a contiguous tensor to work on, copied back into ``t`` if needed."""
 
     __slots__ = ("tensor", "work", "copy_back")
 
@@ -120,11 +111,7 @@ def debug_enabled(debug: bool | None) -> bool:
 
 
 def check_same_across_ranks(opname: str, group, **fields) -> None:
-    """Exchange ``fields`` (shape, dtype, op, root, ...) and raise on every rank if they differ.
-
-    Runs before any data moves, so a mismatch is an error that names every rank's values
-    instead of a gloo abort, an NCCL hang, or garbage.
-    """
+    """Exchange ``fields`` (shape, dtype, op, root, ...) and raise on every rank if they differ."""
     world = dist.get_world_size(group)
     mine = tuple(sorted((k, str(v)) for k, v in fields.items()))
     everyone: list = [None] * world
@@ -139,15 +126,8 @@ def check_same_across_ranks(opname: str, group, **fields) -> None:
 
 
 def check_sizes_agree(opname: str, group, sizes, device=None, root: int | None = None) -> None:
-    """Raise on every rank if the ranks passed different per-rank sizes; always on, and cheap.
-
-    ``sizes``: the element count of each of this rank's W pieces (all_gather, reduce_scatter) or
-    of its one tensor (broadcast, with ``root`` the rank whose size is the right one). To gloo, a receive buffer larger than the message that arrives
-    is not an error (the rest of the buffer keeps its old values), so without this check one rank
-    could silently keep a stale element. The check is one all-reduce (max) of 2·len(sizes) int64
-    values, each size and its negation: max(s) == -max(-s) for every entry exactly when every rank
-    passed the same list. Only when they differ are the lists gathered, to name the ranks.
-    """
+    """Raise on every rank if the ranks passed different per-rank ``sizes`` (one all-reduce of
+    2·len(sizes) int64; always on: gloo silently accepts a too-large receive buffer)."""
     world = dist.get_world_size(group)
     if world == 1:
         return
@@ -175,10 +155,7 @@ def check_sizes_agree(opname: str, group, sizes, device=None, root: int | None =
 
 
 def check_exchange_sizes(opname: str, group, send_sizes, recv_sizes, device=None) -> None:
-    """all_to_all's cheap, always-on check: rank r sends ``send_sizes[j]`` elements to rank j,
-    which must expect exactly that many from r (its ``recv_sizes[r]``); else a receive buffer
-    larger than its message would silently keep stale elements. One all-gather of 2W int64 per
-    rank, before any data moves; every rank sees the same table and raises the same error."""
+    """all_to_all's always-on check that rank j expects from r exactly ``send_sizes[j]`` elements."""
     world = dist.get_world_size(group)
     if world == 1:
         return

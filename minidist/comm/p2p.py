@@ -1,28 +1,14 @@
 """Point-to-point send/recv: the only primitives minidist's collectives are built from.
 
-Every call is recorded, per process:
+Every call is recorded per process: traffic counters (bytes and messages, keyed by the running
+collective, ``"all_reduce/ring"``, ``"p2p"`` outside one) and the current operation (op, peer,
+bytes, sequence number; in shared memory under :func:`minidist.run`, so a timeout can say who
+waited on whom). Peers are group ranks; this module checks them itself (errors naming rank, op
+and peer) and calls the group's own ``send``/``recv``. Empty tensors are never sent. CUDA tensors
+on gloo go through :mod:`minidist.comm.staging`; under a two-level topology each send is paced to
+its link's class (:mod:`minidist.comm.topology`).
 
-* **traffic counters** — bytes and messages sent and received, keyed by the collective that is
-  running (``"all_reduce/ring"``, ``"broadcast/tree"``, ...; ``"p2p"`` outside any collective), so
-  a lesson can check that a ring all-reduce sends ``2(W-1)/W · N`` elements per rank;
-* **the current operation** — op, peer, bytes and a per-rank sequence number. When
-  :func:`minidist.run` is driving the ranks, this lives in shared memory, so that when a run times
-  out the launcher can say which rank was waiting, in which op, on which peer.
-
-Peers are *group* ranks (the rank inside ``group``), like every other minidist API, and go to the
-group's own ``send``/``recv`` (what ``dist.isend``/``dist.irecv`` call once they have checked
-their arguments; this module checks them itself, with errors that name rank, op and peer, and
-skips torch's second pass: on a 1 KiB message that pass was a tenth of the time of an exchange
-between two ranks). Empty tensors are never sent:
-gloo cannot send zero bytes, and both sides of a pair always agree that the message is empty.
-CUDA tensors on a gloo group (ranks sharing a GPU) travel through a reusable CPU buffer:
-:mod:`minidist.comm.staging`.
-
-While a two-level topology is installed (:mod:`minidist.comm.topology`), every message sent is
-paced to its link's class (intra- or inter-node) before gloo sees it, and its bytes are counted
-per class (``Traffic.bytes_sent_inter`` / ``bytes_sent_intra``); without one the send path pays a
-single attribute check.
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -46,9 +32,8 @@ __all__ = [
 
 @dataclass
 class Traffic:
-    """Bytes and messages one rank sent and received (one row per collective name);
-    ``bytes_sent_inter`` / ``bytes_sent_intra``: of the bytes sent, those over a link between
-    nodes / inside a node (counted only while a topology is installed: :mod:`.topology`)."""
+    """Bytes and messages one rank sent and received (one row per collective name); ``*_inter`` /
+    ``*_intra``: bytes sent between / inside nodes (only while a topology is installed)."""
 
     bytes_sent: int = 0
     bytes_recv: int = 0
@@ -101,8 +86,7 @@ def publish(text: str) -> None:
 
 
 def progress() -> tuple[int, str]:
-    """``(collectives finished by this rank's main thread, what it last published)``: what the
-    launcher reports of a rank that returned (or failed) while the others were still in one."""
+    """``(collectives finished by the main thread, what it last published)``, for the launcher."""
     return _state.collectives, _state.last
 
 
@@ -111,8 +95,7 @@ def _scope_name() -> str:
 
 
 class collective:
-    """Attribute the p2p calls inside the block to collective ``name`` (e.g. ``"all_reduce/ring"``):
-    ``with collective(name): ...``. (A class, not a generator: every collective enters one.)"""
+    """``with collective("all_reduce/ring"):`` attributes the p2p calls inside to that name."""
 
     __slots__ = ("name",)
 
@@ -171,10 +154,7 @@ always the world; a layer that can run with no communication at all (MoE's ``ep_
 
 
 def group_rank_world(group=None) -> tuple[int, int]:
-    """``(rank in group, group size)``, the one meaning of ``group=None`` in the library: the
-    world. ``LOCAL``: ``(0, 1)``, this process alone. Without an initialised process group this
-    process is alone, ``(0, 1)``; a ``group`` given then is a ``RuntimeError`` (a group cannot
-    exist without a world)."""
+    """``(rank in group, group size)``; None is the world, ``LOCAL`` and no world ``(0, 1)``."""
     if group is LOCAL:
         return 0, 1
     if not dist.is_initialized():
@@ -185,10 +165,7 @@ def group_rank_world(group=None) -> tuple[int, int]:
 
 
 def destroy_group(group) -> None:
-    """Destroy ``group`` on this rank (``dist.destroy_process_group``, local: no rank waits for
-    another), idempotent. Its gloo threads and sockets go once the last reference to the group
-    object is dropped (the library's own memories of groups hold them weakly). Every collective
-    on the group must be done."""
+    """Destroy ``group`` on this rank (local, idempotent) once every collective on it is done."""
     if group is None or not isinstance(group, dist.ProcessGroup):
         return                     # the world (not destroyed here) or a non-member's placeholder
     _groups.pop(id(group), None)
@@ -199,11 +176,7 @@ def destroy_group(group) -> None:
 
 
 def rank_and_size(group=None) -> tuple[int, int]:
-    """``(dist.get_rank(group), dist.get_world_size(group))``, remembered per process group.
-
-    Every message asks; torch's two calls walk the default-group lookups each time (about 1 µs
-    alone, several inside a rank whose gloo threads share the cores), so the pair is kept per
-    group object. A re-initialised world is a new object, so it is asked afresh."""
+    """``(dist.get_rank(group), dist.get_world_size(group))``, remembered per group object."""
     pg = group if group is not None else dist.GroupMember.WORLD
     hit = _groups.get(id(pg))
     if hit is None or hit[0]() is not pg:
@@ -267,11 +240,8 @@ class _Done:
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, _kind: str = "isend"):
-    """Non-blocking send of ``tensor`` to group rank ``dst``. Returns a Work (``.wait()``).
-
-    Raises:
-        ValueError: ``dst`` is this rank or not a rank of ``group``; the tensor is not contiguous.
-    """
+    """Non-blocking send of ``tensor`` to group rank ``dst``; returns a Work. ValueError: ``dst`` is
+    this rank or not in ``group``; a non-contiguous tensor."""
     _check(tensor, _kind, dst, group)
     if tensor.numel() == 0:
         return _Done()
@@ -292,10 +262,7 @@ def _shape(tensor: torch.Tensor, dst: int, group) -> None:
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, _kind: str = "irecv"):
     """Non-blocking receive into ``tensor`` (contiguous, preallocated) from group rank ``src``.
-
-    Raises:
-        ValueError: ``src`` is this rank or not a rank of ``group``; the tensor is not contiguous.
-    """
+    ValueError: ``src`` is this rank or not in ``group``; a non-contiguous tensor."""
     _check(tensor, _kind, src, group)
     if tensor.numel() == 0:
         return _Done()
@@ -313,8 +280,7 @@ def wait_all(works) -> None:
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
-    """Blocking send. Two ranks that both ``send`` before they ``recv`` deadlock (gloo's send
-    waits for the matching receive). Raises like :func:`isend`."""
+    """Blocking send (two ranks that both send first deadlock). Raises like :func:`isend`."""
     wait_all([isend(tensor, dst, group, tag, _kind="send")])
 
 
@@ -324,14 +290,7 @@ def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
 
 
 def exchange(send_tensor, dst: int, recv_tensor, src: int, group=None) -> None:
-    """Send to ``dst`` and receive from ``src`` at the same time, then wait for both.
-
-    Posting both before waiting is what keeps a ring from deadlocking: with blocking sends every
-    rank would wait for its right neighbour to receive while that neighbour is itself sending.
-    Either order of the two posts is correct; the send goes first because on gloo it was the
-    faster order (two ranks on loopback, 1 KiB - 1 MiB: about 10-20 % less time per exchange;
-    gloo sends a message only once the peer's receive is known to be posted).
-    """
+    """Send to ``dst`` and receive from ``src``, both posted before waiting for both."""
     works = []
     if send_tensor is not None:
         works.append(isend(send_tensor, dst, group))

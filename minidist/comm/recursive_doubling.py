@@ -1,16 +1,8 @@
 """Recursive-doubling all-reduce: log2(W) rounds, each a pairwise exchange of all N elements.
 
-Round k, rank r exchanges its partial result with rank r XOR 2^k and combines. The latency term is
-alpha·log2(W) against the ring's alpha·2(W-1): better for small messages. The bandwidth term is
-worse (N·log2(W) elements sent per rank against the ring's 2(W-1)/W·N), so the ring wins for large
-ones (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in
-MPICH", §4). This is not NCCL's "Tree" (a pipelined double binary tree).
-
-With W not a power of two the extra ranks fold in first: of the first 2·rem ranks
-(rem = W - 2^floor(log2 W)), each even rank hands its data to the odd rank above it and waits for
-the final result. Partners combine in the same order on both sides, so every rank ends with
-bit-identical values.
-"""
+Round k, rank r exchanges with r XOR 2^k: latency alpha·log2(W), bandwidth N·log2(W) per rank, so
+it wins for small messages (Thakur, Rabenseifner & Gropp 2005, §4). Off a power of two, the first
+2·rem ranks fold in first (even hands to odd). Every rank ends bit-identical."""
 
 from __future__ import annotations
 

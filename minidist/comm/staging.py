@@ -1,29 +1,14 @@
 """Staging: move a CUDA tensor through a reusable (pinned) CPU buffer when the transport is gloo.
 
-Gloo's point-to-point ``send``/``recv`` take CPU tensors only. When several ranks share one GPU
-(``minidist.run(fn, W, device="cuda")``: each rank computes on the GPU, gloo carries the bytes),
-every message a collective, DDP, TP, PP or sharding sends is a CUDA tensor. This module is the ONE
-place where that is handled, and :mod:`minidist.comm.p2p` calls it for every non-empty message:
+Gloo's ``send``/``recv`` take CPU tensors only; when ranks share a GPU (``device="cuda"``) every
+message is a CUDA tensor. :mod:`minidist.comm.p2p` calls this module for each one: a send copies
+the tensor into a CPU buffer (synchronous), a receive copies the buffer into the tensor when its
+Work is waited on. Buffers come from a pool (pinned for GPU tensors: one DMA per copy) and are
+reused. CPU tensors, and CUDA tensors on NCCL, go straight through. Without a GPU the path is
+tested with ``staging.forced()`` or ``MINIDIST_FORCE_STAGING=1``; :func:`stats` counts buffers,
+bytes and messages staged.
 
-* send: copy the tensor into a CPU buffer (device -> host, synchronous: the copy waits for the
-  kernels that produced the tensor on the current stream), then send the buffer;
-* receive: into a CPU buffer; when the Work is waited on, copy the buffer into the
-  CUDA tensor (host -> device, synchronous) and give the buffer back.
-
-Buffers come from a pool and are reused: a buffer is lent for one message and returned when its
-Work completes, so a collective that has k messages in flight at once holds k buffers, and the
-same collective called again allocates nothing. Buffers are page-locked ("pinned") when the tensor
-is on a GPU: a copy from pageable memory goes through a driver bounce buffer first, a copy from
-pinned memory is one DMA (CUDA C++ Best Practices Guide, "Pinned Memory").
-
-Tensors already on the CPU go straight to gloo, and with NCCL CUDA tensors go straight to NCCL;
-staging is used only for non-CPU tensors on a non-NCCL group. To test this path on a machine
-without a GPU, force staging for CPU tensors too: ``with staging.forced(): ...`` or the
-environment variable ``MINIDIST_FORCE_STAGING=1`` (read at a process's first message,
-and again after :func:`reset`).
-
-:func:`stats` counts buffers allocated, bytes allocated and messages staged, per process.
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -40,12 +25,8 @@ _MIN_BYTES = 4096  # smallest buffer: small messages (headers, sizes) share one 
 
 
 class StagingPool:
-    """Free CPU byte buffers, pinned and pageable kept apart; lend the smallest that fits.
-
-    When no free buffer fits, a new one of the next power of two is allocated, and the largest
-    free buffer that was too small is dropped: the pool holds at most as many buffers as there
-    were messages in flight at once, each at most twice the largest message.
-    """
+    """Free CPU byte buffers, pinned and pageable apart; lend the smallest that fits, else allocate
+    the next power of two (dropping the largest too-small free one)."""
 
     def __init__(self):
         self._free = {True: [], False: []}
@@ -116,8 +97,7 @@ def _forced() -> bool:
 
 
 def needs_staging(tensor: torch.Tensor, group=None) -> bool:
-    """True when ``tensor`` must go through a CPU buffer: not on the CPU and the group is not NCCL
-    (or staging is forced, see :func:`forced`)."""
+    """True when ``tensor`` must go through a CPU buffer (not CPU, not NCCL, or :func:`forced`)."""
     if tensor.device.type == "cpu":
         return _forced()
     return _forced() or dist.get_backend(group) != "nccl"
@@ -130,8 +110,7 @@ def _byte_view(buf: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _StagedWork:
-    """The Work of a staged message: on completion, copy a received buffer into the real tensor
-    and return the buffer to the pool. ``wait`` and ``is_completed`` behave like torch's Work."""
+    """A staged message's Work: on completion the buffer is copied in and returned to the pool."""
 
     def __init__(self, work, buf, target=None):
         self._work, self._buf, self._target = work, buf, target
@@ -158,9 +137,7 @@ class _StagedWork:
 
 
 def _post(kind: str, tensor: torch.Tensor, peer: int, group, tag: int):
-    """``group.send``/``group.recv`` of one tensor to/from group rank ``peer``: what
-    ``dist.isend``/``dist.irecv`` call after their own checks (p2p has made them already: a
-    tensor, a valid peer, a member of the group), without the global-rank translation."""
+    """``group.send``/``group.recv`` of one tensor to/from group rank ``peer`` (p2p has checked it)."""
     pg = group if group is not None else dist.GroupMember.WORLD
     if pg is None:
         raise RuntimeError(f"{kind}: the default process group is not initialised; run inside "
@@ -182,8 +159,7 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
-    """Non-blocking receive from group rank ``src`` into ``tensor``, through a CPU buffer when
-    needed; the data lands in ``tensor`` when the returned Work is waited on."""
+    """Non-blocking receive into ``tensor``, through a CPU buffer if needed (filled at ``wait``)."""
     if not needs_staging(tensor, group):
         return _post("recv", tensor, src, group, tag)
     buf = _pool.acquire(tensor.numel() * tensor.element_size(), pin=tensor.is_cuda)
@@ -192,8 +168,7 @@ def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
 
 
 def stats() -> dict:
-    """This process's staging counters: ``allocations``, ``bytes_allocated``, ``staged_sends``,
-    ``staged_recvs``, ``free_buffers``."""
+    """This process's staging counters (allocations, bytes, staged sends/recvs, free buffers)."""
     return dict(allocations=_pool.allocations, bytes_allocated=_pool.bytes_allocated,
                 staged_sends=_pool.staged_sends, staged_recvs=_pool.staged_recvs,
                 free_buffers=_pool.held())

@@ -1,14 +1,8 @@
 """Every background thread the library starts is stopped and joined before its process group goes.
 
-:class:`minidist.communicator.CommThread` (the one communication thread BucketedDDP, ZeRO-2 and
-FSDP's prefetch use) runs collectives on a thread of its own. Each stops when its owner is closed
-or garbage-collected — but an owner that is still alive when the rank ends (a model returned from the training function,
-a module-level optimizer) would keep its thread inside gloo while ``destroy_process_group`` and
-interpreter exit tear gloo down under it: the process then aborts with C++'s ``terminate called
-without an active exception`` (SIGABRT). So every such thread is registered here with its stop
-function; :func:`stop_all` stops and joins them all — the launcher calls it before destroying the
-process group, and it runs at interpreter exit (``atexit``) for scripts.
-"""
+A communication thread still inside gloo while ``destroy_process_group`` or interpreter exit tears
+gloo down aborts the process (SIGABRT). Such threads register here with their stop function;
+:func:`stop_all` stops and joins them (the launcher calls it, and ``atexit``)."""
 
 from __future__ import annotations
 
@@ -37,8 +31,7 @@ def live() -> list[str]:
 
 
 def stop_all(timeout: float = 10.0) -> list[str]:
-    """Stop every registered thread and join it (each finishes the collective it is in); returns
-    the names of those still alive after ``timeout`` seconds in all (empty when all stopped)."""
+    """Stop and join every registered thread; returns the names still alive after ``timeout`` s."""
     with _LOCK:
         items, _LIVE[:] = list(_LIVE), []
     for _, stop in items:

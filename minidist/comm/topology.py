@@ -1,43 +1,12 @@
 """A two-level cluster on one machine: ranks grouped into nodes, two classes of link, and a
 software shaper that makes the slow class slow.
 
-A real cluster has fast links inside a node (NVLink, hundreds of GB/s) and slow ones between
-nodes (InfiniBand or Ethernet, tens of GB/s, and a larger latency). Under :func:`minidist.run`
-every rank is a process on one machine and every message crosses loopback, so every link is
-alike. A :class:`Topology` says which ranks share a node — ``nodes × ranks_per_node`` ranks, global
-rank ``r`` on node ``r // ranks_per_node`` — and gives each class of link (``"intra"``, between
-ranks of one node; ``"inter"``, between nodes) an alpha-beta cost (Hockney 1994): ``alpha``
-seconds per message plus ``beta = 1 / bandwidth`` seconds per byte.
+A :class:`Topology` puts ``nodes × ranks_per_node`` ranks on nodes and gives the ``"intra"`` and
+``"inter"`` links an alpha-beta cost. Install it (``install("2x2:inter=1e-4,2e8")``, ``use(...)``
+or ``MINIDIST_TOPOLOGY``) before :func:`minidist.run`; :func:`pace` then delays each of minidist's
+own sends until its link is free (after NCCL's ``src/graph/topo.cc``, ``tuning.cc``).
 
-Installing one (every rank must see the same):
-
-* ``install(Topology(2, 2, inter=Link(1e-4, 2e8)))`` or ``install("2x2:inter=1e-4,2e8")`` in the
-  process that calls :func:`minidist.run`, or ``with use(...):`` around the call. It also sets
-  ``$MINIDIST_TOPOLOGY``, and every rank reads that variable when it starts (a forked or spawned
-  rank alike; a rank started by torchrun reads it at its first message);
-* or export ``MINIDIST_TOPOLOGY`` yourself. Its form: ``NODESxRANKS_PER_NODE`` then, optionally,
-  ``:inter=ALPHA,BANDWIDTH`` and/or ``:intra=ALPHA,BANDWIDTH``, with ALPHA in seconds and
-  BANDWIDTH in bytes per second (``inf``: unlimited). A link not named is unshaped.
-
-The shaper (:func:`pace`, called by :mod:`minidist.comm.p2p` for every message it sends while a
-topology is installed): the sender looks up the class of the link to the receiver (global ranks
-of both) and waits, *before* it hands the message to gloo, until that class's link of this rank
-is free and the message has had ``alpha + nbytes · beta`` of it. Each rank has one link of each
-class (one NIC, as each GPU of a DGX node has its own); back-to-back messages queue on it, so a
-stream of messages leaves at no more than ``bandwidth`` bytes/s and each pays ``alpha`` (a token
-bucket of depth zero, kept as the time the link is next free). The traffic counters count the
-bytes sent over each class (``Traffic.bytes_sent_inter`` / ``bytes_sent_intra``).
-
-What it is not: an emulation, added to loopback's own cost (a few GB/s; give the inter link a
-bandwidth well below it for the shaping to dominate), on the sender only (the receiver does not
-pay), and only for minidist's own point-to-point messages: ``torch.distributed``'s collectives
-(``dist.all_reduce`` and the rest, also the size checks minidist's collectives run through them)
-go straight to gloo and are not shaped. Linux's ``tc netem`` on a virtual interface per node
-would shape everything, at the price of root and a network namespace per node.
-
-Source of the two-level picture: NCCL's topology detection (``src/graph/topo.cc``: NVLink within
-a node, NET between nodes) and its cost model per link type (``src/graph/tuning.cc``).
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -60,8 +29,7 @@ CLASSES = ("intra", "inter")
 
 @dataclass(frozen=True)
 class Link:
-    """One class of link: ``alpha`` seconds per message, ``bandwidth`` bytes per second
-    (``math.inf``: no limit). The default, ``Link()``, is unshaped."""
+    """One class of link: ``alpha`` s per message, ``bandwidth`` B/s (``Link()``: unshaped)."""
 
     alpha: float = 0.0
     bandwidth: float = math.inf
@@ -133,8 +101,7 @@ class Topology:
 
     @classmethod
     def parse(cls, spec: str) -> "Topology":
-        """``"2x2"``, ``"2x2:inter=1e-4,2e8"``, ``"2x4:inter=5e-5,1e9:intra=0,inf"``: see the
-        module docstring. ValueError naming what is wrong and the expected form."""
+        """``"2x2"``, ``"2x2:inter=1e-4,2e8"``, ``"2x4:inter=5e-5,1e9:intra=0,inf"``; else ValueError."""
         form = ("expected NODESxRANKS_PER_NODE[:inter=ALPHA_S,BYTES_PER_S][:intra=ALPHA_S,"
                 "BYTES_PER_S], e.g. '2x2:inter=1e-4,2e8'")
         head, *links = str(spec).strip().split(":")
@@ -158,8 +125,7 @@ class Topology:
 
 
 class _State:
-    """``maybe``: the one attribute p2p's hot path reads — False once this process knows no
-    topology is installed."""
+    """``maybe``: p2p's hot-path flag, False once no topology is known to be installed."""
 
     __slots__ = ("maybe", "loaded", "topo", "free_at", "lock", "globals", "checked")
 
@@ -191,8 +157,7 @@ def current() -> Topology | None:
 
 
 def install(topo: Topology | str) -> Topology:
-    """Install ``topo`` (a :class:`Topology` or its spec string) in this process and export it
-    in ``$MINIDIST_TOPOLOGY``, so that ranks started afterwards see it too."""
+    """Install ``topo`` (a :class:`Topology` or spec) here and in ``$MINIDIST_TOPOLOGY``."""
     if isinstance(topo, str):
         topo = Topology.parse(topo)
     if not isinstance(topo, Topology):
@@ -210,8 +175,7 @@ def uninstall() -> None:
 
 @contextlib.contextmanager
 def use(topo: Topology | str | None):
-    """``with use("2x2:inter=1e-4,2e8"): minidist.run(...)``; the previous setting (and the
-    environment variable) come back afterwards. ``None``: no topology inside the block."""
+    """``with use("2x2:inter=1e-4,2e8"): ...``; None: no topology inside; restored afterwards."""
     before = os.environ.get(ENV)
     try:
         if topo is None:
@@ -227,8 +191,7 @@ def use(topo: Topology | str | None):
 
 
 def reload() -> Topology | None:
-    """Read ``$MINIDIST_TOPOLOGY`` again (each rank of :func:`minidist.run`, after joining the
-    process group): a ValueError on every rank if it is malformed or does not describe the world."""
+    """Read ``$MINIDIST_TOPOLOGY`` again; ValueError on every rank if malformed or not the world."""
     state.loaded = False
     state.globals.clear()
     topo = current()
@@ -261,8 +224,7 @@ def global_rank(peer: int, group=None) -> int:
 
 
 def link(a: int, b: int) -> str:
-    """``"intra"`` or ``"inter"``: the class of the link between global ranks ``a`` and ``b``
-    under the installed topology (RuntimeError if none is installed)."""
+    """``"intra"`` or ``"inter"`` between global ranks ``a`` and ``b`` (RuntimeError: no topology)."""
     topo = current()
     if topo is None:
         raise RuntimeError(f"topology.link: no topology is installed (topology.install(...) or {ENV})")

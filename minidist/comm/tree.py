@@ -1,11 +1,7 @@
 """Binomial-tree broadcast and reduce: ceil(log2 W) rounds, each sending the whole message.
 
-Their latency term is alpha·log2(W) against a chain's alpha·(W-1), so they suit small messages
-(Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in
-MPICH", §4). The all-reduce with the same log2(W) rounds is :mod:`.recursive_doubling` (not a tree:
-every rank exchanges with a partner each round; NCCL's "Tree" is yet another algorithm, a
-pipelined double binary tree).
-"""
+Latency alpha·log2(W) against a chain's alpha·(W-1): for small messages (Thakur, Rabenseifner &
+Gropp 2005, §4). The log2(W) all-reduce is :mod:`.recursive_doubling`."""
 
 from __future__ import annotations
 

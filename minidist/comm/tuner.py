@@ -1,39 +1,11 @@
 """``algorithm="auto"``: the algorithm with the lowest predicted time, as NCCL's tuner.
 
-NCCL does not run one algorithm. At start-up its tuner (``ncclTopoTuneModel``, src/graph/tuning.cc)
-fills, per collective, algorithm (Ring, Tree, ...) and protocol, a latency (a base latency plus
-one hardware latency per step) and a bandwidth; each call then takes the algorithm and protocol
-with the lowest ``latency + bytes / bandwidth`` for its size (``NCCL_ALGO`` restricts the choice).
-minidist does the same with its own algorithms and the alpha-beta model (Hockney 1994): each
-algorithm costs ``c_alpha · alpha + c_beta · n · beta`` for an n-byte buffer on W ranks, the
-coefficients counted from what the implementation in :mod:`minidist.comm` sends along its longest
-chain of dependent messages (:func:`coefficients`; ``tests/library/comm/test_tuner.py`` checks them against the
-traffic counters), and ``alpha`` (s), ``beta`` (s/byte) fitted per algorithm, so that each
-algorithm's own per-message overhead is in its alpha, like NCCL's per-algorithm base latency.
-Where the table holds the medians it was fitted to (every ``bench alpha-beta`` table does), a
-prediction between two measured sizes interpolates them (:meth:`Table.predict`), as Open MPI's
-coll/tuned and MPICH's tuning files choose from measured size ranges; the model fills the rest.
+Each algorithm costs ``c_alpha · alpha + c_beta · n · beta`` (Hockney 1994; :func:`coefficients`
+counted from the code, alpha and beta fitted per algorithm), measured medians interpolated where
+the table has them. The table is the shipped default or this machine's (``minidist bench
+alpha-beta --json``; ``MINIDIST_ALPHA_BETA``); the ranks of a group agree on rank 0's.
 
-The table of fits (the JSON of ``minidist bench alpha-beta``, format ``minidist-alpha-beta/1``):
-
-* **the default**, shipped with the library (``alpha_beta_default.json`` beside this file: gloo
-  on loopback, measured on the machine the library was developed on, its load recorded);
-* **this machine's**, written by ``minidist bench alpha-beta --json`` to :func:`machine_table_path`
-  (``$MINIDIST_ALPHA_BETA``, else ``$XDG_CACHE_HOME/minidist/alpha_beta.json``, else
-  ``~/.cache/minidist/alpha_beta.json``). An op's fits come from it when it has every algorithm of
-  that op, else from the default. ``MINIDIST_ALPHA_BETA=default`` uses the shipped table only
-  (the test suite does, so that its results do not depend on a learner's measurement). Reset:
-  ``minidist bench alpha-beta --reset``, or delete the file. A named table that is missing, or a
-  corrupt one, falls back to the default with a warning. Tables are read once per process.
-
-A world size the table lacks uses the fit of the nearest measured one (the formulas carry W)
-and no medians.
-Ranks agree on one table per process group (group rank 0's, at the group's first ``auto`` call),
-so machines with different tables still choose alike. ``MINIDIST_DEBUG=1`` prints each choice.
-While a two-level topology is installed (:mod:`minidist.comm.topology`), ``auto`` asks
-:mod:`minidist.comm.tuner_topology` instead: each link class's emulated cost added, and
-``hierarchical`` among the candidates.
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -63,25 +35,7 @@ def coefficients(op: str, algorithm: str, world: int, nbytes: float = 0,
                  itemsize: int = 4) -> tuple[float, float]:
     """(c_alpha, c_beta) of ``time = c_alpha·alpha + c_beta·n·beta`` for ``op`` by ``algorithm``
     on ``world`` ranks and an ``nbytes`` buffer (the whole buffer: reduce-scatter's input,
-    all-gather's output). Counted from the code (p = floor(log2 W), P = ceil(log2 W)):
-
-    =====================================  ======================  ==========================
-    op / algorithm                         c_alpha                 c_beta
-    =====================================  ======================  ==========================
-    all_reduce / ring                      2(W-1)                  2(W-1)/W
-    all_reduce / recursive_doubling        p (+2 if W != 2^p)      same as c_alpha
-    all_reduce / naive (via rank 0)        2(W-1)                  2(W-1)
-    reduce_scatter, all_gather / ring      W-1                     (W-1)/W
-    reduce_scatter, all_gather / naive     1 (all posted at once)  (W-1)/W
-    broadcast / tree (binomial)            P                       P
-    broadcast / naive                      1 (all posted at once)  W-1
-    broadcast / ring (chain, S segments)   W-2+S                   (W-2+S)/S
-    =====================================  ======================  ==========================
-
-    Recursive doubling off a power of two adds the fold (an even rank hands its data to the odd
-    one above) and the hand-back; naive all-reduce's rank 0 receives W-1 whole buffers, then
-    sends W-1. ValueError for an unknown pair.
-    """
+    all-gather's output); the table is in docs/design/ground.md. ValueError for an unknown pair."""
     if (w := world) <= 1:
         return 0.0, 0.0
     if (op, algorithm) == ("all_reduce", "ring"):
@@ -116,10 +70,8 @@ def predict(op: str, algorithm: str, world: int, nbytes: float, alpha: float, be
 
 
 class Table:
-    """Fits ``{(op, algorithm, world_size): (alpha s, beta s/byte)}``, where they came from
-    (``sources``: op -> file) and the measured medians the fits were made from (``points``:
-    ``{(op, algorithm, world_size): ((bytes, median s), ...)}`` ascending; may be empty).
-    :meth:`predict` and :meth:`choose` answer for any world size."""
+    """Fits ``{(op, algorithm, world_size): (alpha s, beta s/byte)}``, their ``sources`` (op -> file)
+    and the measured medians ``points`` (``{key: ((bytes, median s), ...)}``, ascending; may be empty)."""
 
     def __init__(self, fits: dict, sources: dict | None = None, points: dict | None = None):
         self.fits = dict(fits)
@@ -141,16 +93,8 @@ class Table:
         return predict(op, algorithm, world, nbytes, *self.alpha_beta(op, algorithm, world), itemsize)
 
     def predict(self, op: str, algorithm: str, world: int, nbytes: float, itemsize: int = 4) -> float:
-        """Predicted seconds: between two measured sizes at this world size, the measured medians
-        interpolated in log-log; beyond them, :meth:`model` scaled to meet the nearest median; a
-        world size without measurements, :meth:`model` alone.
-
-        Why not the model alone: a straight line fitted to an algorithm's whole range of sizes is
-        off by a few percent at a given size, which swaps two algorithms whose lines nearly cross
-        there (chapter 03, section 5 lists the measured sizes where the table in use chooses
-        differently by lines and by medians). Open MPI's coll/tuned and MPICH's tuning files
-        likewise choose from measured size ranges, not from a formula.
-        """
+        """Predicted seconds: measured medians interpolated in log-log between two measured sizes;
+        beyond them :meth:`model` scaled to the nearest median; without measurements, :meth:`model`."""
         m = self.model(op, algorithm, world, nbytes, itemsize)
         pts = self.points.get((op, algorithm, world))
         if not pts or world <= 1:
@@ -165,8 +109,7 @@ class Table:
         return math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0)))
 
     def choose(self, op: str, world: int, nbytes: int, itemsize: int = 4) -> str:
-        """The candidate (:data:`CANDIDATES`) with the lowest predicted time; ties (W = 1, or an
-        empty buffer on a table without latency) go to the first, the op's default."""
+        """The candidate with the lowest predicted time (ties: the first, the op's default)."""
         key = (op, world, nbytes, itemsize)
         hit = self._choices.get(key)
         if hit is None:
@@ -196,10 +139,7 @@ def machine_table_path() -> Path:
 
 
 def _read(path: Path) -> tuple[dict, dict]:
-    """({(op, algorithm, W): (alpha, beta)}, {(op, algorithm, W): [(bytes, median s), ...]}) of a
-    ``minidist-alpha-beta/1`` file; ValueError if it is not one (unreadable JSON, another format,
-    a fit without finite non-negative values, a measured point that is not positive, two of one
-    size)."""
+    """(fits, points) of a ``minidist-alpha-beta/1`` file; ValueError if it is not a valid one."""
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -226,9 +166,8 @@ def _read(path: Path) -> tuple[dict, dict]:
 
 
 def load_table(path: str | os.PathLike | None = None) -> Table:
-    """The shipped default, with each op whose every candidate this machine's table (``path``,
-    default :func:`machine_table_path`) measured taken from it. Warns and keeps the default when
-    that table is corrupt, or missing although named by ``$MINIDIST_ALPHA_BETA``."""
+    """The shipped default, each op taken from ``path`` (default :func:`machine_table_path`) where
+    it measured every candidate; warns and keeps the default if that table is corrupt or missing."""
     fits, points = _read(DEFAULT_TABLE)
     sources = {op: "default" for op in CANDIDATES}
     if path is None and os.environ.get(ENV) == "default":
@@ -280,9 +219,7 @@ def reset_cache() -> None:
 
 
 def agreed_table(group=None) -> Table:
-    """The table every rank of ``group`` uses: group rank 0's, broadcast at the first call per
-    group (a pickled dict, once), so that ranks whose machines measured different tables still
-    choose the same algorithm (different choices would deadlock)."""
+    """The table every rank of ``group`` uses: group rank 0's, broadcast once per group."""
     import torch.distributed as dist
 
     mine = table()
@@ -304,10 +241,8 @@ _chosen: dict = {}   # (id(group), op, W, nbytes, itemsize) -> (weakref to group
 def choose(op: str, world: int, nbytes: int, itemsize: int = 4, group=None,
            debug: bool = False) -> str:
     """The algorithm ``auto`` runs for ``op`` on an ``nbytes`` buffer over ``group`` (W = ``world``);
-    with ``debug``, prints the choice and every candidate's predicted time (once per size).
-    Choices are remembered per process group and size (:func:`reset_cache` forgets them): every
-    DDP bucket asks again each step, and the lookups behind a first answer (the table's file
-    name from the environment, the group's agreement) cost more than a message of a few KiB."""
+    ``debug`` prints the choice and each candidate's predicted time. Cached per group and size
+    (:func:`reset_cache`)."""
     import torch.distributed as dist
 
     pg = group if group is not None else dist.GroupMember.WORLD

@@ -1,28 +1,13 @@
 """``algorithm="auto"`` on a two-level topology: the cost per link class, and ``hierarchical``
 as one more candidate.
 
-While a :class:`~minidist.comm.topology.Topology` is installed, a message pays its link's
-emulated ``alpha + n · beta`` on top of loopback's own cost (:mod:`minidist.comm.topology`). The
-tuner's prediction of an algorithm is then the table's (loopback: :mod:`minidist.comm.tuner`) plus,
-per class of link, ``c_alpha · alpha_class + c_beta · n · beta_class`` with the coefficients of
-:func:`link_coefficients`, for a group spread over M nodes with L of its ranks on each:
+While a :class:`~minidist.comm.topology.Topology` is installed, an algorithm's predicted time is
+the table's (loopback, :mod:`minidist.comm.tuner`) plus, per link class, ``c_alpha · alpha_class
++ c_beta · n · beta_class`` (:func:`link_coefficients`). A flat algorithm over several nodes is
+counted wholly on the inter link (every step waits on the slowest). ``hierarchical`` is a
+candidate only where it can run (:func:`minidist.comm.hierarchical.available`).
 
-=========================================  ================================  ==========================
-op / algorithm                             intra (c_alpha, c_beta)           inter (c_alpha, c_beta)
-=========================================  ================================  ==========================
-all_reduce / hierarchical                  2(L-1), 2(L-1)/L                  2(M-1), 2(M-1)/M / L
-reduce_scatter, all_gather / hierarchical  L-1, (L-1)/L                      M-1, (M-1)/M / L
-any flat algorithm (ring, ...), M > 1      0, 0                              the algorithm's own (W)
-any flat algorithm, M = 1                  the algorithm's own (W)           0, 0
-=========================================  ================================  ==========================
-
-A flat ring of W ranks over several nodes has node boundaries on it, and every one of its steps
-waits for the slowest link: all its steps are counted on the inter link. For recursive doubling
-and the naive algorithms that is an upper bound (some of their messages stay inside a node).
-The hierarchical algorithm's loopback cost is the table's ring at L (inside a node) and at M
-(across, on an n/L piece). ``hierarchical`` is a candidate only where it can run
-(:func:`minidist.comm.hierarchical.available`), so ranks choose it all or none.
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -39,9 +24,8 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 def link_coefficients(op: str, algorithm: str, nodes: int, per_node: int, nbytes: float = 0,
                       itemsize: int = 4, world: int | None = None) -> dict[str, tuple[float, float]]:
-    """``{"intra": (c_alpha, c_beta), "inter": (c_alpha, c_beta)}`` for ``op`` by ``algorithm``
-    on a group of ``nodes`` (M) × ``per_node`` (L) ranks (the table in the module docstring;
-    ``world``: the group's size where it is not M·L, for a flat algorithm)."""
+    """``{"intra": (c_alpha, c_beta), "inter": (c_alpha, c_beta)}`` for ``op`` by ``algorithm`` on
+    ``nodes`` (M) × ``per_node`` (L) ranks (``world``: the group's size where it is not M·L)."""
     M, L = nodes, per_node
     if algorithm == "hierarchical":
         if op not in OPS:
@@ -93,9 +77,7 @@ def predict(table, op: str, algorithm: str, world: int, nodes: int, per_node: in
 
 def choose(op: str, world: int, nbytes: int, itemsize: int = 4, group=None,
            debug: bool = False) -> str:
-    """:func:`minidist.comm.tuner.choose` under the installed topology: the candidate with the
-    lowest :func:`predict` (the table every rank of ``group`` agreed on), remembered per group,
-    topology and size; with ``debug``, printed with every candidate's prediction."""
+    """:func:`minidist.comm.tuner.choose` under the installed topology, cached per group, topology, size."""
     import torch.distributed as dist
 
     topo = topology.current()

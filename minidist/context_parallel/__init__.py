@@ -1,17 +1,8 @@
 """Context parallelism: the sequence split over ranks (long context).
 
-* :mod:`.sharding` — contiguous / zigzag / striped splits, their inverse, causal work per rank,
-  the per-block mask rule (full / diagonal / skipped);
-* :mod:`.blocks` — one block's attention with its log-sum-exp, the stable merge, the backward;
-* :mod:`.ring` — ring attention on the point-to-point layer (K/V blocks travel, hand-written
-  backward), and its traffic formula;
-* :mod:`.ulysses` — DeepSpeed-Ulysses: all-to-all to a head split and back;
-* :mod:`.positions` — rotary / learned positions at global positions;
-* :mod:`.loss` — the token-mean loss over a sharded sequence; summing replicated gradients;
-* :mod:`.attention` — the GPT's attention layer on a CP group (used by :mod:`minidist.hybrid`).
-
-What context parallelism costs (activations / cp, the ring's K/V time and overlap, the longest
-context in a device) is modelled in the course kit, :mod:`minidist_course.planner.context_parallel`.
+``sharding`` (the splits), ``blocks`` (block attention and the log-sum-exp merge), ``ring``,
+``ulysses``, ``positions``, ``loss``, ``attention`` (the GPT's attention on a CP group).
+Design notes: docs/design/context_parallel.md
 """
 
 from . import blocks, loss, positions, ring, sharding, ulysses  # noqa: F401

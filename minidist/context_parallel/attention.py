@@ -1,13 +1,8 @@
 """The GPT's causal self-attention on a context-parallel group (used by :mod:`minidist.hybrid`).
 
-The same parameters and tensor-parallel layout as
-:class:`minidist.tensor_parallel.attention.ParallelSelfAttention` (a column-parallel fused QKV,
-a row-parallel output projection, ``n_head / tp`` heads per TP rank); only the attention itself
-changes: this rank's queries attend to the whole sequence over the CP group, by
-:func:`.ring.ring_attention` (``method="ring"``) or :func:`.ulysses.ulysses_attention`
-(``"ulysses"``: the CP ranks must not outnumber the ``n_head / tp`` local heads), with the split
-the stage's tokens were cut by. Input ``[b, S/cp, h]``, output
-``[b, S/cp, h]``. Attention-probability dropout is not supported under CP (``ValueError``).
+ParallelSelfAttention's layout, with ring or Ulysses attention over the CP group: ``[b, S/cp, h]``
+in and out. Attention-probability dropout is not supported under CP (``ValueError``).
+Design notes: docs/design/context_parallel.md
 """
 
 from __future__ import annotations

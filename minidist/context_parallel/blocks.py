@@ -1,23 +1,8 @@
-"""Attention on one (query block, key block) pair with its log-sum-exp, and the merge of partial
-results: the arithmetic ring attention and Ulysses share (no communication here).
+"""Attention on one (query block, key block) pair with its log-sum-exp, and the exact merge of
+partial results (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, §3.1).
 
-Layout ``[b, heads, s, d]`` (torch's ``scaled_dot_product_attention``). For a block,
-``S = q kᵀ · scale`` (masked), ``lse = log Σ_k exp S`` ``[b, h, s_q]`` and ``out = softmax(S) v``.
-Two partial results over disjoint key sets merge exactly (Milakov & Gimelshein 2018, "Online
-normalizer calculation for softmax"; Dao et al. 2022, FlashAttention §3.1)::
-
-    lse = log(exp(lse_a) + exp(lse_b))                       # log-add-exp
-    out = exp(lse_a - lse) · out_a + exp(lse_b - lse) · out_b
-
-:func:`log_add_exp` writes the first line as ``m + log1p(exp(-|a - b|))`` with ``m = max(a, b)``:
-no exponential of a large number is ever taken. :func:`naive_log_add_exp` is the form
-``a + log(1 + exp(b - a))`` that overflows (``inf`` for a=0, b=100 in fp32) — kept to show it.
-
-Grouped-query attention: ``k``/``v`` may have fewer heads than ``q`` (``h % h_kv == 0``); each
-K/V head serves ``h / h_kv`` consecutive query heads.
-
-Half precision (bf16, fp16) is computed in fp32 (scores, softmax, accumulators), as
-FlashAttention does; :func:`compute_dtype` says which.
+Layout ``[b, heads, s, d]``; K/V may have fewer heads (grouped-query); bf16/fp16 computed in fp32.
+Design notes: docs/design/context_parallel.md
 """
 
 from __future__ import annotations
@@ -36,8 +21,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def log_add_exp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``log(exp(a) + exp(b))`` element-wise without overflow: ``max + log1p(exp(-|a - b|))``;
-    ``-inf`` (an empty block) is the identity. Equal to ``torch.logaddexp``."""
+    """``log(exp(a) + exp(b))`` without overflow (``-inf`` is the identity), as ``torch.logaddexp``."""
     m = torch.maximum(a, b)
     m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
     d = -(a - b).abs()
@@ -46,19 +30,16 @@ def log_add_exp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def naive_log_add_exp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The unstable form ``a + log(1 + exp(b - a))``: ``exp(b - a)`` overflows once ``b - a`` is
-    above ~88.7 in fp32 (~709 in fp64). Do not use; it is here to be shown failing."""
+    """The unstable ``a + log(1 + exp(b - a))``, kept to be shown failing."""
     return a + torch.log(1 + torch.exp(b - a))
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
-    """``-inf`` (a query that saw no key yet) replaced by 0, so ``exp(s - lse)`` stays 0, not nan."""
     return torch.where(torch.isinf(x) & (x < 0), torch.zeros_like(x), x)
 
 
 def merge(out_a, lse_a, out_b, lse_b):
-    """Merge two partial attention results over disjoint keys: ``(out, lse)``. ``out``
-    ``[b, h, s, d]``, ``lse`` ``[b, h, s]``, same dtype. Either may be empty-handed (lse -inf)."""
+    """Merge two partial results over disjoint keys: ``(out [b, h, s, d], lse [b, h, s])``."""
     lse = log_add_exp(lse_a, lse_b)
     wa = torch.exp(lse_a - _finite(lse)).unsqueeze(-1)
     wb = torch.exp(lse_b - _finite(lse)).unsqueeze(-1)
@@ -93,10 +74,8 @@ def _scores(q, k, q_pos, k_pos, kind, scale):
 
 
 def block_forward(q, k, v, q_pos, k_pos, kind: str, scale: float):
-    """``(out, lse)`` of queries ``q`` ``[b, h, s_q, d]`` on one key block ``k``/``v``
-    ``[b, h_kv, s_k, d]`` in the compute dtype; ``kind`` from
-    :func:`~minidist.context_parallel.sharding.block_kind` (``"diagonal"``: the causal mask by
-    global positions ``q_pos``/``k_pos``). A query row with no visible key gets lse ``-inf``, out 0."""
+    """``(out, lse)`` of ``q`` ``[b, h, s_q, d]`` on one block ``k``/``v`` ``[b, h_kv, s_k, d]``;
+    ``kind`` from :func:`.sharding.block_kind`. A row with no visible key: lse ``-inf``, out 0."""
     s = _scores(q, k, q_pos, k_pos, kind, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
@@ -104,10 +83,8 @@ def block_forward(q, k, v, q_pos, k_pos, kind: str, scale: float):
 
 
 def block_backward(q, k, v, do, lse, delta, q_pos, k_pos, kind: str, scale: float):
-    """Gradients of one block given the *global* ``lse`` and ``delta = Σ_d dO·O`` ``[b, h, s_q]``
-    (FlashAttention-2, Dao 2023, Algorithm 2): ``P = exp(S - lse)``, ``dV = Pᵀ dO``,
-    ``dS = P ∘ (dO Vᵀ - delta)``, ``dQ = dS K · scale``, ``dK = dSᵀ Q · scale``.
-    Returns ``(dq, dk, dv)``; ``dk``/``dv`` with ``k``'s head count."""
+    """``(dq, dk, dv)`` of one block from the global ``lse`` and ``delta = Σ dO·O``
+    (FlashAttention-2, Dao 2023, Algorithm 2)."""
     h, h_kv = q.shape[1], k.shape[1]
     s = _scores(q, k, q_pos, k_pos, kind, scale)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
@@ -120,8 +97,7 @@ def block_backward(q, k, v, do, lse, delta, q_pos, k_pos, kind: str, scale: floa
 
 
 def attention_reference(q, k, v, causal: bool = True, scale: float | None = None):
-    """One process, the whole sequence, plain autograd: ``(out, lse)`` — the reference the
-    parallel versions are tested against. ``[b, h, S, d]``; ``k``/``v`` may have fewer heads."""
+    """One process, plain autograd: ``(out, lse)`` over ``[b, h, S, d]`` (the tests' reference)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = (q @ expand_kv(k, q.shape[1]).transpose(-2, -1)) * scale
     if causal:

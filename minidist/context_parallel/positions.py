@@ -1,11 +1,7 @@
-"""Position information under a sequence split: every token keeps its *global* position.
+"""Position information under a sequence split: every token keeps its global position.
 
-A rank holding positions ``[8, 9, ..., 15]`` (contiguous, rank 1 of 4 at S=32) or ``[4..7, 24..27]``
-(zigzag) must embed them as 8..15 or 4..7, 24..27 — not as 0..7, which is what ``arange(s_local)``
-gives and a classic silent bug: the loss still falls, the model is just a different one.
-:func:`rotary` applies rotary embeddings (Su et al. 2021, "RoFormer", §3.4; the half-rotation
-layout of GPT-NeoX/Llama) at given positions; :func:`learned` looks up a learned table. Both take
-the positions from :func:`minidist.context_parallel.sharding.positions`.
+:func:`rotary` (RoFormer, Su et al. 2021, §3.4; GPT-NeoX layout) and :func:`learned`.
+Design notes: docs/design/context_parallel.md
 """
 
 from __future__ import annotations
@@ -17,8 +13,7 @@ __all__ = ["rotary", "learned"]
 
 
 def rotary(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotate ``x`` ``[b, h, s, d]`` (``d`` even) by the angles of positions ``pos`` ``[s]``:
-    pair ``(x_i, x_{i+d/2})`` turns by ``pos · base^(-2i/d)``. Computed in fp64, cast back."""
+    """Rotate ``x`` ``[b, h, s, d]`` (``d`` even) by positions ``pos`` ``[s]`` (fp64 inside)."""
     d = x.shape[-1]
     if d % 2:
         raise ValueError(f"rotary: head_dim must be even, got {d}")

@@ -1,24 +1,8 @@
 """Ring attention: each rank keeps its queries; the K/V blocks travel around the ring.
 
-Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers" §3; the zigzag split of
-Megatron-LM's context parallelism and zhuzilin/ring-flash-attention. On a context-parallel group
-of ``W`` ranks, rank ``r`` holds the queries, keys and values of its positions (``split``, see
-:mod:`.sharding`). **Forward**: at step ``t = 0..W-1`` it holds the K/V block of rank
-``(r - t) mod W``; it first posts the transfer of that block to rank ``r+1`` and the receive of
-the next from ``r-1`` (so the communication can run during the compute), then attends its queries
-to the block — per (query run, key run) pair: full, diagonal (masked by global positions) or
-skipped — and merges the partial result into the running ``(out, lse)`` with the log-add-exp of
-:func:`.blocks.merge`. ``W - 1`` rotations: K and V travel as one message ``[2, b, h_kv, s, d]``.
-
-**Backward** (an autograd Function; no autograd through communication): from the saved *global*
-``lse`` and ``delta = Σ dO·O``, each block's ``P`` is recomputed; ``dQ`` accumulates locally; the
-K/V blocks travel the ring again (``W - 1`` messages) and each block's ``dK/dV`` accumulator
-travels *with* it (one message ``[2, b, h_kv, s, d]`` per step, ``W`` in all), collecting every
-rank's contribution, until the last hop brings it home to its owner.
-
-Messages sent per rank: forward ``W - 1``, backward ``2W - 1`` (none at W=1); bytes:
-:func:`ring_traffic`. Traffic is counted under ``"cp/ring_attention/forward"`` and
-``"cp/ring_attention/backward"`` (:func:`minidist.comm.p2p.traffic`).
+Liu, Zaharia & Abbeel 2023, §3; zigzag split as Megatron-LM. Forward merges each block's partial
+result by log-add-exp; the hand-written backward sends the K/V blocks again, each with its dK/dV.
+Design notes: docs/design/context_parallel.md
 """
 
 from __future__ import annotations
@@ -93,10 +77,7 @@ _RECORD: list | None = None   # set by recording(): where each step's compute an
 
 @contextlib.contextmanager
 def recording():
-    r"""``with recording() as events:`` — every ring step inside appends two
-    :class:`~minidist.trace.Event`\ s (``perf_counter`` seconds): ``"fwd t"``/``"bwd t"`` on lane
-    ``"compute"`` (the block's attention) and ``"wait"`` on lane ``"comm"`` (the time spent
-    waiting for the transfer after the compute: the part of the communication *not* hidden)."""
+    r"""``with recording() as events:`` each ring step adds a compute event and a comm "wait"."""
     global _RECORD
     previous, _RECORD = _RECORD, []
     try:
@@ -111,8 +92,7 @@ def _note(name, lane, start, end, rank, step):
 
 
 def _advance(current: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
-    """The block the backward works on next: the one just received. (A test replaces this with
-    ``lambda current, received: current`` — the stale-K/V bug — to show the check catches it.)"""
+    """The block the backward works on next (a test swaps it for the stale-K/V bug)."""
     return received
 
 
@@ -209,24 +189,10 @@ def ring_attention(q, k, v, group=None, split: str = "zigzag", seq_len: int | No
                    causal: bool = True, scale: float | None = None):
     """Attention of this rank's queries to the whole (context-parallel) sequence.
 
-    Args:
-        q: ``[b, h, s_r, d]`` this rank's queries (positions from ``split``, see :func:`.shard`);
-        k, v: ``[b, h_kv, s_r, d]`` (``h % h_kv == 0``: grouped-query attention);
-        group: the context-parallel group (None: the world); split: ``"contiguous"``,
-            ``"zigzag"`` or ``"striped"``; seq_len: the global length ``S`` (pass it when ``S``
-            does not divide evenly; None: ``s_r · W`` once the ranks have agreed that every
-            ``s_r`` is the same, one small all-gather); causal; scale (default ``d ** -0.5``).
-
-    Returns:
-        ``(out [b, h, s_r, d] in q's dtype, lse [b, h, s_r] in the compute dtype)``, equal to
-        full attention on the whole sequence restricted to this rank's positions. Differentiable
-        in q, k, v (hand-written backward).
-
-    Raises:
-        ValueError: shapes, heads, or a local length that does not match the split (naming rank);
-            without ``seq_len``, ranks that hold different lengths (every rank, naming the lengths
-            and the ``seq_len`` to pass).
-    """
+    ``q`` ``[b, h, s_r, d]``, ``k``/``v`` ``[b, h_kv, s_r, d]``; ``split``: contiguous, zigzag or
+    striped; ``seq_len``: the global ``S`` (None: agreed over the group). Returns
+    ``(out [b, h, s_r, d], lse [b, h, s_r])``, differentiable. ``ValueError`` (naming the rank) for
+    shapes, heads, a local length that does not fit the split, or ranks of different lengths."""
     rank, world = group_rank_world(group)
     seq_len = _check(q, k, v, split, seq_len, rank, world, group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -235,12 +201,7 @@ def ring_attention(q, k, v, group=None, split: str = "zigzag", seq_len: int | No
 
 def ring_traffic(split: str, seq_len: int, world: int, rank: int, batch: int, kv_heads: int,
                  head_dim: int, element_size: int, grad_element_size: int | None = None) -> dict:
-    """The messages and bytes ``rank`` sends, forward and backward (formula, not measured).
-
-    Forward: at steps ``t = 0..W-2`` the block of rank ``(r - t) mod W``, K and V together
-    (``2·b·h_kv·s_j·d`` elements). Backward: the same ``W - 1`` blocks, plus at every step
-    ``t = 0..W-1`` the dK/dV accumulator of the block held then (``grad_element_size``: the
-    compute dtype's, default ``element_size``). Empty blocks are not sent (no message)."""
+    """The messages and bytes ``rank`` sends forward and backward (formula, not measured)."""
     grad_element_size = element_size if grad_element_size is None else grad_element_size
     sizes = [sum(int(x.numel()) for x in chunks(split, seq_len, world, r)) for r in range(world)]
     per_pos = 2 * batch * kv_heads * head_dim

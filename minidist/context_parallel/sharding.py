@@ -1,28 +1,15 @@
 """How a sequence of ``S`` tokens is split over the ``W`` ranks of a context-parallel group.
 
-Three splits, each given as the *global positions* a rank holds (a 1-D ``int64`` tensor), so any
-rank can compute what any other rank holds (ring attention sizes its receive buffers this way):
-
-* ``"contiguous"``: rank ``r`` holds the r-th of ``W`` consecutive chunks (``tensor_split``, so
-  ``S`` need not divide by ``W``). Under a causal mask rank ``W-1`` has the most work.
-* ``"zigzag"``: the sequence is cut into ``2W`` chunks and rank ``r`` holds chunks ``r`` and
-  ``2W-1-r`` — an early and a late one, so every rank has the same causal work (Megatron-LM's
-  context parallelism; torch's ``_HeadTailLoadBalancer``; picotron's docs). Uneven ``S`` allowed.
-* ``"striped"``: rank ``r`` holds positions ``r, r+W, r+2W, ...`` (Brandon et al. 2023, "Striped
-  Attention", §3): also balanced, every block a near-triangle.
-
-:func:`shard` takes a tensor's slice for one rank, :func:`unshard` puts the slices back
-(the inverse). :func:`causal_work` counts the (query, key) pairs a causal mask keeps per rank, the
-load-balance figure: contiguous at W=4, S=32 gives [36, 100, 164, 228]; zigzag gives 132 each.
-:func:`chunks` lists a rank's positions as contiguous runs; :func:`block_kind` says whether a
-(query run, key run) pair is ``"full"``, ``"diagonal"`` (needs the mask) or ``"skipped"``.
+Splits ``"contiguous"``, ``"zigzag"`` (chunks ``r`` and ``2W-1-r``: balanced causal work, as
+Megatron-LM) and ``"striped"`` (Brandon et al. 2023), each as the global positions a rank holds.
+Design notes: docs/design/context_parallel.md
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import collectives as C, zoo
+from .. import collectives as C
 
 __all__ = ["SPLITS", "positions", "chunks", "shard", "unshard", "causal_work", "block_kind",
            "block_table", "computed_work", "agreed_length"]
@@ -42,8 +29,7 @@ def _check(split: str, seq_len: int, world: int, rank: int | None = None, op: st
 
 
 def chunks(split: str, seq_len: int, world: int, rank: int) -> list[torch.Tensor]:
-    """Rank ``rank``'s global positions as a list of runs: one run (contiguous, striped) or two
-    (zigzag: chunk ``rank`` then chunk ``2W-1-rank``). Empty runs are dropped."""
+    """Rank ``rank``'s global positions as runs (two for zigzag); empty runs dropped."""
     _check(split, seq_len, world, rank, "chunks")
     everything = torch.arange(seq_len)
     if split == "contiguous":
@@ -88,47 +74,38 @@ def unshard(parts: list[torch.Tensor], split: str, dim: int = 1) -> torch.Tensor
 
 
 def causal_work(split: str, seq_len: int, world: int) -> list[int]:
-    """Per rank, the number of (query, key) pairs a causal mask keeps: ``sum(p + 1)`` over the
-    rank's query positions ``p`` (query ``p`` sees keys ``0..p``). The figure of merit of a split's
-    load balance; the attention FLOPs of a rank are proportional to it."""
+    """Per rank, the (query, key) pairs a causal mask keeps: ``sum(p + 1)`` over its queries."""
     _check(split, seq_len, world, None, "causal_work")
     return [int((positions(split, seq_len, world, r) + 1).sum()) for r in range(world)]
 
 
 def block_kind(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True) -> str:
-    """``"full"`` when every query sees every key, ``"skipped"`` when none sees any, else
-    ``"diagonal"`` (the block needs the element-wise mask ``k <= q``). Empty blocks are skipped."""
+    """``"full"``, ``"skipped"`` (none sees any key; also empty blocks) or ``"diagonal"`` (masked)."""
     if q_pos.numel() == 0 or k_pos.numel() == 0:
         return "skipped"
     if not causal or int(k_pos.max()) <= int(q_pos.min()):
         return "full"
     if int(k_pos.min()) > int(q_pos.max()):
         return "skipped"
-    return "full" if zoo.on("ring-diagonal-unmasked") else "diagonal"
+    return "diagonal"
 
 
 def block_table(split: str, seq_len: int, world: int, causal: bool = True) -> dict:
-    """``{(query rank, key rank): [kind of each (query run, key run) pair]}`` for the whole group:
-    what ring attention computes at each rotation."""
+    """``{(query rank, key rank): [kind of each (query run, key run) pair]}`` for the group."""
     runs = [chunks(split, seq_len, world, r) for r in range(world)]
     return {(i, j): [block_kind(a, b, causal) for a in runs[i] for b in runs[j]]
             for i in range(world) for j in range(world)}
 
 
 def computed_work(split: str, seq_len: int, world: int, causal: bool = True) -> list[int]:
-    """Per rank, the (query, key) pairs ring attention actually multiplies: every pair of a full
-    or diagonal block (a diagonal block is computed whole, then masked), none of a skipped one."""
+    """Per rank, the (query, key) pairs ring attention multiplies (full and diagonal blocks)."""
     runs = [chunks(split, seq_len, world, r) for r in range(world)]
     return [sum(a.numel() * b.numel() for j in range(world) for a in runs[i] for b in runs[j]
                 if block_kind(a, b, causal) != "skipped") for i in range(world)]
 
 
 def agreed_length(local: int, group, where: str, world: int, device=None) -> int:
-    """The global sequence length when ``seq_len`` is not given (ring and Ulysses attention):
-    ``local · world``, once the ranks agree on the global length before any block moves. One
-    all-gather of each rank's local length (a few bytes, only when ``seq_len`` is None): shards cut
-    unevenly by hand would otherwise each infer their own length, pass their own check and meet
-    as mismatched messages deep in the ring."""
+    """``local · world`` once every rank's local length agrees (one small all-gather)."""
     lengths = torch.zeros(world, dtype=torch.int64, device=device)   # device: the data's (NCCL)
     C.all_gather(lengths, torch.tensor([local], dtype=torch.int64, device=device), group=group)
     lengths = lengths.tolist()

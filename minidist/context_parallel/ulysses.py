@@ -1,23 +1,6 @@
-"""DeepSpeed-Ulysses: trade the sequence split for a head split, attend locally, trade back.
-
-Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training of Extreme
-Long Sequence Transformer Models", §3. On a context-parallel group of ``W`` ranks each rank holds
-``q``/``k``/``v`` ``[b, H, S_r, d]`` for its positions (any split of :mod:`.sharding`). One
-all-to-all per tensor turns that into ``[b, H/W, S, d]``: every position, this rank's heads (put
-back in sequence order, so the local attention is the plain one-process attention); a second
-all-to-all returns the output ``[b, H, S_r, d]``. minidist requires ``W`` to divide the heads:
-``H % W != 0`` is a ``ValueError`` naming both numbers. DeepSpeed does not: its
-``DistributedAttention`` (``deepspeed/sequence/layer.py``) splits uneven heads since PR #6392
-(v0.15.4), still with ``W <= H``. Grouped-query K/V heads ``H_kv`` follow the rule of DeepSpeed's
-``UlyssesSPAttentionHF`` (``deepspeed/runtime/sequence_parallel/ulysses_sp.py``),
-``H_kv % W == 0 or W % H_kv == 0``: in the second case each K/V head is sent to the ``W / H_kv``
-ranks whose query heads use it, and its gradient is summed back.
-
-The all-to-alls are autograd Functions whose backward is the reverse all-to-all (the adjoint);
-the local attention is differentiated by plain autograd (no communication inside it).
-Per rank and all-to-all, ``W - 1`` messages (minidist's all-to-all sends nothing to itself).
-Every all-to-all here blocks: nothing overlaps it. DeepSpeed can overlap the backward
-all-to-alls with gradient computation on a side stream (``sp_stream``, PR #5691, v0.14.5).
+"""DeepSpeed-Ulysses (Jacobs et al. 2023, §3): trade the sequence split for a head split, attend
+locally, trade back. The all-to-alls are autograd Functions (backward: the reverse all-to-all).
+Design notes: docs/design/context_parallel.md
 """
 
 from __future__ import annotations
@@ -33,11 +16,8 @@ __all__ = ["ulysses_attention", "check_heads", "heads_of"]
 
 
 def check_heads(heads: int, kv_heads: int, world: int, rank: int = 0) -> None:
-    """Raise ``ValueError`` (naming the numbers) unless ``heads % world == 0`` and
-    ``kv_heads % world == 0 or world % kv_heads == 0`` (and ``heads % kv_heads == 0``).
-
-    The first rule is minidist's; DeepSpeed's ``DistributedAttention`` accepts uneven heads
-    since PR #6392 (see the module docstring)."""
+    """``ValueError`` unless ``heads % world == 0`` and ``kv_heads % world == 0 or
+    world % kv_heads == 0`` (and ``heads % kv_heads == 0``)."""
     where = f"ulysses_attention (rank {rank} of {world})"
     if heads % world:
         raise ValueError(f"{where}: {heads} attention heads do not divide over {world} ranks; "
@@ -53,8 +33,7 @@ def check_heads(heads: int, kv_heads: int, world: int, rank: int = 0) -> None:
 
 
 def heads_of(rank: int, heads: int, world: int) -> list[int]:
-    """The heads (of ``heads``) rank ``rank`` attends to: ``H/W`` consecutive ones, or, when
-    ``W % heads == 0`` (few K/V heads), the one head it shares with ``W/heads - 1`` other ranks."""
+    """The heads ``rank`` attends to (shared by several ranks when ``W % heads == 0``)."""
     if heads % world == 0:
         n = heads // world
         return list(range(rank * n, (rank + 1) * n))
@@ -77,8 +56,7 @@ def _seq_to_heads(x, group, heads_by_rank, pos_by_rank, rank, world):
 
 
 def _heads_to_seq(y, group, heads_by_rank, pos_by_rank, rank, world, heads):
-    """The adjoint of :func:`_seq_to_heads`: ``[b, h_r, S, d]`` -> ``[b, H, S_r, d]``, summing
-    what several ranks hold of one head (a replicated K/V head's gradient)."""
+    """The adjoint of :func:`_seq_to_heads`, summing a replicated head's gradient."""
     b, _, _, d = y.shape
     send = [y.index_select(2, pos_by_rank[j].to(y.device)).contiguous() for j in range(world)]
     recv = [y.new_empty(b, len(heads_by_rank[j]), pos_by_rank[rank].numel(), d)
@@ -117,15 +95,8 @@ class _HeadsToSeq(torch.autograd.Function):
 
 def ulysses_attention(q, k, v, group=None, split: str = "zigzag", seq_len: int | None = None,
                       causal: bool = True, scale: float | None = None):
-    """Full attention of this rank's positions by the Ulysses all-to-all.
-
-    Args and returns as :func:`.ring.ring_attention`: ``q`` ``[b, H, S_r, d]``, ``k``/``v``
-    ``[b, H_kv, S_r, d]`` -> ``(out [b, H, S_r, d], lse [b, H, S_r])``; differentiable in q, k, v.
-
-    Raises:
-        ValueError: ``H % W``, the K/V head rule (:func:`check_heads`), or a local length that does
-        not match the split.
-    """
+    """Full attention of this rank's positions by all-to-all; as :func:`.ring.ring_attention`.
+    ``ValueError`` for ``H % W``, the K/V head rule, or a local length that does not fit the split."""
     rank, world = group_rank_world(group)
     b, heads, s, d = q.shape
     kv_heads = k.shape[1]

@@ -1,17 +1,9 @@
 """Data parallelism from scratch: the same model on every rank, gradients averaged over ranks.
 
-Three DDP versions a learner can follow, then the pieces real training needs:
-
-* :class:`NaiveDDP` — after backward, one all-reduce per gradient (:mod:`.naive`);
-* :class:`FlatDDP` — one all-reduce over all gradients packed in a flat buffer (:mod:`.flat`);
-* :class:`BucketedDDP` — hooks fill buckets, all-reduced on a thread while backward continues
-  (:mod:`.bucketed`); communication hooks for compression (:mod:`.compression`, PowerSGD in :mod:`.powersgd`);
-* :class:`DistributedSampler`, :func:`evaluate` (every sample counted once), :class:`SyncBatchNorm`,
-  mixed precision, checkpoints, and replica checks (:mod:`.replicas`);
-* across slow links: :class:`PowerSGD` (:mod:`.powersgd`), :class:`DiLoCo` / local SGD (:mod:`.diloco`);
-* how large a global batch still pays: the gradient noise scale (:mod:`.noise_scale`, McCandlish
-  et al. 2018), estimated from per-example gradients or from each rank's local gradient norm
-  against the averaged one.
+Three DDP versions — :class:`NaiveDDP`, :class:`FlatDDP`, :class:`BucketedDDP` (with
+communication hooks) — then what training needs: sampler, evaluation, SyncBatchNorm, mixed
+precision, checkpoints, replica checks, DiLoCo, the gradient noise scale.
+Design notes: docs/design/data_parallel.md
 """
 
 from .base import DataParallelBase, SyncDecisionError, UnusedParametersError

@@ -1,24 +1,7 @@
-"""What every minidist DDP shares: wrapping, the replica checks, no_sync, and unused parameters.
-
-The three versions (:mod:`.naive`, :mod:`.flat`, :mod:`.bucketed`) differ only in *how* the
-gradients are averaged. Everything else lives here:
-
-* **construction** checks that every rank holds the same structure and broadcasts rank 0's
-  parameters and buffers (:mod:`.replicas`: ranks that start apart would train apart);
-* **forward** broadcasts buffers from rank 0 (``broadcast_buffers=True``, like torch's DDP) and
-  **takes the sync decision**: a backward synchronises iff its forward ran outside
-  :meth:`no_sync`. Entering or leaving ``no_sync()`` between a forward and its backward is rejected
-  with :class:`SyncDecisionError` (the sync must happen on the last micro-batch, or gradients are
-  averaged before accumulation ends);
-* **unused parameters** (a rank waiting for a gradient that never comes would hang): a parameter that got no gradient is an
-  :class:`UnusedParametersError` naming it — or, with ``find_unused_parameters=True``, it counts as
-  a zero gradient, so a parameter used on some ranks only gets (g + 0 + ...)/W, and one used on no
-  rank keeps ``grad=None`` (as in torch's DDP; a usage mask is all-reduced to know).
-
-Loss convention (unequal per-rank batches): each rank averages its loss over its own micro-batch and DDP
-averages the gradients over ranks, which equals the gradient of the global-batch mean loss when
-every rank has the same batch size. With unequal batches it weights every *rank* equally; to weight
-every *sample* equally, scale each rank's loss by W·n_rank/n_global before backward.
+"""What every minidist DDP shares: wrapping (structure checked, rank 0 broadcast), the sync decision
+taken at forward (:meth:`no_sync`; :class:`SyncDecisionError`), and unused parameters
+(:class:`UnusedParametersError`, or zeros with ``find_unused_parameters=True``, as torch's DDP).
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
@@ -45,19 +28,9 @@ class SyncDecisionError(RuntimeError):
 
 
 class DataParallelBase(nn.Module):
-    """Base of the minidist DDP wrappers. See the module docstring for the rules it enforces.
-
-    Args:
-        module: the model, identical in structure on every rank.
-        collectives: ``"hand-built"`` (:mod:`minidist.collectives`) or ``"torch"``
-            (``torch.distributed``).
-        group: process group of the data-parallel ranks (default: the world).
-        find_unused_parameters: treat a missing gradient as zero instead of raising.
-        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm running stats) at every forward.
-        reduce_dtype: dtype gradients are averaged in (fp32: bf16 gradients are upcast first).
-        algorithm: the hand-built algorithm, ``"auto"`` (default: per bucket, the lowest predicted
-            alpha-beta time, :mod:`minidist.comm.tuner`) or a fixed name such as ``"ring"``.
-    """
+    """Base of the DDP wrappers: ``module`` (same structure on every rank), ``collectives``, ``group``
+    (default the world), ``find_unused_parameters``, ``broadcast_buffers``, ``reduce_dtype`` (of the
+    average), ``algorithm`` (``"auto"``: :mod:`minidist.comm.tuner`)."""
 
     def __init__(self, module: nn.Module, collectives: str = "hand-built", group=None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
@@ -89,16 +62,10 @@ class DataParallelBase(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Skip gradient synchronisation for the forward+backward passes run inside the block.
+        """Inside the block gradients accumulate locally; the next synced backward averages the sums::
 
-        Gradients accumulate locally in ``p.grad``; the first backward whose forward ran outside
-        the block averages the accumulated sums. Gradient accumulation over k micro-batches::
-
-            for i, (x, y) in enumerate(micro_batches):
-                ctx = model.no_sync() if i < k - 1 else contextlib.nullcontext()
-                with ctx:
-                    (loss_fn(model(x), y) / k).backward()
-            optimizer.step()  # every rank: mean over ranks of the sum over micro-batches
+            with model.no_sync() if i < k - 1 else contextlib.nullcontext():
+                (loss_fn(model(x), y) / k).backward()
         """
         previous = self._sync_enabled
         self._sync_enabled = False
@@ -141,17 +108,13 @@ class DataParallelBase(nn.Module):
                               self.communicator.group, device)
 
     def _global_used(self, locally_used: list[bool]) -> list[bool]:
-        """Which parameters got a gradient on at least one rank; raises on every rank, without
-        ``find_unused_parameters``, when one got none on some rank."""
+        """Which parameters got a gradient on some rank (the same answer on every rank)."""
         users = self._users(locally_used)
         self._refuse_short(self.params, users)
         return [bool(u) for u in users]
 
     def _refuse_short(self, params: list, users: list[list[int]]) -> None:
-        """Without ``find_unused_parameters``: raise (on every rank, ``users`` being the same
-        everywhere) for parameters some rank gave no gradient. One frozen since wrapping
-        (``requires_grad=False`` now) with no gradient on any rank is left alone: ``grad`` stays
-        None and the optimizer skips it, as for a frozen parameter in one process."""
+        """Raise on every rank for a parameter some rank gave no gradient (frozen-and-unused is fine)."""
         if self.find_unused_parameters:
             return
         short = [(p, u) for p, u in zip(params, users)
@@ -160,11 +123,7 @@ class DataParallelBase(nn.Module):
             raise self._unused_error([p for p, _ in short], [u for _, u in short])
 
     def _begin_sync(self) -> tuple[list[torch.Tensor], list[bool]] | None:
-        """What the explicit versions (naive, flat) do first: None if this backward does not
-        synchronise (its forward ran inside ``no_sync()``); else, per parameter, the gradient to
-        average (zeros where this rank has none and ``find_unused_parameters``) and whether any
-        rank used it. Raises :class:`UnusedParametersError` on every rank for a gradient missing
-        on some rank otherwise."""
+        """None inside ``no_sync()``; else per parameter (gradient to average, used anywhere). May raise."""
         if not self._check_decision("sync_gradients()"):
             return None
         used = [p.grad is not None for p in self.params]

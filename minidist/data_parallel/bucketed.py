@@ -1,47 +1,12 @@
-"""DDP, version 3: buckets filled by gradient hooks, each all-reduced while backward continues.
-
-Backward produces gradients from the last layer to the first. Waiting for all of them (versions 1
-and 2) leaves the network idle during backward and the CPU/GPU idle during communication. Here:
-
-1. **Buckets.** At construction the parameters, in *reverse registration order* (≈ the order
-   their gradients become ready), are packed into buckets of ``bucket_cap_mb`` MiB (in
-   ``reduce_dtype``) the way torch's DDP packs them: a parameter is added to the current bucket,
-   which is closed once it holds at least the cap — so a bucket may pass the cap by its last
-   parameter, and with the same cap the buckets are torch's. No parameter is split:
-   :mod:`.buckets`. :meth:`BucketedDDP.bucket_layout` shows the layout.
-2. **Hooks.** ``Tensor.register_post_accumulate_grad_hook`` runs right after a parameter's
-   ``.grad`` is final for this backward: the hook copies it into its bucket's slot. When a bucket's
-   last slot is filled the bucket is *ready*.
-3. **Overlap.** Ready buckets are launched strictly in bucket order (so every rank issues the same
-   collectives in the same order, even if readiness differs) onto the communication thread
-   (:class:`minidist.communicator.CommThread`, the one ZeRO and FSDP use too), which all-reduces
-   them with minidist's blocking ring (the GIL is released while gloo waits) — or
-   ``torch.distributed`` with ``collectives="torch"`` — while backward continues on the main
-   thread. The thread talks on its own process group, so nothing on the main thread
-   (SyncBatchNorm, a metric) can interleave with it on the wire.
-4. **Wait.** At the end of backward (an autograd-engine callback, as in torch's DDP) the main
-   thread waits for every bucket and makes each ``p.grad`` a view of its averaged slot (as
-   torch's ``gradient_as_bucket_view=True``: no copy back). So when
-   ``loss.backward()`` returns, gradients are synchronised and ``optimizer.step()`` may run;
-   :meth:`sync_gradients` exists only so that one training loop fits all three versions.
-5. **Spent gradients are kept until the next forward.** The tensors autograd allocated for the
-   gradients (copied into the buckets in step 2) are freed when the next forward starts, about
-   when torch's DDP frees them (its ``p.grad``, at the next ``zero_grad()``); the memory held is
-   what torch's DDP holds. Freed at the end of backward instead, right after backward freed its
-   activations, they let glibc's allocator give memory back to the kernel, and the next backward
-   took a minor page fault per 4 KiB to get it back: in ``minidist bench ddp`` (every variant
-   in one process) 6,912 faults per step and rank on ResNet-18 against about 0 for torch's
-   DDP, and 1.07-1.12x torch's step time. How many faults a step takes depends on all of the
-   process's allocations (ResNet-18 alone in a process, one run: 4,576 per backward for
-   BucketedDDP, 11,520 for torch's DDP); ``bench_ddp(profile=True)`` counts them.
-
-A communication hook (:meth:`register_comm_hook`, see :mod:`.compression`) replaces step 3's
-average, e.g. with fp16 or top-k compression. Reference: Li et al. 2020, "PyTorch Distributed:
-Experiences on Accelerating Data Parallel Training", VLDB 13(12), §3.2.3 and §4.
+"""DDP, version 3: gradient hooks fill buckets (packed as torch's DDP, :mod:`.buckets`), launched in
+bucket order onto the communication thread while backward continues; at the end of backward each
+``p.grad`` is a view of its averaged slot. Li et al. 2020, "PyTorch Distributed", §3.2.3, §4.
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -58,27 +23,26 @@ from .buckets import Bucket, build_buckets, check_bucket_cap, pack_by_size  # no
 __all__ = ["BucketedDDP", "Bucket", "build_buckets", "pack_by_size", "allreduce_hook"]
 
 
+def _record(timeline: Timeline | None, name: str, lane: str):
+    """``timeline.record(name, lane)``, or nothing without a timeline."""
+    return contextlib.nullcontext() if timeline is None else timeline.record(name, lane=lane)
+
+
+def _mark(timeline: Timeline | None, name: str) -> None:
+    if timeline is not None:
+        t = timeline.now()
+        timeline.add(name, t, t, lane="main")
+
+
 def allreduce_hook(state, bucket: Bucket, comm: Communicator) -> None:
     """The default communication hook: average ``bucket.buffer`` over ranks, in place."""
     comm.all_reduce(bucket.buffer, "avg")
 
 
 class BucketedDDP(DataParallelBase):
-    """Bucketed DDP with communication overlapped with backward.
-
-    Args (besides :class:`DataParallelBase`'s): ``bucket_cap_mb`` (MiB per bucket; default
-    ``None``: from the alpha-beta model, :func:`minidist.comm.bucket_size.bucket_cap_bytes` — torch's
-    25 MiB, larger where the all-reduce's latency is still over 5 % of its time at 25 MiB: fewer,
-    larger buckets where latency dominates; the same on every rank, from the agreed table),
-    ``first_bucket_cap_mb`` (cap of bucket 0 only, default: the same; torch's DDP
-    uses 1 MiB so that the first all-reduce starts early), ``timeline`` (a :class:`minidist.trace.Timeline` that records, per bucket,
-    when it became ready and its all-reduce on the "comm" lane, and the final "wait" on "main").
-
-    Gradient compression replaces the bucket average with :meth:`register_comm_hook`:
-    ``ddp.register_comm_hook(PowerSGD(rank=2), PowerSGD.hook)`` (or ``TopK``,
-    ``fp16_compress_hook``); a hook's state is checkpointed with ``save_checkpoint(...,
-    states={"powersgd": state})``.
-    """
+    """Bucketed DDP, communication overlapped with backward. Besides the base's: ``bucket_cap_mb``
+    (default: :func:`minidist.comm.bucket_size.bucket_cap_bytes`), ``first_bucket_cap_mb`` (bucket 0),
+    ``timeline`` (a :class:`minidist.trace.Timeline`)."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None,
                  timeline: Timeline | None = None, first_bucket_cap_mb: float | None = None, **kwargs):
@@ -126,14 +90,13 @@ class BucketedDDP(DataParallelBase):
                  "bytes": b.numel * b.buffer.element_size()} for b in self.buckets]
 
     def register_comm_hook(self, state, hook) -> None:
-        """Replace the bucket average by ``hook(state, bucket, communicator)`` (runs on the comm
-        thread; it must leave the averaged gradient in ``bucket.buffer``)."""
+        """Replace the bucket average by ``hook(state, bucket, communicator)`` (on the comm thread)."""
         if self._in_backward:
             raise RuntimeError("register_comm_hook during backward")
         self._hook, self._hook_state = hook, state
 
     def forward(self, *args, **kwargs):
-        self._spent = []  # step 5 of the module docstring: their pages go to this forward
+        self._spent = []  # spent gradients (design notes, step 5): their pages go to this forward
         self._sink_task = None
         # the backward through these outputs tells the wrapper which graph task it is (so the
         # end-of-backward callback goes there, not on a reentrant checkpoint's nested one)
@@ -146,8 +109,7 @@ class BucketedDDP(DataParallelBase):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_outputs_task)
 
     def _end_of_outputs_task(self) -> None:
-        """The graph task through forward's outputs ends: the gradients it produced are all in
-        (none: ``torch.autograd.grad`` of an input, a pipeline's input-gradient pass)."""
+        """The graph task through forward's outputs ended: finish the backward."""
         self._sink_task = None
         if self._in_backward:
             self._finish_backward()
@@ -174,9 +136,7 @@ class BucketedDDP(DataParallelBase):
         bucket.filled += 1
         self.ready_order.append(bucket.names[i])
         if bucket.ready:
-            if self.timeline is not None:
-                t = self.timeline.now()
-                self.timeline.add(f"ready b{bucket.index}", t, t, lane="main")
+            _mark(self.timeline, f"ready b{bucket.index}")
             self._launch_in_order()
 
     def _start_backward(self) -> None:
@@ -202,10 +162,7 @@ class BucketedDDP(DataParallelBase):
     def _run_bucket(self, bucket: Bucket, comm: Communicator) -> None:
         """On the comm thread: apply the hook (default: average) to one bucket."""
         try:
-            if self.timeline is not None:
-                with self.timeline.record(f"all-reduce b{bucket.index}", lane="comm"):
-                    self._hook(self._hook_state, bucket, comm)
-            else:
+            with _record(self.timeline, f"all-reduce b{bucket.index}", "comm"):
                 self._hook(self._hook_state, bucket, comm)
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
             bucket.error = e
@@ -228,13 +185,9 @@ class BucketedDDP(DataParallelBase):
             b.slot(i).zero_()
             b.filled += 1
         self._launch_in_order()
-        wait = self.timeline.record("wait", lane="main") if self.timeline is not None else None
-        if wait is not None:
-            wait.__enter__()
-        for b in self.buckets:
-            b.done.wait()
-        if wait is not None:
-            wait.__exit__(None, None, None)
+        with _record(self.timeline, "wait", "main"):
+            for b in self.buckets:
+                b.done.wait()
         for b in self.buckets:
             if b.error is not None:
                 raise RuntimeError(f"BucketedDDP (rank {self.rank}): all-reduce of bucket "
@@ -256,7 +209,7 @@ class BucketedDDP(DataParallelBase):
                 if id(p) in unused_everywhere:
                     continue
                 if p.grad is not None and p.grad is not avg:
-                    spent.append(p.grad)   # freed at the next forward (module docstring, 5.)
+                    spent.append(p.grad)   # freed at the next forward (design notes, step 5)
                 if p.dtype != avg.dtype:   # e.g. bf16 parameters, fp32 buckets
                     p.grad = avg.to(p.dtype)
                 elif p.grad is not avg:
@@ -271,8 +224,7 @@ class BucketedDDP(DataParallelBase):
             raise RuntimeError("sync_gradients() called during backward")
 
     def close(self) -> None:
-        """Remove the hooks and stop the communication thread (also done when the wrapper is
-        garbage-collected). The wrapped module keeps working as a plain module."""
+        """Remove the hooks and stop the communication thread."""
         self._finalizer()
         self._worker.close()
         self._spent = []
@@ -292,8 +244,7 @@ def _ask_users(comm: Communicator, used: list[bool], box: list, device) -> None:
 
 
 def _run_bucket(comm: Communicator, ref, bucket: Bucket) -> None:
-    """On the communication thread, in launch order: the bucket's hook (a wrapper already
-    collected only releases its waiter)."""
+    """On the communication thread, in launch order: the bucket's hook or the average."""
     ddp = ref()
     if ddp is None:
         bucket.done.set()

@@ -1,27 +1,7 @@
-"""Buckets: which parameters' gradients travel together in one all-reduce (DDP, version 3).
-
-The parameters, in *reverse registration order* (≈ the order their gradients become ready), are
-cut into consecutive buckets by a cap in bytes; no parameter is split. :func:`pack_by_size` is the
-greedy cut itself, with two rules for where a bucket ends:
-
-* ``fill=False`` — **never over the cap**: a bucket is closed *before* the parameter that would take
-  it over the cap (one bigger than the cap gets a bucket of its own). Exercise 04's rule, and
-  ZeRO's bucket plan (:func:`minidist.sharding.flat.plan_buckets`).
-* ``fill=True`` — **filled to the cap**: a parameter is added, and the bucket is closed once it
-  holds at least the cap, so a bucket may pass the cap by its last parameter. torch's DDP
-  (``compute_bucket_assignment_by_size`` in ``torch/csrc/distributed/c10d/reducer.cpp``) and
-  Megatron-LM's DDP buffers cut this way; :class:`~minidist.data_parallel.BucketedDDP` does too, so
-  with the same cap it has the same buckets as torch's DDP
-  (``tests/library/data_parallel/test_ddp_buckets.py`` checks it against torch's rebuilt buckets). Which rule leaves the better *last* bucket — the one
-  all-reduced after backward, never hidden — depends on the model: on ResNet-18 with a 25 MiB cap
-  the first rule gives buckets of 18.5, 24.1 and 0.02 MiB (the 24.1 MiB one completes only in the
-  last stages of backward), the second 27.5 and 15.1 MiB. (That buckets pass the cap is torch's
-  documented behaviour, not a bug: pytorch/pytorch#48880. Given a cap, torch's first bucket uses it
-  too; its 1 MiB first bucket applies only when the cap is left at its default.)
-
-One difference from torch stays: torch cuts a separate list of buckets per dtype, while minidist's
-buckets all hold ``reduce_dtype`` (bf16 gradients are averaged in fp32), so on a model with mixed
-dtypes the layouts differ.
+"""Buckets: which gradients travel together in one all-reduce. :func:`pack_by_size` cuts parameters
+(reverse registration order) by a byte cap, never over it (``fill=False``) or filled to it as
+torch's DDP (``fill=True``, reducer.cpp's ``compute_bucket_assignment_by_size``).
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
@@ -72,12 +52,9 @@ def check_bucket_cap(where: str, name: str, value, allow_none: bool = False):
 
 def pack_by_size(nbytes: list[int], cap_bytes: int | None,
                  first_cap_bytes: int | None = None, fill: bool = False) -> list[list[int]]:
-    """Indices ``0..n-1``, in order, cut into consecutive groups by ``cap_bytes`` bytes
-    (``first_cap_bytes`` for group 0; ``None``: one group). ``fill=False``: each group holds at
-    most the cap (an item larger than the cap gets a group of its own); ``fill=True``: a group is
-    closed as soon as it holds at least the cap (torch's DDP rule: every group but the last
-    reaches the cap, and is under it without its last item). An item is never split. The one
-    bucket planner (DDP buckets, ZeRO buckets)."""
+    """Indices ``0..n-1`` cut into consecutive groups by ``cap_bytes`` (``first_cap_bytes`` for group
+    0; ``None``: one group), never splitting an item. ``fill=False``: at most the cap; ``fill=True``:
+    closed once at least the cap (torch's DDP rule)."""
     groups: list = []
     current: list = []
     size = 0
@@ -98,9 +75,7 @@ def pack_by_size(nbytes: list[int], cap_bytes: int | None,
 
 def build_buckets(params: list, names: dict, cap_bytes: int, dtype: torch.dtype,
                   first_cap_bytes: int | None = None, fill: bool = False) -> list[Bucket]:
-    """Pack ``params`` (reversed) into buckets by ``cap_bytes`` (``fill``: the rule, see
-    :func:`pack_by_size`); never split a parameter. ``first_cap_bytes`` caps bucket 0 alone
-    (small, so communication starts early)."""
+    """Pack ``params`` (reversed) into buckets by ``cap_bytes`` (rule ``fill``; ``first_cap_bytes``: bucket 0)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     order = list(reversed(params))
     groups = [[order[i] for i in g] for g in

@@ -1,35 +1,7 @@
-"""Checkpoints that survive a crash and load anywhere (a half-written file, a ``module.`` prefix
-or a device-bound tensor must not stop a resume).
-
-* **What is saved:** the *unwrapped* module's state dict (no ``module.`` prefix), so a checkpoint
-  written during DDP training loads into the bare model and vice versa, with ``strict=True``;
-  plus the optimizer state and a small ``extra`` dict (epoch, step...). Not the RNG state:
-  ``extra`` comes from rank 0 alone, and every rank's own generators are saved anyway (below).
-* **Who writes:** global rank 0 only (replicas are identical; W writers would race on one file),
-  but every rank takes part: a ZeRO-1/2 optimizer's consolidated state dict is collective.
-* **Never over the last good one:** ``path`` is a folder of generations
-  (:mod:`minidist.checkpoint_io`): each save is a new ``gen-NNNNNN/checkpoint.pt``, every write
-  checked (flush, fsync; a full disk says so and names the file), every rank's outcome agreed, then
-  a ``manifest.json`` (size, SHA-256, shapes) written atomically; only then the old generation is
-  removed. A crash or a full disk mid-save leaves the previous generation loadable.
-* **Loading:** every rank reads the newest complete generation (size and checksum checked, then
-  names and shapes against the model: a mismatch names the parameter, expected vs found); one
-  rank's error is every rank's. A single ``torch.save`` file, even ``module.``-prefixed (saved
-  from a wrapper by other code), is accepted too.
-* **Each rank's own state:** ranks draw different dropout masks (and data augmentation), so
-  one rank's generator restored on every rank does not continue the run. Every rank writes its
-  own ``rank{r:05d}.pt``: its CPU generator, CUDA generators (when CUDA is initialised), Python
-  ``random`` and NumPy state, and the per-rank objects of ``states`` (sampler position, PowerSGD
-  or top-k error feedback, DiLoCo; :mod:`minidist.state`); ``load_checkpoint`` gives each rank
-  back its own. Resuming is then bit-identical to the run that never stopped (tested at W = 2 and
-  4 with dropout). Resuming on a different number of ranks warns and leaves the random state as
-  it is (it cannot be identical then), and refuses per-rank ``states``; a single process without
-  a process group loading a W-rank checkpoint (to evaluate) is quiet.
-* **Replicas that differ are refused, not half-saved:** rank 0 writes the model and optimizer,
-  so before anything is written every rank's digest of them is compared; a difference (DiLoCo
-  mid-round, an inner optimizer local to each rank, a replica never synchronised) is a
-  ``ValueError`` on every rank naming what differs — unless an object in ``states`` saves each
-  rank's replica (``DiLoCo`` does).
+"""Checkpoints that survive a crash and load anywhere: the unwrapped state dict, optimizer and
+``extra`` written by rank 0 as a new generation (:mod:`minidist.checkpoint_io`), plus each rank's
+RNG and per-rank ``states``, so a resume is bit-identical. Differing replicas are refused.
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
@@ -62,8 +34,7 @@ def strip_prefix(state: dict, prefix: str = "module.") -> dict:
 
 
 def rank_state() -> dict:
-    """This rank's random state: torch's CPU generator, the CUDA ones if initialised, Python's
-    ``random`` and NumPy's global generator when NumPy is loaded."""
+    """This rank's random state: torch CPU, CUDA (if initialised), Python ``random``, NumPy."""
     state = {"cpu": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -92,38 +63,16 @@ def _restore_numpy(state) -> None:
 
 
 def _sharded_model(model) -> bool:
-    """A :func:`~minidist.sharding.fsdp.fully_shard` model: rank 0 does not hold all of it.
-    (``fully_shard`` marks each unit's module with ``_fsdp``; read without importing sharding,
-    which imports this package.)"""
+    """A ``fully_shard`` model (units marked ``_fsdp``; read without importing sharding)."""
     return any(getattr(m, "_fsdp", None) is not None for m in unwrap(model).modules())
 
 
 def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict | None = None,
                     group=None, keep: int = 1, states: dict | None = None) -> str:
-    """Save ``model``, ``optimizer``, ``extra`` and the stateful ``states`` as a new generation of
-    the checkpoint folder ``path`` (see :mod:`minidist.checkpoint_io`); collective over
-    ``group``: call it on every rank, with the same ``states`` names. Returns the new
-    generation's folder; the ``keep`` newest generations stay.
-
-    Rank 0 writes ``checkpoint.pt`` (model, optimizer, ``extra``, the replicated ``states``);
-    every rank writes ``rank{r:05d}.pt`` (its random generators and its per-rank ``states``:
-    sampler position, PowerSGD or top-k error feedback, DiLoCo; see :mod:`minidist.state`).
-
-    ``optimizer`` may be a plain ``torch.optim`` optimizer or a ZeRO-1/2
-    :class:`~minidist.sharding.zero.ShardedOptimizer` (whose consolidated ``state_dict`` is
-    collective: every rank calls it here).
-
-    Raises (on every rank, before anything is written; the previous generation kept):
-        TypeError: a ``fully_shard`` (ZeRO-3) model (use :mod:`minidist.sharding.checkpoints`),
-            a ``states`` object that is not stateful or not plain data, or an ``extra`` entry
-            that is not plain data (named, pointing at ``states=``).
-        ValueError: the model or optimizer (or a replicated state) differs between ranks, so
-            rank 0's copy would not resume the others: names it and the ranks (DiLoCo
-            mid-round: pass the ``DiLoCo`` object, which saves each rank's replica; a local
-            inner optimizer: pass it in ``states``, which saves it per rank).
-        OSError: a write failed on some rank (``ENOSPC``: the message names the file and says the
-            disk is full); the other ranks raise ``RuntimeError`` quoting it.
-    """
+    """Save ``model``, ``optimizer`` (plain or ZeRO-1/2), ``extra`` and ``states`` as a new generation
+    of ``path``, keeping ``keep``; returns its folder. Collective. Raises on every rank before
+    writing: ``TypeError`` (a ``fully_shard`` model, non-plain data), ``ValueError`` (replicas
+    differ); ``OSError`` for a failed write (others: ``RuntimeError``)."""
     path = os.fspath(path)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     where = f"save_checkpoint (rank {rank})"
@@ -155,21 +104,9 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, map_location
                     strict: bool = True, group=None, states: dict | None = None,
                     restore_rng: bool = True, generation: int | None = None,
                     fallback: bool = False) -> dict:
-    """Load a generation of ``path`` into ``model`` (bare or wrapped), ``optimizer`` and every
-    object of ``states`` on this rank; returns ``extra``. Restores this rank's own random state
-    (``restore_rng``). ``path`` may also be one generation's folder (``path/gen-000003``) or a
-    single file written by ``torch.save`` (a state dict, possibly ``module.``-prefixed).
-
-    Which generation: the newest complete one; ``generation=n`` that one; ``fallback=True`` the
-    newest whose every file verifies (a corrupt newer one is logged and warned about, never
-    skipped silently). :func:`minidist.checkpoint_io.list_generations` lists them.
-
-    Collective when a process group is initialised: an error on one rank is an error on every
-    rank. Raises ``FileNotFoundError`` naming the path and rank when nothing complete is there;
-    ``ValueError`` naming the file and the parameter when a file is truncated, corrupted, or does
-    not fit the model (expected vs found shape), or when per-rank ``states`` were saved by
-    another number of ranks; ``KeyError`` naming a ``states`` object the checkpoint lacks.
-    Loading on another number of ranks warns that the random state is not restored."""
+    """Load the newest complete generation of ``path`` (or ``generation``, or with ``fallback`` the
+    newest that verifies; or a ``torch.save`` file) into ``model``, ``optimizer``, ``states`` and this
+    rank's RNG; returns ``extra``. Collective: ``FileNotFoundError``, ``ValueError``, ``KeyError``."""
     path = os.fspath(path)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1

@@ -1,19 +1,7 @@
-"""Gradient compression as DDP communication hooks: fewer bytes on the wire per step.
-
-A hook replaces :class:`~minidist.data_parallel.BucketedDDP`'s default bucket average
-(``model.register_comm_hook(state, hook)``); it runs on the communication thread and must leave
-the *same* averaged gradient in ``bucket.buffer`` on every rank, so replicas stay identical.
-
-* :func:`fp16_compress_hook` / :func:`bf16_compress_hook` — cast the bucket to 16 bits, all-reduce,
-  cast back: half the bytes, a rounding error of ~1e-3 (fp16) or ~1e-2 (bf16) relative; the
-  average is pre-divided by W so the fp16 sum cannot overflow.
-* :class:`TopK` — each rank sends only its k largest-magnitude entries (values + indices, through
-  an all-gather), with **error feedback** (Seide et al. 2014; Stich et al. 2018, "Sparsified SGD
-  with Memory"): what was not sent is added to the next step's gradient, so nothing is lost, only
-  delayed. Invariant: Σ_t applied_t + mean_r(error_r) = mean_r Σ_t g_r,t.
-
-Bytes per rank for a bucket of N fp32 values, ring collectives: all-reduce 2(W-1)/W · 4N;
-fp16 2(W-1)/W · 2N; top-k (W-1) · k · (4 + 8). Measure them with ``minidist.comm.count_traffic``.
+"""Gradient compression as DDP communication hooks: each leaves the same average in
+``bucket.buffer`` on every rank. fp16/bf16 all-reduce; :class:`TopK` with error feedback
+(Seide et al. 2014; Stich et al. 2018).
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
@@ -42,14 +30,9 @@ bf16_compress_hook.__doc__ = "All-reduce the bucket in bf16 (half the bytes); th
 
 
 class TopK:
-    """Top-k sparsification with error feedback. Use as ``model.register_comm_hook(TopK(0.01),
-    TopK.hook)`` — the instance is the hook's state (one error buffer per bucket).
-
-    Args:
-        ratio: share of each bucket's entries sent per step (0 < ratio ≤ 1; k = ceil(ratio·N)).
-        error_feedback: keep what was not sent and add it next step (True: the method converges
-            like plain SGD; False: gradients are simply dropped).
-    """
+    """Top-k sparsification with error feedback: ``model.register_comm_hook(TopK(0.01), TopK.hook)``.
+    ``ratio``: share of each bucket sent (0 < ratio ≤ 1, k = ceil(ratio·N)); ``error_feedback``:
+    keep what was not sent for the next step."""
 
     def __init__(self, ratio: float = 0.01, error_feedback: bool = True):
         if not 0.0 < ratio <= 1.0:

@@ -1,20 +1,7 @@
-"""Local SGD and DiLoCo: H optimizer steps without communication, then one outer step.
-
-Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models",
-Algorithm 1. Every rank starts a round from the same parameters θ (the *anchor*), takes H steps
-of its own inner optimizer on its own data (no communication), then
-
-    Δ = mean over ranks of (θ - θ_rank)          one all-reduce of all parameters (the only one)
-    θ ← OuterOpt(θ, Δ)                           Nesterov SGD (paper: lr 0.7, momentum 0.9)
-
-and every rank continues from the new θ. The inner optimizer's state (e.g. AdamW's moments) stays
-local. **Local SGD** (Stich 2019; Lin et al. 2020) is the special case outer lr 1, no momentum:
-θ ← mean of θ_rank. A rank sends one all-reduce of the model per H steps — in a ring
-2(W-1)/W · 4N bytes / H per step against DDP's 2(W-1)/W · 4N every step (:meth:`DiLoCo.bytes_per_step`).
-
-The outer step is :class:`torch.optim.SGD` (``nesterov=True``) over the anchor with Δ as its
-gradient (as torchft's DiLoCo does); the rounds, the pseudo-gradient and its all-reduce (one flat
-buffer, :class:`minidist.communicator.Communicator`) are written here.
+"""Local SGD and DiLoCo (Douillard et al. 2023, Algorithm 1): H inner steps per rank without
+communication, then Δ = mean(θ - θ_rank) in one all-reduce and an outer Nesterov SGD step on θ.
+Local SGD (Stich 2019) is outer lr 1, no momentum.
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
@@ -29,19 +16,9 @@ __all__ = ["DiLoCo"]
 
 
 class DiLoCo:
-    """Call :meth:`step` after every inner ``optimizer.step()``; every ``sync_every``-th call runs
-    the outer step (an all-reduce; every rank must call it equally often).
-
-    Args:
-        model: the local replica (same initial parameters on every rank: the caller's seed, or
-            :func:`~minidist.data_parallel.broadcast_module` first).
-        sync_every: H, inner steps per round (int ≥ 1; H = 1 with outer lr 1, no momentum, and
-            inner SGD is DDP).
-        outer_lr, outer_momentum, nesterov: the outer SGD (local SGD: 1.0, 0.0, False).
-        collectives, group: as for every strategy (:class:`~minidist.communicator.Communicator`).
-
-    Raises ``ValueError`` for ``sync_every`` < 1 or a non-positive ``outer_lr`` (naming the rank).
-    """
+    """Call :meth:`step` after every inner ``optimizer.step()``; every ``sync_every``-th (H) call runs
+    the outer SGD (``outer_lr``, ``outer_momentum``, ``nesterov``), an all-reduce. ``ValueError``
+    for ``sync_every`` < 1 or ``outer_lr`` <= 0."""
 
     def __init__(self, model: nn.Module, sync_every: int = 500, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True,
@@ -81,13 +58,11 @@ class DiLoCo:
 
     @property
     def holds_replica(self) -> bool:
-        """True between synchronisations: the replicas differ, and :meth:`state_dict` holds this
-        rank's (so a checkpoint does not need the model replicas to be equal)."""
+        """True between synchronisations (the replicas differ: state is per rank)."""
         return self.inner_steps % self.sync_every != 0
 
     def state_dict(self) -> dict:
-        """The anchor θ, the outer optimizer (momentum), the position in the round and —
-        mid-round — this rank's replica (torchft keeps the outer optimizer's state too)."""
+        """The anchor θ, the outer optimizer, the position in the round and, mid-round, this replica."""
         return {"sync_every": self.sync_every, "inner_steps": self.inner_steps,
                 "rounds": self.rounds, "anchor": [a.detach().clone() for a in self.anchor],
                 "outer": self.outer.state_dict(),
@@ -96,8 +71,7 @@ class DiLoCo:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (call after the model's own state is loaded: a mid-round
-        replica overwrites it). ``ValueError`` when ``sync_every`` or the shapes differ."""
+        """Restore :meth:`state_dict` (after the model's own state is loaded)."""
         where = f"DiLoCo.load_state_dict (rank {self.comm.rank})"
         if state["sync_every"] != self.sync_every:
             raise ValueError(f"{where}: saved with sync_every={state['sync_every']}, this one "

@@ -1,12 +1,6 @@
-"""Distributed evaluation that counts every sample exactly once (a training sampler's
-padding would count some twice).
-
-A training sampler pads shards to equal length with duplicates: with 10 samples on 4 ranks, 12
-would be evaluated and the accuracy would depend on W. Here rank r evaluates indices r, r+W, ...
-(shards differ in length by at most one, no duplicates), and the ranks all-reduce the integer
-*counts* — number correct, number seen — and the summed loss. So accuracy = Σ correct / Σ count is
-exactly the single-process accuracy for any W, and the mean loss equals it up to fp64 rounding.
-Evaluation runs no backward, so unequal shard lengths cannot leave a rank waiting in DDP.
+"""Distributed evaluation that counts every sample exactly once: rank r takes r, r+W, ... (no
+padding), counts and summed loss all-reduced, so accuracy is the single-process one for any W.
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
@@ -29,15 +23,9 @@ def shard_indices(n: int, rank: int, world_size: int) -> list[int]:
 @torch.no_grad()
 def evaluate(model, dataset, batch_size: int = 256, group=None, collectives: str = "hand-built",
              autocast_dtype: torch.dtype | None = None) -> dict:
-    """Accuracy and mean cross-entropy of ``model`` over the whole ``dataset``, across ranks.
-
-    Every rank must call it (it ends with one all-reduce). ``model`` may be a DDP wrapper: the
-    bare module is evaluated (in eval mode, restored afterwards). ``dataset`` items are ``(x, y)``.
-
-    Returns:
-        ``{"accuracy": float, "loss": float, "correct": int, "count": int}`` — identical on every
-        rank, and ``count == len(dataset)`` for any world size.
-    """
+    """Accuracy and mean cross-entropy of ``model`` (bare or DDP) over ``dataset`` of ``(x, y)``.
+    Collective. Returns ``{"accuracy", "loss", "correct", "count"}``, identical on every rank,
+    ``count == len(dataset)``."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     module = unwrap(model)

@@ -1,13 +1,6 @@
-"""DDP, version 2: pack every gradient into one flat buffer and all-reduce it once.
-
-One collective instead of one per parameter: the per-message latency is paid once, and a
-bandwidth-optimal ring gets a long message to pipeline. Still, communication starts only after
-backward has finished; :mod:`.bucketed` overlaps it with backward.
-
-The flat buffer is in ``reduce_dtype`` (fp32 by default), so bf16 gradients are averaged in fp32.
-Shapes: the buffer holds sum(p.numel()) elements, parameters in registration order.
-:func:`average_flat` is the one flatten / average / unflatten of the library (the pipeline engine
-averages over its data-parallel replicas with it too).
+"""DDP, version 2: every gradient packed into one flat buffer (``reduce_dtype``), one all-reduce.
+Communication still waits for backward (:mod:`.bucketed` overlaps it).
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
@@ -22,12 +15,8 @@ __all__ = ["FlatDDP", "average_flat"]
 
 def average_flat(tensors: list[torch.Tensor], comm: Communicator,
                  dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """The average over ``comm``'s group of each tensor, computed as ONE all-reduce of their
-    concatenation (with ``comm``'s implementation and algorithm).
-
-    Returns new tensors (same shapes, dtype ``dtype`` or the first tensor's); the inputs are not
-    modified. Every rank must pass the same shapes in the same order.
-    """
+    """New tensors (same shapes, dtype ``dtype`` or the first's): each input averaged over ``comm``'s
+    group by ONE all-reduce of their concatenation. Same shapes and order on every rank."""
     if not tensors:
         return []
     dtype = dtype or tensors[0].dtype

@@ -1,23 +1,6 @@
-"""Mixed precision for data-parallel training: low-precision compute, fp32 gradients and reduction.
-
-* **Default, CPU and GPU:** bf16 autocast. bf16 keeps fp32's exponent range, so no loss scaling
-  is needed; every NVIDIA GPU since Ampere (A100, H100) computes in bf16 at fp16's speed.
-* **fp16, only where the GPU has no native bf16** (compute capability below 8.0: V100, T4 and
-  older; ``torch.cuda.is_bf16_supported()`` says True there too, by emulation, unless asked with
-  ``including_emulation=False`` — torch/cuda/__init__.py): fp16 autocast with dynamic loss
-  scaling (``torch.amp.GradScaler``): the loss is multiplied by S before backward so small gradients do not flush to zero in fp16; the optimizer
-  step unscales, and is skipped (S halved) when a gradient is inf/NaN.
-
-Parameters stay fp32 (autocast casts per op), so ``p.grad`` is fp32 and DDP averages it in fp32
-(``reduce_dtype``; a bf16 model's gradients are upcast into fp32 buckets). Under DDP the loss-scale
-decision is the same on every rank, because it is taken *after* the all-reduce, on identical
-gradients. Reference: Micikevicius et al. 2018, "Mixed Precision Training" (ICLR), §3.
-
-    mp = MixedPrecision()                 # bf16; fp16 + scaling on a GPU without bf16
-    with mp.autocast():
-        loss = loss_fn(model(x), y)
-    mp.backward(loss)
-    mp.step(optimizer)
+"""Mixed precision for DDP: bf16 autocast, or fp16 with loss scaling where the GPU lacks bf16;
+parameters and averaged gradients stay fp32 (Micikevicius et al. 2018, §3).
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
@@ -44,13 +27,8 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 
 class MixedPrecision:
-    """Autocast + (for fp16) loss scaling, chosen from the device.
-
-    Args:
-        device: where the model runs (default: this rank's device from ``minidist.env``).
-        dtype: ``"auto"`` (default: :func:`default_dtype`), ``torch.bfloat16``, ``torch.float16``
-            (loss scaling on), or ``None``/``torch.float32`` to disable.
-    """
+    """Autocast + (for fp16) loss scaling. ``device``: default this rank's; ``dtype``: ``"auto"``
+    (:func:`default_dtype`), bf16, fp16 (loss scaling), or ``None``/fp32 to disable."""
 
     def __init__(self, device: torch.device | str | None = None, dtype: torch.dtype | None = "auto",
                  init_scale: float = 2.0**16):

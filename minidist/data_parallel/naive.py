@@ -1,14 +1,6 @@
 """DDP, version 1: after backward, all-reduce (average) every gradient, one collective per parameter.
-
-    model = NaiveDDP(MLP())            # rank 0's weights are broadcast to every rank
-    loss_fn(model(x_local), y_local).backward()
-    model.sync_gradients()             # p.grad = mean over ranks of the local gradients
-    optimizer.step()                   # identical update on every rank: replicas stay identical
-
-Correct and simple, but slow: one all-reduce per parameter tensor (latency paid P times), and all
-communication waits until backward has finished (nothing overlaps). :mod:`.flat` fixes the first
-problem, :mod:`.bucketed` both. Reference: Li et al. 2020, "PyTorch Distributed: Experiences on
-Accelerating Data Parallel Training" (VLDB), §3.2.
+Simple but slow: latency paid per parameter, nothing overlaps (Li et al. 2020, §3.2).
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations

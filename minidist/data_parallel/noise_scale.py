@@ -1,27 +1,7 @@
-"""The gradient noise scale: how large a batch still pays (McCandlish et al. 2018).
-
-McCandlish, Kaplan, Amodei et al., "An Empirical Model of Large-Batch Training" (2018), §2.2:
-with per-example gradients of mean ``G`` (the true gradient) and covariance ``Σ``, a batch of
-``B`` independent examples estimates ``G`` with noise of covariance ``Σ/B``, and
-
-    B_simple = tr(Σ) / |G|²                     (their eq. 2.8; dimensionless, in examples)
-
-is the batch size at which the noise and the signal are about equal. Below it a step on twice
-the batch is worth nearly two steps (steps to a target halve); above it a bigger batch mostly
-averages away noise that was already small (steps level off, examples processed grow). Their
-§2.3 model: ``S = S_min·(1 + B_noise/B)`` steps and ``E = E_min·(1 + B/B_noise)`` examples, with
-the critical batch ``B_crit = E_min/S_min``; ``B_simple`` estimates it when the Hessian is
-close to a multiple of the identity (``B_noise = tr(HΣ)/GᵀHG`` in general).
-
-Two estimators, both returning a :class:`NoiseScale`:
-
-* :func:`from_per_example` — from per-example gradients ``[n, P]`` (:func:`per_example_grads`):
-  unbiased ``tr(Σ)`` and ``|G|²`` from a sample, or exact for a finite data set given whole;
-* :func:`from_two_batches` — their Appendix A.1: from the squared norms of gradients taken on
-  batches of two sizes, using ``E|G_B|² = |G|² + tr(Σ)/B``. Data parallelism hands it over for
-  free: each rank's local gradient (batch ``b``) is the small batch, the all-reduced one
-  (``W·b``) the big batch. One step's estimate is noisy; average ``tr(Σ)`` and ``|G|²``
-  separately over steps (:meth:`NoiseScale.mean`), then divide, as the paper does.
+"""The gradient noise scale ``B_simple = tr(Σ) / |G|²`` (McCandlish et al. 2018, eq. 2.8): how large
+a batch still pays. From per-example gradients, or (App. A.1) from a small and a big batch: each
+rank's local gradient and the all-reduced one.
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
@@ -38,9 +18,7 @@ __all__ = ["NoiseScale", "per_example_grads", "from_per_example", "from_two_batc
 
 @dataclass(frozen=True)
 class NoiseScale:
-    """``trace_sigma`` = tr(Σ) (per-example gradient variance, summed over parameters),
-    ``grad_sq`` = |G|² (squared norm of the true gradient); ``b_simple`` = their ratio, in
-    examples (``inf`` when ``grad_sq`` <= 0: at a minimum, or a noisy estimate that crossed 0)."""
+    """``trace_sigma`` tr(Σ), ``grad_sq`` |G|²; ``b_simple`` their ratio in examples (``inf`` if ``grad_sq`` <= 0)."""
 
     trace_sigma: float
     grad_sq: float
@@ -51,8 +29,7 @@ class NoiseScale:
 
     @staticmethod
     def mean(estimates: Sequence["NoiseScale"]) -> "NoiseScale":
-        """Average tr(Σ) and |G|² separately over ``estimates`` (McCandlish et al., App. A.1:
-        the ratio of averages, not the average of ratios, which one small |G|² would dominate)."""
+        """Average tr(Σ) and |G|² separately over ``estimates`` (McCandlish et al., App. A.1)."""
         if not estimates:
             raise ValueError("NoiseScale.mean: no estimates to average")
         n = len(estimates)
@@ -62,12 +39,8 @@ class NoiseScale:
 
 def per_example_grads(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                       x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Every example's gradient of ``loss_fn(model(x_i), y_i)``, flattened: ``[n, P]``.
-
-    ``P`` counts the trainable parameters in ``model.named_parameters()`` order (each flattened).
-    Computed with ``torch.func`` (``vmap`` over ``grad``), one batched pass; ``model`` must act
-    on a batch of one (no BatchNorm in training mode). ``x`` [n, ...], ``y`` [n, ...].
-    """
+    """Every example's flattened gradient of ``loss_fn(model(x_i), y_i)``: ``[n, P]`` (``torch.func``
+    vmap; ``model`` must act on a batch of one). ``x`` [n, ...], ``y`` [n, ...]."""
     from torch.func import functional_call, grad, vmap
 
     if x.shape[0] != y.shape[0]:
@@ -84,14 +57,8 @@ def per_example_grads(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.T
 
 
 def from_per_example(grads: torch.Tensor, whole_population: bool = False) -> NoiseScale:
-    """tr(Σ) and |G|² from per-example gradients ``grads`` [n, P] (n >= 2).
-
-    ``whole_population=False``: the ``n`` rows are a sample of the data; unbiased estimates
-    ``tr(Σ) = Σᵢ|gᵢ − ḡ|²/(n−1)`` and ``|G|² = |ḡ|² − tr(Σ)/n`` (``|ḡ|²`` alone is biased up by
-    the noise). ``True``: the rows are every example of a finite data set that batches are
-    drawn from with replacement, so ``G = ḡ`` and ``Σ`` is the population covariance
-    (divisor ``n``): exact, no estimation. Computed in float64.
-    """
+    """tr(Σ) and |G|² from per-example gradients ``grads`` [n, P] (n >= 2), in float64: unbiased
+    sample estimates, or exact with ``whole_population=True``."""
     if grads.dim() != 2:
         raise ValueError(f"from_per_example: grads must be [n, P], got shape {tuple(grads.shape)}")
     n = grads.shape[0]
@@ -109,18 +76,9 @@ def from_per_example(grads: torch.Tensor, whole_population: bool = False) -> Noi
 
 def from_two_batches(sq_norm_small: float, sq_norm_big: float, b_small: float, b_big: float
                      ) -> NoiseScale:
-    """McCandlish et al. App. A.1, eq. A.2: tr(Σ) and |G|² from ``|G_small|²`` and ``|G_big|²``,
-    the squared norms of mean gradients over batches of ``b_small < b_big`` examples.
-
-    Unbiased because ``E|G_B|² = |G|² + tr(Σ)/B`` for a batch of B independent examples::
-
-        |G|²  = (b_big·|G_big|² − b_small·|G_small|²) / (b_big − b_small)
-        tr(Σ) = (|G_small|² − |G_big|²) / (1/b_small − 1/b_big)
-
-    In DDP on W ranks of b examples each: ``sq_norm_small`` = the mean over ranks of the local
-    gradients' squared norms (before the all-reduce), ``b_small = b``; ``sq_norm_big`` = the
-    averaged gradient's, ``b_big = W·b``. Floats or 0-d tensors.
-    """
+    """McCandlish et al. App. A.1, eq. A.2: tr(Σ) and |G|² from the squared norms of mean gradients
+    over batches of ``b_small < b_big`` examples (``E|G_B|² = |G|² + tr(Σ)/B``). In DDP: the mean
+    of the local norms with ``b``, and the averaged gradient's with ``W·b``. Floats or 0-d tensors."""
     if not 0 < b_small < b_big:
         raise ValueError(f"from_two_batches: need 0 < b_small < b_big, got b_small={b_small}, "
                          f"b_big={b_big}")

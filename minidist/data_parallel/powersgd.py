@@ -1,35 +1,6 @@
-"""PowerSGD: rank-r low-rank gradient compression with error feedback, as a DDP communication hook.
-
-Vogels, Karimireddy and Jaggi 2019, "PowerSGD: Practical Low-Rank Gradient Compression for
-Distributed Optimization" (NeurIPS), Algorithm 1. Per gradient M (n × m, a tensor of shape
-(n, ...) viewed as ``M = g.view(n, -1)``) and a rank r ≤ min(n, m):
-
-1. ``M += e`` (error feedback: what earlier steps did not deliver);
-2. ``P = M Q`` (n × r), **all-reduce P** (mean), orthogonalise P's columns (Gram-Schmidt);
-3. ``Q = Mᵀ P`` (m × r), **all-reduce Q** (mean);
-4. ``M̂ = P Qᵀ`` is the averaged gradient on every rank; ``e = M - M̂`` is kept for next step.
-
-Q is kept between steps (**warm start**, one power-iteration step per SGD step) or drawn afresh
-from N(0, 1) and orthogonalised every step. A rank sends r·(n + m) numbers per matrix instead of
-n·m (:meth:`PowerSGD.numel_per_step`, :func:`~.compression.ring_allreduce_bytes` per all-reduce).
-
-The settings and their semantics are those of torch's ``PowerSGDState`` /
-``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook`` (the reference this
-file is tested against, to ~1e-7): steps ``0 .. start_iter-1`` are plain all-reduce averages;
-a tensor is compressed only if ``r·(n+m)·min_compression_rate < n·m`` — so a bias (n × 1)
-never is at the default rate 2, and the uncompressed tensors of a bucket are averaged together in
-one all-reduce. Error feedback covers the whole bucket (for an uncompressed tensor ``e`` is its
-local value minus the mean, which averages to zero over ranks). Random Q: a NumPy
-``RandomState(seed)`` draws one torch seed per (re)initialisation, tensors grouped by shape in
-order of first appearance, as torch does, so the same seed gives the same Q. Orthogonalisation is
-always Gram-Schmidt (torch switches to QR for r > 2; the two differ only in column signs, which
-``P Pᵀ M`` does not see).
-
-Use: ``ddp.register_comm_hook(PowerSGD(rank=2), PowerSGD.hook)`` on a
-:class:`~minidist.data_parallel.BucketedDDP`. Trap: torch 2.14's ``batched_powerSGD_hook``
-(one matrix per bucket) raises a bare ``AssertionError`` at its first compressed step (on gloo,
-CPU): it hands ``_orthogonalize`` a 2-D Q where a batch of matrices (3-D) is asserted. The
-per-tensor ``powerSGD_hook`` is the reference here.
+"""PowerSGD (Vogels et al. 2019, Algorithm 1): rank-r compression with error feedback as a DDP
+communication hook, two all-reduces (P, Q) per matrix; semantics of torch's ``powerSGD_hook``.
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
@@ -46,8 +17,7 @@ __all__ = ["PowerSGD", "orthogonalize_"]
 
 
 def orthogonalize_(m: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
-    """Gram-Schmidt, in place, on the columns of ``m`` (n × r, r ≤ n): afterwards ``mᵀ m = I``.
-    Each column is divided by ``‖col‖ + epsilon`` (epsilon > 0 keeps an all-zero column finite)."""
+    """Gram-Schmidt, in place, on the columns of ``m`` (n × r, r ≤ n): afterwards ``mᵀ m = I``."""
     if m.dim() != 2 or m.shape[1] > m.shape[0]:
         raise ValueError(f"orthogonalize_: expected an n x r matrix with r <= n, got {tuple(m.shape)}")
     for i in range(m.shape[1]):
@@ -60,22 +30,9 @@ def orthogonalize_(m: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
 
 
 class PowerSGD:
-    """PowerSGD state and hook (``ddp.register_comm_hook(state, PowerSGD.hook)``).
-
-    Args:
-        rank: r, the approximation rank (≥ 1; torch's ``matrix_approximation_rank``); a matrix
-            with min(n, m) < r uses min(n, m).
-        start_iter: steps that are plain all-reduce before compression starts (torch's
-            ``start_powerSGD_iter``; torch requires > 1 with error feedback or warm start because
-            its DDP rebuilds buckets after step 1 — minidist's do not change, so 0 is allowed).
-        min_compression_rate: compress a tensor only if r·(n+m)·rate < n·m.
-        error_feedback: keep ``e = M - M̂`` and add it next step.
-        warm_start: keep Q from the previous step (else a fresh random Q each step).
-        epsilon: added to column norms in Gram-Schmidt (torch's ``orthogonalization_epsilon``).
-        seed: seeds the random Q (torch's ``random_seed``).
-
-    Raises ``ValueError`` for a rank < 1, a negative ``start_iter`` or ``min_compression_rate``.
-    """
+    """PowerSGD state and hook, torch's settings: ``rank`` r ≥ 1, ``start_iter``,
+    ``min_compression_rate`` (compress iff r·(n+m)·rate < n·m), ``error_feedback``, ``warm_start``,
+    ``epsilon``, ``seed``. ``ValueError`` for rank < 1 or negative ``start_iter``/rate."""
 
     def __init__(self, rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
                  error_feedback: bool = True, warm_start: bool = True, epsilon: float = 0.0,
@@ -100,17 +57,14 @@ class PowerSGD:
                  "epsilon")
 
     def state_dict(self) -> dict:
-        """Everything a resume needs, as plain data (torch's ``PowerSGDState.__getstate__``
-        keeps the same: step, Q, error feedback, the NumPy generator): this rank's error
-        feedback ``e`` per bucket, the warm-start Q's, the step counter and the random state."""
+        """Everything a resume needs, as plain data: error feedback, warm-start Q's, step, random state."""
         return {"settings": {k: getattr(self, k) for k in self._SETTINGS}, "iter": self.iter,
                 "rng": numpy_rng_state(self.rng),
                 "errors": {b: e.clone() for b, e in self.errors.items()},
                 "qs": {b: [q.clone() for q in qs] for b, qs in self.qs.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue where :meth:`state_dict` was taken. Raises ``ValueError`` naming the
-        setting when the saved PowerSGD was configured otherwise (its Q's would not fit)."""
+        """Continue where :meth:`state_dict` was taken; ``ValueError`` naming a mismatch."""
         differ = {k: (v, getattr(self, k)) for k, v in state["settings"].items()
                   if getattr(self, k) != v}
         if differ:
@@ -135,14 +89,12 @@ class PowerSGD:
         return plan
 
     def numel_per_step(self, bucket) -> int:
-        """Numbers one rank all-reduces for ``bucket`` in a compressed step: Σ r(n+m) over the
-        compressed tensors + the numel of the rest (the uncompressed step: ``bucket.numel``)."""
+        """Numbers one rank all-reduces for ``bucket`` in a compressed step."""
         return sum(p.numel() if s is None else s[2] * (s[0] + s[1])
                    for p, s in zip(bucket.params, self._plan(bucket)))
 
     def bytes_per_step(self, bucket, world_size: int) -> float:
-        """Bytes one rank sends for ``bucket`` in a compressed step with minidist's ring
-        all-reduce: three all-reduces (uncompressed part, all P, all Q)."""
+        """Bytes one rank sends for ``bucket`` in a compressed step (ring all-reduces)."""
         plan, item = self._plan(bucket), bucket.buffer.element_size()
         unc = sum(p.numel() for p, s in zip(bucket.params, plan) if s is None)
         ps = sum(s[0] * s[2] for s in plan if s is not None)

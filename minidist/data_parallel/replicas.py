@@ -1,16 +1,6 @@
-"""Replicas: the same model on every rank. Broadcast it, check its structure, check it stayed equal.
-
-Data parallelism is only correct while every rank holds bit-identical parameters. Three things
-guard that (a rank-dependent model or an unsynchronised seed would otherwise train silently apart):
-
-* :func:`check_same_structure` — before any data moves, every rank's list of (name, shape, dtype,
-  requires_grad) is gathered; a difference (rank-dependent construction, a frozen layer on one rank)
-  raises :class:`ReplicaMismatchError` naming the ranks, their parameter counts and the first
-  differing entries. Without it a broadcast of differently-sized tensors aborts or hangs.
-* :func:`broadcast_module` — parameters and buffers are copied from rank 0, so equal shapes with
-  different values (different seeds) start identical.
-* :func:`replicas_max_difference` / :func:`assert_replicas_identical` — after N steps, the largest
-  difference between any rank's parameters and rank 0's (0.0 when DDP is right).
+"""Replicas: the same model on every rank. :func:`check_same_structure`, :func:`broadcast_module`,
+and after N steps :func:`replicas_max_difference` / :func:`assert_replicas_identical`.
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
@@ -83,12 +73,8 @@ def _fmt(entry) -> str:
 @torch.no_grad()
 def broadcast_module(module: nn.Module, collectives: str = "hand-built", group=None,
                      buffers_only: bool = False, algorithm: str = "auto") -> None:
-    """Copy rank 0's parameters and buffers to every rank, in place.
-
-    The tensors' bytes are packed into one flat ``uint8`` tensor per device, so a model with many
-    small buffers of several dtypes (ResNet-18: 40 fp32 BatchNorm statistics and 20 int64
-    ``num_batches_tracked``) pays one collective's latency (and one size check), not one per dtype
-    or sixty — as torch's DDP coalesces its buffer broadcast (``_broadcast_coalesced``)."""
+    """Copy rank 0's parameters and buffers to every rank, in place: one flat ``uint8`` broadcast per
+    device (as torch's ``_broadcast_coalesced``)."""
     broadcast_from_rank0(Communicator(collectives, group, algorithm=algorithm), module, buffers_only)
 
 

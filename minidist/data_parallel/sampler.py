@@ -1,17 +1,6 @@
-"""Which samples each rank sees: a DistributedSampler with ``set_epoch`` (without it
-every epoch repeats the first epoch's order).
-
-Every epoch the indices 0..N-1 are shuffled with a generator seeded by ``seed + epoch`` — the same
-permutation on every rank, no communication — then rank r takes every W-th index starting at r.
-So shards are disjoint and together cover the data; the order changes with the epoch and repeats
-with the seed. Forgetting ``set_epoch`` repeats one order forever: iterating twice in the same
-epoch warns.
-
-To make every rank take the same number of steps (DDP needs it: a rank with one batch fewer would
-leave the others waiting in an all-reduce), the permutation is padded by wrapping around to a
-multiple of W (``drop_last=False``, so up to W-1 samples are seen twice per epoch) or truncated
-(``drop_last=True``). Same indices as ``torch.utils.data.DistributedSampler``. For *evaluation*,
-where duplicates change the metric, use :func:`minidist.data_parallel.evaluate` instead.
+"""Which samples each rank sees: indices shuffled with ``seed + epoch``, padded or truncated to a
+multiple of W, every W-th from rank r — those of ``torch.utils.data.DistributedSampler``.
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
@@ -27,14 +16,8 @@ __all__ = ["DistributedSampler"]
 
 
 class DistributedSampler(Sampler[int]):
-    """Indices of rank ``rank``'s shard of a dataset (or of ``range(n)`` when given an int).
-
-    Args:
-        dataset: a sized dataset, or its length.
-        num_replicas, rank: default to the process group's world size and rank.
-        shuffle: shuffle with ``seed + epoch``; False gives rank, rank+W, rank+2W, ...
-        drop_last: drop the tail to a multiple of W instead of padding.
-    """
+    """Indices of rank ``rank``'s shard of ``dataset`` (sized, or its length). ``num_replicas``/``rank``
+    default to the group's; ``shuffle`` with ``seed + epoch``; ``drop_last`` instead of padding."""
 
     def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False):
@@ -66,18 +49,13 @@ class DistributedSampler(Sampler[int]):
     checkpoint_scope = "per_rank"           # each rank its own position (minidist.state)
 
     def state_dict(self) -> dict:
-        """Epoch, seed and position in the epoch: a checkpoint resumes mid-epoch with it.
-
-        ``position`` counts the indices this sampler has handed out in the current epoch. A
-        DataLoader with workers reads ahead of the training loop: there, save the position of the
-        batches actually trained on instead (``state["position"] = steps * batch_size``).
-        """
+        """Epoch, seed and ``position`` (indices handed out this epoch): resumes mid-epoch. With
+        read-ahead DataLoader workers save ``steps * batch_size`` as the position instead."""
         return {"epoch": self.epoch, "seed": self.seed, "position": self.position,
                 "num_replicas": self.num_replicas}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from :meth:`state_dict`: the next pass over epoch ``state["epoch"]`` skips the
-        first ``position`` indices of this rank's shard. Raises ValueError on another world size."""
+        """Continue from :meth:`state_dict`."""
         if state["num_replicas"] != self.num_replicas:
             raise ValueError(f"DistributedSampler (rank {self.rank}): the saved state is for "
                              f"{state['num_replicas']} replicas, this sampler has {self.num_replicas}")

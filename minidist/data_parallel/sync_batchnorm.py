@@ -1,21 +1,6 @@
-"""SyncBatchNorm from scratch: batch statistics over the *global* batch (per-rank
-statistics of small per-rank batches are noisy and differ from single-process training).
-
-DDP averages gradients, but BatchNorm's statistics are computed per rank: with small per-rank
-batches each rank normalises with a noisy mean, and the running statistics (buffers, not
-gradients) are never synchronised. SyncBatchNorm all-reduces, per channel,
-
-    forward:  [Σx, Σx², n]              → mean = Σx/N, var = Σx²/N − mean²   (N = Σ over ranks of n)
-    backward: [Σdy, Σdy·x̂]              → dx = w·invstd/N · (N·dy − Σdy − x̂·Σdy·x̂)
-
-so ranks with unequal batches are weighted by their sample counts, not averaged as means (rank 0
-four 0s and rank 1 four 10s: mean 5, unbiased var 28.5714; two 0s and six 10s: mean 7.5, var
-21.4286). Running statistics use the unbiased variance N/(N-1)·var like ``nn.BatchNorm``. The
-weight and bias gradients are left local (Σ over this rank's batch): DDP averages them. Statistics
-are accumulated in float64. Eval mode uses the running statistics, no communication.
-
-Reference: Ioffe & Szegedy 2015 (BatchNorm, §3 for the backward); Zhang et al. 2018, "Context
-Encoding for Semantic Segmentation" (cross-GPU BN); torch.nn.SyncBatchNorm.
+"""SyncBatchNorm from scratch: statistics over the *global* batch — [Σx, Σx², n] all-reduced in
+forward, [Σdy, Σdy·x̂] in backward, float64 (Ioffe & Szegedy 2015, §3; ``torch.nn.SyncBatchNorm``).
+Design notes: docs/design/data_parallel.md
 """
 
 from __future__ import annotations
@@ -83,11 +68,8 @@ class _SyncBN(torch.autograd.Function):
 
 
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over inputs [N, C, *] whose training statistics span every rank of ``group``.
-
-    Same arguments and state dict as ``nn.BatchNorm1d/2d/3d`` plus ``group`` (default: the world)
-    and ``collectives`` ("hand-built" ring or "torch"). Every rank must call forward and backward together.
-    """
+    """BatchNorm over [N, C, *] with training statistics over every rank of ``group``; as
+    ``nn.BatchNorm1d/2d/3d`` plus ``group`` and ``collectives``. Collective forward and backward."""
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, group=None,
@@ -121,8 +103,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 def convert_sync_batchnorm(module: nn.Module, group=None,
                            collectives: str = "hand-built") -> nn.Module:
-    """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` by a :class:`SyncBatchNorm` holding
-    the same parameters and running statistics. Returns the (possibly new) module."""
+    """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` by a :class:`SyncBatchNorm` (same state);
+    returns the (possibly new) module."""
     out = module
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
         out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,

@@ -1,19 +1,8 @@
 """Mixture of experts and expert parallelism, from scratch on minidist's all-to-all.
 
-======================  =====================================================================
-module                  what it holds
-======================  =====================================================================
-``router``              route (fp32 softmax, top-k, ties to the lower index), expert_capacity
-                        (Megatron's ceil rule), keep_mask (drop policies), the aux and z losses
-``permute``             expert-major permute / weighted un-permute, split sizes, regroup index
-``dispatch``            the six-step dispatch and combine; differentiable uneven AllToAll
-``layer``               MoE: the layer for the course GPT (router + expert MLPs, EP-sharded)
-``stats``               MoEStats: tokens per expert / rank, dropped fraction, all-to-all bytes
-``gpt``                 MoEGPT and sync_grads / global_grad_norm for EP x DP
-======================  =====================================================================
-
-The ranks: :class:`minidist.grid.ProcessGrid` with ``ep`` (folded over the data-parallel ranks)
-gives the EP group and the expert-DP group.
+``router`` (top-k, capacity, dropping, aux losses), ``permute``, ``dispatch`` (the all-to-all
+dispatch and combine), ``layer`` (MoE), ``stats``, ``gpt`` (MoEGPT, EP x DP gradients).
+Design notes: docs/design/expert_parallel.md
 """
 
 from . import dispatch, gpt, layer, permute, router, stats  # noqa: F401

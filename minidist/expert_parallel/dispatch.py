@@ -1,28 +1,8 @@
 """Expert parallelism's token dispatch and combine, on minidist's hand-built all-to-all.
 
-Experts are sharded over an EP group of W ranks in contiguous blocks: with ``c = ceil(E / W)``
-rank j owns experts ``[j·c, min((j+1)·c, E))`` — possibly none (E < W, or the last ranks when W
-does not divide E). On every rank, after routing and dropping (:mod:`.router`):
-
-1. **count** the kept rows per expert: ``counts [E]``;
-2. **exchange the counts**: an all-to-all of E integers (rank j is sent ``counts`` of j's experts),
-   so every rank knows how many rows it receives from whom, per local expert: ``recv_counts [W, L]``;
-3. **permute** the rows expert-major (:func:`.permute.permutation`), so the rows for rank j are a
-   contiguous slice;
-4. **all-to-all with uneven splits**: send splits ``counts`` summed per owner, receive splits
-   ``recv_counts`` summed per source;
-5. **local experts**: regroup ``[source][expert]`` → ``[expert][source]``, run each local expert
-   on its slice, regroup back;
-6. the **reverse all-to-all** (splits swapped), then **un-permute**, weighting each row by its
-   router probability and summing a token's k rows.
-
-:class:`AllToAll` is differentiable: the backward of an all-to-all is the all-to-all with the send
-and receive splits swapped (Megatron-LM ``_AllToAll``; torch ``_functional_collectives``), so
-the backward of step 4 sends gradients to where the tokens came from. Every rank runs every
-collective, whatever it holds: a rank with no experts or no rows sends and receives empty pieces.
-
-Sources: Lepikhin et al. 2020 (GShard) §2.2; Megatron-LM ``MoEAlltoAllTokenDispatcher``;
-torchtitan ``expert_parallel`` / ``generate_permute_indices``.
+Count, exchange the counts, permute expert-major, uneven all-to-all, run the local experts, the
+reverse all-to-all, un-permute (GShard §2.2; Megatron-LM ``MoEAlltoAllTokenDispatcher``).
+Design notes: docs/design/expert_parallel.md
 """
 
 from __future__ import annotations
@@ -66,8 +46,8 @@ def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tens
 
 
 class AllToAll(torch.autograd.Function):
-    """Rows ``x [sum(send), ...]``: piece j (``send[j]`` rows) goes to rank j; the result holds
-    ``recv[j]`` rows from each rank j, in rank order. Backward: the same with splits swapped."""
+    """Rows ``x [sum(send), ...]``: piece j goes to rank j; ``recv[j]`` rows come from each rank j.
+    Backward: the same with splits swapped."""
 
     @staticmethod
     def forward(ctx, x, send, recv, group):
@@ -80,21 +60,15 @@ class AllToAll(torch.autograd.Function):
 
 
 def all_to_all_rows(x, send: list[int], recv: list[int], group=None) -> torch.Tensor:
-    """Differentiable uneven all-to-all of rows (see :class:`AllToAll`).
-
-    With gradients enabled, the result requires grad on **every** rank, even where ``x`` does not
-    (a rank that owns no experts passes its received rows straight back; a rank whose input is
-    not a function of parameters): whether this rank's backward runs the reverse all-to-all must
-    not depend on what it holds, or the ranks that do would wait for it forever.
-    """
+    """Differentiable uneven all-to-all of rows; the result requires grad on every rank, so
+    every rank runs the backward's all-to-all."""
     if torch.is_grad_enabled() and not x.requires_grad:
         x = x.detach().requires_grad_()
     return AllToAll.apply(x, list(send), list(recv), group)
 
 
 def exchange_counts(counts: torch.Tensor, world: int, rank: int, group=None) -> torch.Tensor:
-    """Step 2. ``counts [E]`` (rows this rank sends per expert) → ``recv_counts [W, L]``: rows
-    rank j sends to each of this rank's L local experts. One all-to-all of E int64 in total."""
+    """``counts [E]`` -> ``recv_counts [W, L]``: rows rank j sends to each local expert."""
     E = counts.numel()
     c = experts_per_rank(E, world)
     mine = local_experts(E, world, rank)
@@ -108,10 +82,8 @@ def exchange_counts(counts: torch.Tensor, world: int, rank: int, group=None) -> 
 
 
 class Dispatch:
-    """What one dispatch moved, for statistics: ``counts [E]`` rows sent per expert,
-    ``recv_counts [W, L]``, ``send_splits``/``recv_splits`` (rows per peer), ``a2a_bytes_sent``
-    (this rank's all-to-all bytes in the forward: count exchange, dispatch and combine, from the
-    comm layer's traffic counters)."""
+    """What one dispatch moved: ``counts [E]``, ``recv_counts [W, L]``, ``send_splits``/``recv_splits``,
+    ``a2a_bytes_sent`` (this rank's forward all-to-all bytes)."""
 
     def __init__(self, counts, recv_counts, send_splits, recv_splits, a2a_bytes_sent):
         self.counts, self.recv_counts = counts, recv_counts
@@ -121,13 +93,8 @@ class Dispatch:
 
 def dispatch_combine(x, experts, weights, kept, num_experts: int, expert_modules, group=None,
                      rank: int = 0, world: int = 1):
-    """The six steps on this rank. ``x [T, h]``; ``experts, weights, kept [T, k]``;
-    ``num_experts``: E over the whole group; ``expert_modules``: this rank's local experts in order (``len == len(local_experts(...))``).
-
-    Returns ``(out [T, h], Dispatch)``: ``out[t] = Σ_j kept·weight_j · expert_{e_j}(x[t])``.
-    Every rank of ``group`` must call it, in the same order (it runs two all-to-alls forward, two
-    backward, and the count exchange).
-    """
+    """``x [T, h]``, ``experts, weights, kept [T, k]`` -> ``(out [T, h], Dispatch)`` with
+    ``out[t] = Σ_j kept·weight_j · expert_{e_j}(x[t])``. A collective: every rank of ``group`` calls it."""
     E = num_experts
     if len(expert_modules) != len(local_experts(E, world, rank)):
         raise ValueError(f"dispatch_combine (rank {rank}): {len(expert_modules)} expert modules, "

@@ -1,27 +1,8 @@
 """The course GPT with MoE MLPs, trained expert-parallel x data-parallel on a process grid.
 
-``MoEGPT(cfg, num_experts, top_k, grid=grid, ...)`` is :class:`minidist.models.gpt.GPT` with each
-block's MLP replaced by a :class:`~.layer.MoE`; ``forward(ids, targets) -> (logits, loss)`` where
-``loss`` is the cross-entropy **plus every layer's auxiliary losses**. With ``grid=None`` it is the
-one-process model (the reference); with a :class:`minidist.grid.ProcessGrid` ``(dp=D, ep=E)``
-(E divides D: expert parallelism folded over the data-parallel ranks), the experts are sharded
-over ``grid.ep_group`` and the load-balancing statistics are taken over every data-parallel rank
-(``aux_stats="global"``, the one-process value) or per rank (``"local"``). ``recompute=True`` checkpoints every block (activation recomputation; the MoE
-statistics are per-forward snapshots, so the recomputed forward does not count tokens twice).
-
-Gradients (:func:`sync_grads`), with each rank's loss the mean over its own tokens and the
-one-process loss the mean over all ``D`` data-parallel ranks' tokens:
-
-* **non-expert** parameters (replicated on all D ranks): average over the DP group (sum / D);
-* **expert** parameters: backward's all-to-all has already summed the contributions of the ``ep``
-  ranks of this EP group; sum over the expert-DP group (the ``D/ep`` replicas of these experts),
-  then divide by **D** — not by ``D/ep`` (forgetting that the all-to-all summed ``ep`` losses makes
-  the expert gradients ``ep`` times too large), and not averaged over the whole world (that mixes
-  different experts' gradients). Megatron-LM scales expert gradients the same way.
-
-:func:`global_grad_norm` counts every parameter once: non-expert ones locally (all ranks hold the
-same averaged gradient), expert ones summed over the EP group (each expert lives on one rank of
-it). Every rank calls the all-reduce, a rank without experts with a zero.
+``MoEGPT(cfg, num_experts, top_k, grid=grid)``: loss = cross-entropy + every layer's aux losses;
+:func:`sync_grads` averages non-expert gradients over DP and expert ones over expert-DP / D.
+Design notes: docs/design/expert_parallel.md
 """
 
 from __future__ import annotations
@@ -45,11 +26,8 @@ def is_expert(p) -> bool:
 
 
 class MoEGPT(nn.Module):
-    """GPT with ``n_layer`` MoE blocks. ``moe_kwargs`` go to every :class:`~.layer.MoE`.
-
-    Raises ValueError for ``aux_stats`` not in ("global", "local"), a grid with pipeline, tensor
-    or context parallelism (this model is one module; those need the stages of
-    :mod:`minidist.hybrid`), and what GPT / MoE raise."""
+    """GPT with ``n_layer`` MoE blocks (``moe_kwargs`` go to every MoE). ``ValueError`` for a bad
+    ``aux_stats``, a grid with PP/TP/CP, and what GPT / MoE raise."""
 
     def __init__(self, cfg: GPTConfig, num_experts: int, top_k: int = 1, grid=None,
                  aux_stats: str = "global", recompute: bool = False, **moe_kwargs):
@@ -91,8 +69,7 @@ class MoEGPT(nn.Module):
         return [b.mlp for b in self.blocks]
 
     def tokens_per_expert(self) -> torch.Tensor:
-        """``[n_layer, E]``: this rank's assignments per expert in the last forward (before
-        dropping). Read once per step: a recomputed forward overwrites the same values."""
+        """``[n_layer, E]``: this rank's assignments per expert in the last forward."""
         return torch.stack([m.stats.routed for m in self.moe_layers()])
 
     def forward(self, ids, targets=None):
@@ -126,9 +103,7 @@ def _flat_all_reduce(grads: list[torch.Tensor], op: str, group) -> None:
 
 
 def sync_grads(model: MoEGPT, grid) -> None:
-    """Average the gradients over the right group for each kind of parameter (module text).
-
-    Collective over the DP group and the expert-DP group; every rank must call it."""
+    """Average each kind of parameter's gradient over its group (collective; every rank calls it)."""
     dense = [p.grad for p in model.parameters() if p.grad is not None and not is_expert(p)]
     expert = [p.grad for p in model.parameters() if p.grad is not None and is_expert(p)]
     if grid.dp_size > 1:

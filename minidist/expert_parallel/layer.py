@@ -1,48 +1,9 @@
 """The mixture-of-experts layer for the course GPT: router + E expert MLPs, experts sharded over EP.
 
-``MoE(cfg, num_experts, top_k)`` replaces a block's MLP (:class:`minidist.models.gpt.Block`
-takes it as ``mlp=``). ``x [b, s, h]`` → ``[b, s, h]``: each token's output is the router-weighted
-sum of its top-k experts' outputs; a token whose choice is dropped (over capacity) gets nothing
-from that expert and is carried by the block's residual alone.
-
-Options (Switch Transformer, Fedus et al. 2021; GShard, Lepikhin et al. 2020; ST-MoE, Zoph et al.
-2022; Megatron-LM's ``moe_*`` flags):
-
-* ``capacity_factor``: None = dropless; else each expert accepts
-  :func:`~.router.expert_capacity` rows from each rank's ``T`` tokens — the local capacity,
-  then the **MAX over** ``capacity_group`` (default the EP group: DeepSpeed ``top1gating`` and
-  Megatron sync it so that every rank applies the same limit when their token counts differ);
-* ``drop_chunks``: in one process, apply the drop rule to each of this many equal consecutive
-  slices of the tokens, with the capacity of one slice — what ``drop_chunks`` EP ranks holding one
-  slice each do (the one-process reference for a run with drops);
-* ``drop_policy``: ``"position"`` or ``"probs"`` (:func:`~.router.keep_mask`);
-* ``aux_loss_coeff`` α, ``z_loss_coeff``: the losses are left in ``self.aux_loss`` (a 0-dim tensor
-  with a graph) for the model to add to its loss. ``stats_group``: the ranks whose tokens
-  ``f_i`` is counted over (the counts are all-reduced, no gradient needed). With the group of
-  every rank that sees different tokens, ``f`` is the global batch's, and the average over ranks
-  of the per-rank losses ``α·E·Σ f_i·P_i(local)`` is exactly the one-process loss on the global
-  batch (equal token counts per rank; Megatron-LM's ``global_aux_loss``). ``LOCAL``: per-rank
-  statistics (the original per-device formulation), which match one process only per micro-batch.
-
-Groups are process groups; ``None`` is the world, as everywhere in the library, and the default
-``LOCAL`` (:data:`minidist.comm.p2p.LOCAL`) is no group: this process alone (the one-process
-layer), no collective is called.
-
-Parameters: ``router`` (``[E, h]``, fp32, no bias) is replicated over the EP group; ``experts`` holds
-only this rank's experts (``expert_ids``), initialised from the same RNG draws as a one-process
-layer with all E experts (all are drawn, the others dropped), so EP and one process start equal.
-
-Inside a pipeline stage the aux losses cannot be added to the loss (the loss is on the last
-stage): set ``aux_scale`` to ``f(b) -> float`` (``b`` the micro-batch's samples) and the layer
-attaches its aux loss to its output with :class:`AuxLossAutoScaler` — the output is unchanged, and
-the backward that reaches it also gives the aux loss the gradient ``f(b)``, as if ``f(b) · aux``
-had been added to the loss (Megatron-LM's ``MoEAuxLossAutoScaler``, moe_utils.py). ``f`` depends
-on the micro-batch size only, so a recomputed forward attaches the same weight.
-:func:`minidist.hybrid.train_step` sets it to the weight the step's loss reduction gives.
-
-After each forward ``self.stats`` holds :class:`~.stats.MoEStats` for that forward — overwritten,
-never accumulated, so activation recomputation (which runs the forward again) cannot count the
-same tokens twice; a training loop reads it once per step.
+``x [b, s, h] -> [b, s, h]``: the router-weighted sum of each token's top-k experts (Switch,
+GShard, ST-MoE; Megatron-LM's ``moe_*`` options). Aux losses in ``self.aux_loss`` (or attached
+to the output with ``aux_scale``); ``self.stats`` per forward.
+Design notes: docs/design/expert_parallel.md
 """
 
 from __future__ import annotations
@@ -61,10 +22,8 @@ __all__ = ["MoE", "AuxLossAutoScaler"]
 
 
 class AuxLossAutoScaler(torch.autograd.Function):
-    """``y = AuxLossAutoScaler.apply(x, aux, weight)``: ``y`` is ``x``; backward passes the
-    gradient to ``x`` unchanged and gives ``aux`` (a 0-dim tensor with a graph) the gradient
-    ``weight``: the aux loss is backpropagated as part of ``weight · aux`` with no loss term on
-    this stage (Megatron-LM, ``megatron/core/transformer/moe/moe_utils.py``)."""
+    """``y = apply(x, aux, weight)`` is ``x``; backward also gives ``aux`` the gradient ``weight``
+    (Megatron-LM's ``MoEAuxLossAutoScaler``)."""
 
     @staticmethod
     def forward(ctx, x, aux, weight: float):
@@ -78,11 +37,8 @@ class AuxLossAutoScaler(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """Top-k mixture of :class:`~minidist.models.gpt.MLP` experts, expert-parallel over ``ep_group``.
-
-    Raises:
-        ValueError: bad ``top_k``, ``capacity_factor`` <= 0, unknown ``drop_policy``, input not 3-D.
-    """
+    """Top-k mixture of MLP experts, expert-parallel over ``ep_group``. ``ValueError``: bad ``top_k``,
+    ``capacity_factor`` <= 0, unknown ``drop_policy``, input not 3-D."""
 
     def __init__(self, cfg: GPTConfig, num_experts: int, top_k: int = 1,
                  capacity_factor: float | None = None, drop_policy: str = "position",
@@ -123,8 +79,7 @@ class MoE(nn.Module):
         self.stats = None
 
     def __getstate__(self):
-        """Copies and pickles leave the last forward's aux loss behind (a graph cannot be copied:
-        ``copy.deepcopy`` of a model after its forward would fail)."""
+        """Copies leave the last forward's aux loss (a graph) behind."""
         state = dict(super().__getstate__())
         state["aux_loss"] = None
         return state

@@ -1,17 +1,5 @@
-"""Permute tokens expert-major and back: the local half of the dispatch (steps 3 and 6).
-
-After routing, each kept (token, choice) assignment becomes one row. :func:`permutation` orders the
-rows by expert, and within an expert by token then choice (Megatron-LM's ``permute``:
-``routing_map.T.nonzero()``), so that the rows for the experts of EP rank ``j`` are one contiguous
-slice — the piece of the all-to-all sent to ``j``. :func:`unpermute` scatters the expert outputs
-back to their tokens, each multiplied by its router weight, summing a token's k choices.
-
-Both are index_select / index_add, so their gradients are exact (a gather's backward is a
-scatter-add of the same indices, and the reverse).
-
-:func:`regroup` is the second, smaller permutation on the receiving rank: the all-to-all delivers
-rows ordered ``[source rank][local expert]``; each local expert needs its rows contiguous, i.e.
-``[local expert][source rank]`` (Megatron-LM's ``sort_chunks_by_idxs``).
+"""Permute tokens expert-major and back: the local half of the dispatch (Megatron-LM's ``permute``).
+Design notes: docs/design/expert_parallel.md
 """
 
 from __future__ import annotations
@@ -22,12 +10,8 @@ __all__ = ["permutation", "permute", "regroup_index", "split_sizes", "unpermute"
 
 
 def permutation(experts: torch.Tensor, weights: torch.Tensor, kept: torch.Tensor, num_experts: int):
-    """The expert-major order of the kept assignments.
-
-    ``experts, weights, kept``: ``[T, k]``. Returns ``(token_index [N], row_weights [N],
-    counts [E])``: row n of the permuted tensor is token ``token_index[n]``, to be weighted by
-    ``row_weights[n]``; ``counts[e]`` rows go to expert e, in expert order (``N = counts.sum()``).
-    """
+    """``experts, weights, kept [T, k]`` -> ``(token_index [N], row_weights [N], counts [E])``:
+    the kept rows in expert order."""
     k = experts.shape[1]
     key = torch.where(kept, experts, torch.full_like(experts, num_experts)).reshape(-1)
     order = torch.sort(key, stable=True).indices               # token-major flat order kept stable
@@ -43,10 +27,7 @@ def permute(x: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
 
 def unpermute(rows: torch.Tensor, token_index: torch.Tensor, row_weights: torch.Tensor | None,
               num_tokens: int) -> torch.Tensor:
-    """``rows [N, h]`` → ``[T, h]``: ``out[t] = Σ_{n: token_index[n] = t} row_weights[n] · rows[n]``.
-
-    Tokens with no row (all their choices dropped) get zeros: the block's residual carries them.
-    """
+    """``rows [N, h]`` -> ``[T, h]``: ``out[t] = Σ row_weights[n] · rows[n]`` over the rows of t (else 0)."""
     if row_weights is not None:
         rows = rows * row_weights.to(rows.dtype).unsqueeze(-1)
     out = rows.new_zeros(num_tokens, rows.shape[-1])
@@ -61,8 +42,7 @@ def split_sizes(counts: torch.Tensor, experts_per_rank: int, world: int) -> list
 
 
 def regroup_index(recv_counts: torch.Tensor) -> torch.Tensor:
-    """``recv_counts [W, L]`` (rows from source j for local expert l, in that arrival order) →
-    the index that reorders the received rows ``[source][expert]`` into ``[expert][source]``."""
+    """``recv_counts [W, L]`` -> the index reordering rows ``[source][expert]`` to ``[expert][source]``."""
     W, L = recv_counts.shape
     flat = recv_counts.reshape(-1)
     starts = torch.cumsum(flat, 0) - flat

@@ -1,28 +1,8 @@
 """The router of a mixture-of-experts layer: scores, top-k choice, capacity, dropping, aux losses.
 
-Shapes: ``T`` tokens (batch x sequence flattened), ``h`` the model width, ``E`` experts, ``k``
-experts per token. Everything here runs in fp32 whatever the model's dtype: the router's softmax
-decides which expert a token goes to. Switch Transformer (Fedus et al. 2021, §2.4 "selective
-precision") computes the router in fp32 because a bf16 router trained unstably; ST-MoE (Zoph et
-al. 2022, §3.4) shows bf16 roundoff in the router's exponentials changing the routing.
-
-* :func:`route` — logits → softmax → top-k. **Ties go to the lower expert index** (a stable
-  descending sort), so every process and every reference makes the same choice.
-* :func:`expert_capacity` — ``ceil(T · k · capacity_factor / E)``, rounded **up**: the formula of
-  Megatron-LM's ``get_capacity`` (``megatron/core/transformer/moe/moe_utils.py``). minidist
-  computes it exactly (the factor is read as the decimal it prints as, so 1.1 is 11/10): 100
-  tokens over 2 experts at 1.1 is 55 rows. Megatron-LM computes it in floats,
-  ``ceil((100/2)·1.1)``, and gets 56.
-* :func:`keep_mask` — which (token, choice) assignments fit. ``"position"`` (GShard, Lepikhin et
-  al. 2020, Algorithm 1): all first choices in token order, then all second choices. (Megatron's
-  ``moe_token_drop_policy="position"`` differs for k > 1: it keeps each expert's earliest tokens,
-  first and second choices alike.) ``"probs"`` (Megatron's default policy): highest router
-  probability first, ties by the same (choice, token) order.
-* :func:`load_balancing_loss` — Switch/GShard ``α · E · Σ_i f_i · P_i`` with ``f_i`` the fraction of
-  the ``T·k`` assignments routed to expert i (before dropping, as Megatron-LM's
-  ``switch_load_balancing_loss_func``) and ``P_i`` the mean router probability of expert i.
-* :func:`z_loss` — ST-MoE's router z-loss (Zoph et al. 2022, §3.3, eq. 5):
-  ``coeff · mean_t logsumexp²``.
+``T`` tokens, ``E`` experts, ``k`` per token; all in fp32 (Switch §2.4). Ties go to the lower
+expert index, so every process and reference chooses alike.
+Design notes: docs/design/expert_parallel.md
 """
 
 from __future__ import annotations
@@ -45,19 +25,8 @@ DROP_POLICIES = ("position", "probs")
 
 
 def route(logits: torch.Tensor, k: int, normalize: bool = False):
-    """``logits [T, E]`` → ``(probs [T, E] fp32, experts [T, k] int64, weights [T, k] fp32)``.
-
-    ``experts[t, j]`` is token t's j-th choice; ties in probability go to the lower expert index.
-    ``weights`` are the chosen probabilities, renormalised to sum to 1 per token if ``normalize``
-    (Mixtral, GShard top-2); else the raw softmax probabilities (Switch; Megatron-core with
-    ``moe_router_pre_softmax=True``). Megatron-core's default (``moe_router_pre_softmax=False``)
-    takes the top-k of the logits and softmaxes over those k: the ``normalize=True`` weights, up to
-    rounding (``topk_routing_with_score_function`` in ``megatron/core/transformer/moe/moe_utils.py``;
-    ``topk_softmax_with_capacity`` before core_v0.14).
-
-    Raises:
-        ValueError: ``k`` not in ``1..E``.
-    """
+    """``logits [T, E]`` -> ``(probs [T, E], experts [T, k], weights [T, k])``; ``normalize``: weights
+    sum to 1 per token. ``ValueError`` unless ``1 <= k <= E``."""
     E = logits.shape[-1]
     if not isinstance(k, int) or not 1 <= k <= E:
         raise ValueError(f"route: top_k must be an int in 1..{E} (the number of experts), got {k!r}")
@@ -70,14 +39,7 @@ def route(logits: torch.Tensor, k: int, normalize: bool = False):
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor) -> int:
-    """Tokens one expert accepts from ``num_tokens`` tokens: ``ceil(T · k · factor / E)``.
-
-    Megatron-LM's ``moe_utils.get_capacity(num_tokens * topk, num_experts, capacity_factor)``
-    computes the same formula in floats, ``ceil((T·k / E) · factor)``, and can round up once too
-    often: T=100, E=2, factor 1.1 gives 56 there, since ``50 * 1.1`` is 55.00000000000001. This is
-    the exact value (rational arithmetic on the factor's decimal repr, rounded up): 55. Raises
-    ValueError for a factor <= 0.
-    """
+    """``ceil(T · k · factor / E)``, exact (1.1 read as 11/10); ``ValueError`` for a factor <= 0."""
     f = Fraction(repr(float(capacity_factor)))
     if f <= 0:
         raise ValueError(f"expert_capacity: capacity_factor must be > 0, got {capacity_factor!r}")
@@ -86,12 +48,8 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
 
 def keep_mask(experts: torch.Tensor, probs_chosen: torch.Tensor, num_experts: int,
               capacity: int | None, policy: str = "position") -> torch.Tensor:
-    """``[T, k]`` bool: which assignments an expert of capacity ``capacity`` accepts.
-
-    ``capacity=None``: dropless, all True. The priority order is described in the module text;
-    an assignment is kept iff fewer than ``capacity`` assignments to the same expert come before
-    it. Raises ValueError for an unknown policy.
-    """
+    """``[T, k]`` bool: the assignments within ``capacity`` (None: all), by ``policy`` "position" or
+    "probs". ``ValueError`` for an unknown policy."""
     if policy not in DROP_POLICIES:
         raise ValueError(f"keep_mask: drop policy must be one of {DROP_POLICIES}, got {policy!r}")
     T, k = experts.shape
@@ -111,13 +69,7 @@ def keep_mask(experts: torch.Tensor, probs_chosen: torch.Tensor, num_experts: in
 
 def load_balancing_loss(probs: torch.Tensor, routed_counts: torch.Tensor, routed_total: int,
                         coeff: float) -> torch.Tensor:
-    """``coeff · E · Σ_i f_i · P_i`` (Switch Transformer eq. 4–6), a 0-dim fp32 tensor.
-
-    ``probs [T, E]``: this process's router probabilities (``P_i`` is their mean over its ``T``
-    tokens; the gradient flows through it). ``routed_counts [E]``: assignments per expert before
-    dropping, over the tokens the statistic is taken on (this rank's, or summed over a group);
-    ``routed_total``: their number (``T·k`` summed the same way), so ``f_i = counts_i / total``.
-    """
+    """``coeff · E · Σ_i f_i · P_i`` (Switch eq. 4-6), 0-dim fp32; ``f_i = routed_counts_i / routed_total``."""
     E = probs.shape[-1]
     f = routed_counts.to(torch.float32) / max(int(routed_total), 1)
     P = probs.float().mean(dim=0) if probs.shape[0] else probs.float().sum(dim=0)

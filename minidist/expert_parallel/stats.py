@@ -1,8 +1,5 @@
-"""Imbalance made visible: what one MoE forward routed, dropped, received and moved.
-
-One :class:`MoEStats` per layer per forward (``MoE.stats``), all per *this* rank: a training loop
-gathers them (:func:`summarize` over a list, or a gather across ranks) to show tokens per expert
-and per rank, the dropped fraction and the all-to-all bytes per rank.
+"""Imbalance made visible: what one MoE forward routed, dropped, received and moved (this rank).
+Design notes: docs/design/expert_parallel.md
 """
 
 from __future__ import annotations
@@ -16,12 +13,8 @@ __all__ = ["MoEStats", "a2a_bytes_formula", "imbalance"]
 
 @dataclass
 class MoEStats:
-    """``tokens``: this rank's T. ``routed [E]``: assignments per expert before dropping (T·k in
-    all); ``kept [E]``: rows actually sent per expert; ``received [L]``: rows this rank's L experts
-    processed (from every rank); ``capacity``: the synced capacity (None = dropless);
-    ``send_splits``/``recv_splits``: rows to / from each EP rank; ``a2a_bytes_sent``: bytes this
-    rank sent in the forward's all-to-alls (count exchange + dispatch + combine), from
-    :func:`minidist.comm.p2p.traffic`; ``expert_ids``: this rank's experts."""
+    """``tokens`` T, ``routed [E]`` / ``kept [E]`` per expert, ``received [L]``, ``capacity``,
+    ``send_splits``/``recv_splits``, ``a2a_bytes_sent``, ``expert_ids`` (all this rank's)."""
 
     tokens: int
     routed: torch.Tensor
@@ -48,9 +41,7 @@ def imbalance(tokens_per_expert) -> float:
 
 def a2a_bytes_formula(send_splits, recv_splits, rank: int, num_experts: int, num_local: int,
                       width: int, element_size: int) -> int:
-    """Bytes EP rank ``rank`` sends in one forward: the count exchange (8 bytes per count, one
-    for each of the ``E - L`` experts it does not own) + the dispatch (rows to other ranks x width
-    x element size) + the combine (the rows it processed for other ranks, sent back)."""
+    """Bytes EP rank ``rank`` sends in one forward: count exchange + dispatch + combine."""
     rows_out = sum(n for j, n in enumerate(send_splits) if j != rank)
     rows_back = sum(n for j, n in enumerate(recv_splits) if j != rank)
     return 8 * (num_experts - num_local) + (rows_out + rows_back) * width * element_size

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import collectives as C, zoo
+from .. import collectives as C
 from ..communicator import Communicator
 from ..data_parallel.flat import average_flat
 from ..pipeline_parallel.engine import StepResult, pipeline_step, scale_gradients
@@ -57,14 +57,9 @@ def average_params(params: list[nn.Parameter], group) -> None:
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
     *averaged, anywhere = average_flat(grads + [used], Communicator("hand-built", group))
-    W = dist.get_world_size(group)
     for p, avg, a in zip(params, averaged, anywhere.tolist()):
         if a > 0:
             p.grad = avg.clone()
-            if zoo.on("dp-sum-not-average"):
-                p.grad.mul_(W)      # the bug: a sum (W times the average)
-            if zoo.on("dp-divide-twice"):
-                p.grad.div_(W)      # the bug: divided by W once more
 
 
 def dp_pipeline_step(schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
@@ -129,15 +124,10 @@ def _over_replicas(result: StepResult, modules, pp_group, dp_group, reduction: s
         count_pp = n.item()
     else:
         count_pp = count
-    stats = torch.tensor([result.global_loss, count_pp], dtype=torch.float64, device=device)
-    if dp > 1:
-        C.all_reduce(stats, "sum", group=dp_group)
-    loss_sum, tokens = stats.tolist()
+    loss_sum, tokens = _sum_over(dp_group, result.global_loss, count_pp, device)
     if reduction == "sum":
         scale, result.global_loss = float(dp), loss_sum
     else:  # no counted token anywhere: nan, as F.cross_entropy's mean
-        if zoo.on("per-token-local-count"):
-            tokens = dp * count_pp   # the bug: this replica's own count (times D for the average)
         scale = dp / tokens if tokens else float("nan")
         result.global_loss = loss_sum / tokens if tokens else float("nan")
         result.tokens = tokens
@@ -145,3 +135,11 @@ def _over_replicas(result: StepResult, modules, pp_group, dp_group, reduction: s
             result.loss = local / count if count else float("nan")
     if scale != 1.0:
         scale_gradients(modules, scale)
+
+
+def _sum_over(group, loss, count, device) -> list[float]:
+    """``[Σ loss, Σ count]`` over ``group``, in one all-reduce (float64)."""
+    stats = torch.tensor([loss, count], dtype=torch.float64, device=device)
+    if dist.get_world_size(group) > 1:
+        C.all_reduce(stats, "sum", group=group)
+    return stats.tolist()

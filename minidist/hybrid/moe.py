@@ -51,7 +51,6 @@ from ..expert_parallel.gpt import MoEGPT, is_expert
 from ..expert_parallel.layer import MoE
 from ..models.gpt import GPTConfig
 from ..tensor_parallel.gpt import use_tracker_dropout
-from .. import zoo
 from .dp_pipeline import average_params
 
 __all__ = ["MOE_OPTIONS", "check_moe", "install_experts", "local_full_state", "global_names", "local_names",
@@ -156,12 +155,16 @@ def average_gradients(params: list[nn.Parameter], grid) -> None:
     params = [p for p in params if p.requires_grad]
     average_params([p for p in params if not is_expert(p)], grid.dp_cp_group)
     experts = [p for p in params if is_expert(p)]
-    average_params(experts, grid.dp_cp_group if zoo.on("experts-averaged-over-dp") else
-                   grid.expert_dp_group)   # the bug: other EP ranks hold other experts
+    average_params(experts, _expert_replicas(grid))
     if grid.ep_size > 1:
         for p in experts:
             if p.grad is not None:
                 p.grad.div_(grid.ep_size)
+
+
+def _expert_replicas(grid):
+    """The group an expert's gradient is averaged over: the ranks that hold the same expert."""
+    return grid.expert_dp_group
 
 
 def refuse_expert_dp_mode(model, dp_mode: str, who: str) -> None:

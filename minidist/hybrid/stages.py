@@ -44,7 +44,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .. import collectives as C, zoo
+from .. import collectives as C
 from ..comm.p2p import group_rank_world
 from ..context_parallel.attention import ContextParallelSelfAttention
 from ..context_parallel.sharding import SPLITS as CP_SPLITS
@@ -175,8 +175,7 @@ class CPGPTStage(GPTStage):
 
     def positions(self, s: int, device) -> tuple[int, torch.Tensor]:
         cp_rank, cp = group_rank_world(self.cp_group)   # this rank's positions of cp·s
-        split = "contiguous" if zoo.on("cp-contiguous-positions") else self.split
-        return s * cp, cp_positions(split, s * cp, cp, cp_rank).to(device)
+        return s * cp, cp_positions(self.split, s * cp, cp, cp_rank).to(device)
 
 
 class HybridGPT:
@@ -281,13 +280,13 @@ class HybridGPT:
         """Sum the partial gradients of sequence-sharded parameters over the TP group (Korthikanti
         et al. 2022 §4.2.2). Call once, after every micro-batch's backward (it commutes with the DP
         average, so before or after it)."""
-        if self.sequence_parallel and not zoo.on("sp-grads-not-summed"):
+        if self.sequence_parallel:
             for s in sorted(self.stages):
                 allreduce_sequence_parallel_grads(self.stages[s], self.grid.tp_group)
 
     def allreduce_tied_grads(self) -> None:
         """Sum the gradients of the tied embedding's two copies (first and last stage)."""
-        if not self.tied or zoo.on("tied-embedding-not-summed"):
+        if not self.tied:
             return
         if self.first is not None and self.last is not None:   # pp == 1, chunks > 1: same rank
             a, b = self.first.tok_emb.weight, self.last.head.weight

@@ -1,15 +1,8 @@
 """Where a process's memory is accounted: its own memory cgroup, read from ``/proc/<pid>/cgroup``.
 
-The launcher asks two things of it: how many processes the kernel's OOM killer has ended there
-(to name a SIGKILL "out of memory"), and the memory limit the ranks share. Both live in the
-process's own cgroup, not at the root of the mount: in a container, under Slurm or systemd the
-ranks sit in a child cgroup, and cgroup v1 counts an OOM kill only in the victim's own cgroup
-(v2's ``memory.events`` counts it in every ancestor too). So v1 sums ``oom_kill`` over the cgroup
-and everything below it (a rank that moved itself into a child is still counted).
-
-Source: the kernel's cgroup documentation (admin-guide/cgroup-v1/memory.rst ``memory.oom_control``;
-admin-guide/cgroup-v2.rst ``memory.events``).
-"""
+The launcher asks it how many processes the OOM killer ended there and the memory limit the ranks
+share; cgroup v1 sums ``oom_kill`` over the cgroup and those below it (kernel docs:
+cgroup-v1/memory.rst, cgroup-v2.rst)."""
 from __future__ import annotations
 
 import os
@@ -23,8 +16,7 @@ _V2_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
 
 @dataclass(frozen=True)
 class MemoryCgroup:
-    """One memory cgroup: ``version`` 1 or 2, ``path`` as ``/proc/<pid>/cgroup`` names it, ``dir``
-    its folder under ``mount``."""
+    """One memory cgroup: ``version`` 1 or 2, ``path`` as /proc names it, ``dir`` under ``mount``."""
     version: int
     path: str
     dir: str
@@ -56,8 +48,7 @@ class MemoryCgroup:
 
 
 def memory_cgroup(pid: int | str = "self") -> MemoryCgroup | None:
-    """The memory cgroup of process ``pid`` (v1 ``N:memory:/path`` or v2 ``0::/path`` in
-    ``/proc/<pid>/cgroup``), whose folder exists under the usual mounts; None otherwise."""
+    """Process ``pid``'s memory cgroup from ``/proc/<pid>/cgroup`` if its folder exists; else None."""
     try:
         with open(f"/proc/{pid}/cgroup") as f:
             lines = f.read().splitlines()

@@ -1,16 +1,12 @@
 """How :func:`minidist.run` reports failures: the root-cause rank first, timeouts per rank.
 
-* :class:`RankError` — one or more ranks raised or died. The rank that failed first *on its own*
-  comes first; a rank whose error only says its peer went away ("connection closed by peer",
-  "broken pipe", ...) is listed after it as "probably a consequence".
-* :class:`RankTimeoutError` — the run outlived its timeout. For every rank still running: the
-  minidist op it was in (published by :mod:`minidist.comm.p2p`: the call the learner made, peer,
-  bytes, sequence number) and the Python lines it was stuck on, the learner's own line first.
-  Paths are shown relative to the project (or as the notebook cell, as IPython names it), never
-  as this machine's absolute paths.
-* :data:`START_ATTEMPTS` — how many times a launch whose ranks failed to *connect* before running
-  any user code is started (see :func:`is_startup_failure`); 1, see the comment there.
-"""
+:class:`RankError`: ranks raised or died; the rank that failed first on its own comes first, a
+rank whose peer merely went away after it ("probably a consequence"). :class:`RankTimeoutError`:
+for every rank still running, the minidist op it was in (:mod:`minidist.comm.p2p`) and the
+Python lines it was stuck on, the learner's own first, paths relative to the project or as the
+notebook cell. :data:`START_ATTEMPTS`: how often a launch whose ranks failed to connect is started.
+
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -85,12 +81,7 @@ _CELL = re.compile(r"/tmp/ipykernel_\d+/(\d+)\.py|<ipython-input-(\d+)-[0-9a-f]+
 
 
 def short_path(path: str) -> str:
-    """``path`` as a learner should see it: relative to the project, or the notebook cell.
-
-    ``/.../minidist/comm/p2p.py`` -> ``minidist/comm/p2p.py``; a file of the running notebook
-    (``/tmp/ipykernel_123/4567.py``) -> ``Cell In[n]`` when IPython knows the cell, else ``<cell>``;
-    other files (the standard library, torch) -> the path below ``site-packages`` or the file name.
-    """
+    """``path`` as a learner sees it: project-relative, ``Cell In[n]``, or below site-packages."""
     cell = _cell_name(path)
     if cell:
         return cell
@@ -138,9 +129,7 @@ def tidy_traceback(tb: str) -> str:
 
 # --------------------------------------------------------------------------- failures
 def oom_kill_count() -> int | None:
-    """How many processes the kernel's OOM killer has ended in this process's own memory cgroup
-    (and, on cgroup v1, the cgroups below it: see :mod:`minidist.launch.cgroups`); None where
-    the counter is unreadable."""
+    """OOM kills counted in this process's memory cgroup (:mod:`.cgroups`); None if unreadable."""
     group = _cgroups.memory_cgroup()
     return None if group is None else group.oom_kills()
 
@@ -164,8 +153,7 @@ def oom_advice(kills: int | None = None) -> str:
 
 
 def resident_bytes(pid: int) -> int | None:
-    """A live process's resident set size (``VmRSS`` in ``/proc/<pid>/status``), in bytes; None
-    when unreadable (the process is gone, or no /proc)."""
+    """A live process's ``VmRSS`` in bytes; None when unreadable."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
@@ -177,8 +165,7 @@ def resident_bytes(pid: int) -> int | None:
 
 
 def memory_limit() -> tuple[int, str] | None:
-    """(bytes, what) the ranks share: this cgroup's ``memory.max`` (v2) or ``limit_in_bytes``
-    (v1) when set, else the machine's ``MemTotal``; None where none is readable."""
+    """(bytes, what) the ranks share: the cgroup's limit, else ``MemTotal``; or None."""
     group = _cgroups.memory_cgroup()
     limit = None if group is None else group.limit()
     if limit is not None:
@@ -198,8 +185,7 @@ def _gib(n: int) -> str:
 
 
 def memory_hint(resident: int | None) -> str:
-    """What a SIGKILL says when the OOM killer's counter cannot be read: the rank's last resident
-    size sampled by the launcher, against the memory limit, and what to try."""
+    """A SIGKILL's hint without the OOM counter: the rank's last resident size against the limit."""
     size = "not sampled" if resident is None else _gib(resident)
     limit = memory_limit()
     share = ""
@@ -212,9 +198,8 @@ def memory_hint(resident: int | None) -> str:
 
 
 def describe_exit(code: int, oom_killed: int | bool | None = False, resident: int | None = None) -> str:
-    """What a rank's exit code says: a signal's name (with a hint for SIGABRT, and for SIGKILL
-    when the OOM killer struck, ``oom_killed`` True or the count's rise, or may have: ``oom_killed`` None — the
-    counter is unreadable — then with the rank's last ``resident`` size in bytes) or os._exit."""
+    """What a rank's exit code says: a signal's name with a hint (SIGABRT; SIGKILL by the OOM killer,
+    known or possible, with the rank's last ``resident`` bytes) or os._exit."""
     if code < 0:
         name = signal.Signals(-code).name
         hint = (" (SIGABRT from gloo often means a message and its receive buffer differ in "
@@ -232,22 +217,9 @@ def describe_exit(code: int, oom_killed: int | bool | None = False, resident: in
 def failure(world_size: int, errors: dict, exited: dict, have: set,
             oom_killed: int | bool | None = False, resident: dict | None = None,
             returned: dict | None = None, progress: dict | None = None) -> RankError:
-    """One :class:`RankError` from what the ranks reported, the root cause first.
-
-    Args:
-        errors: ``{rank: (time, summary, traceback)}`` for ranks that raised.
-        exited: ``{rank: (time, exit code)}`` for ranks that died without a result.
-        have: ranks that returned a result.
-        oom_killed: how many processes of this cgroup the OOM killer ended during the run (None: its
-            counter is unreadable, so a SIGKILL is reported with the rank's resident size).
-        resident: ``{rank: bytes}``, each rank's last resident size sampled by the launcher.
-        returned: ``{rank: (time, collectives finished)}`` for ranks that returned a result.
-        progress: ``{rank: (collectives finished, what it last published)}`` for ranks that raised.
-
-    When every failure is a lost connection (a consequence) and some rank had already returned
-    from its function, that return is the root cause: it left the others waiting in a collective
-    it never joined (uneven inputs: one rank ran fewer steps). The message names the rank, how
-    many collectives each side finished and what the others were waiting in.
+    """One :class:`RankError` from what the ranks reported (``{rank: ...}`` dicts of errors, exits,
+    results, resident bytes, progress), the root cause first: a rank that returned while the others
+    lost their connections in a collective it never joined (uneven inputs) counts as the cause.
     """
     events = []  # (secondary?, time, rank, summary, details)
     for r, (t, summary, tb) in errors.items():
@@ -306,10 +278,7 @@ _FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+
 
 
 def stack_of(dump_path: str) -> list[tuple[str, int, str]]:
-    """The main thread's frames from a faulthandler dump, innermost first: ``(path, line, func)``.
-
-    Frames below the rank's entry point (``minidist/launch/rank_process.py``, multiprocessing) are cut.
-    """
+    """The main thread's frames of a faulthandler dump, innermost first, ``(path, line, func)``."""
     try:
         with open(dump_path) as f:
             text = f.read()
@@ -356,13 +325,8 @@ def format_stack(frames: list[tuple[str, int, str]], limit: int = 8) -> str:
 
 def timeout_error(timeout: float, world_size: int, states: dict, stacks: dict,
                   finished: set) -> RankTimeoutError:
-    """The report when a run outlived ``timeout``: one block per rank, every rank shown.
-
-    Args:
-        states: ``{rank: what the rank published}`` for ranks still running.
-        stacks: ``{rank: frames from stack_of}`` for ranks still running.
-        finished: ranks that had already returned a result.
-    """
+    """The report when a run outlived ``timeout``, one block per rank: ``states`` (what each running
+    rank published), ``stacks`` (:func:`stack_of`), ``finished`` (ranks that had returned)."""
     live = sorted(states)
     lines = [f"minidist.run timed out after {timeout:g} s; {len(live)} of {world_size} ranks were "
              "still running (a deadlock, or a rank that never joined a collective).", ""]

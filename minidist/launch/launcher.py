@@ -1,30 +1,14 @@
 """``minidist.run``: start ranks from a notebook cell or a script, and bring results or failures back.
 
-What the launcher guarantees (each point is a real trap; see docs/ARCHITECTURE.md):
+Functions defined in a notebook cell work (cloudpickled by value). Ranks rendezvous through a file
+store in a private folder, gloo pinned to loopback: nothing reachable from the network, no two
+launches meet. Fork when safe (gloo, CUDA not initialised), else spawn. Results come back as
+pickled bytes, drained while waiting. If a rank raises or dies the others are stopped and one
+:class:`RankError` names the root cause; every run has a timeout (:class:`RankTimeoutError` shows
+where each rank waited). Output is prefixed ``[rank r]`` (``ordered_output=True``: grouped by
+rank). No process is left behind, on any error path.
 
-* Functions defined in a notebook cell work: ``fn`` and its arguments travel pickled by value
-  (cloudpickle), so a spawned child never has to import the kernel's ``__main__``.
-* Nothing reachable from the network, and no two launches can meet: the ranks rendezvous through
-  a file store in a private temporary folder (no listening socket, no port to pick), and gloo's
-  device is pinned to the loopback interface. Many launches at the same moment on one machine
-  (a classroom) cannot reach each other's listeners.
-* Fork when it is safe (gloo, CUDA not initialised in the parent): 4 ranks start in well under a
-  second. Otherwise a spawn context created here (never the global start method). Ranks are not
-  daemonic, so a rank may start its own processes (``DataLoader(num_workers=2)``).
-* Each child sets one intra-op thread before anything else (see ``rank_process.py``, the code
-  that runs inside each rank).
-* Results travel as cloudpickled bytes (never shared-memory tensor handles that die with the child),
-  and the parent drains the queue while it waits, so large results cannot deadlock.
-* If a rank raises or dies, the others are stopped within seconds and one :class:`RankError` shows
-  the root-cause rank first (see ``errors.py``).
-* Every run has a timeout. When it fires, :class:`RankTimeoutError` shows every rank: the call it
-  was in (op, peer, bytes, sequence number) and the learner's own line it was stuck on.
-* What ranks print appears in the caller's output prefixed with ``[rank r]``; with
-  ``ordered_output=True`` it is shown grouped by rank after the run (deterministic, for nbval).
-* No process is left behind: children die with the parent (PR_SET_PDEATHSIG on Linux), a rank's
-  own children die with it, and every rank is killed on every error path, including
-  KeyboardInterrupt.
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 
@@ -60,27 +44,11 @@ def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0
         memory_fraction: float | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and return the results by rank.
 
-    Args:
-        fn: any picklable-by-value callable (functions defined in a notebook cell work).
-        world_size: number of ranks, >= 1 (all on this machine).
-        backend: ``"auto"`` (nccl when every rank can have its own GPU, else gloo), ``"gloo"``
-            or ``"nccl"``; see :func:`minidist.env.choose_backend`.
-        timeout: seconds for the whole run, start-up included.
-        ordered_output: hold what ranks print and show it grouped by rank at the end.
-        start_method: ``"fork"``/``"spawn"``/``"forkserver"``; default: fork when safe, else spawn.
-        device: ``None`` (as the backend implies), ``"cpu"``, or ``"cuda"``: every rank computes on
-            a GPU, sharing it when there are more ranks than GPUs (gloo carries the messages; nccl
-            refuses two ranks on one device). See :func:`minidist.env.plan_devices`.
-        memory_fraction: with ranks sharing a GPU, the share of its memory each rank may use
-            (default 1 / ranks per GPU).
-
-    Returns:
-        ``[result of rank 0, result of rank 1, ...]``; tensors come back on the CPU.
-
-    Raises:
-        RankError: a rank raised or died; the root-cause rank's traceback comes first.
-        RankTimeoutError: the run exceeded ``timeout``; says where every rank was waiting.
-        ValueError: bad arguments (world size, backend).
+    ``fn``: picklable by value; ``backend``: ``"auto"``, ``"gloo"``, ``"nccl"``; ``timeout``: seconds
+    for the whole run; ``ordered_output``: output grouped by rank at the end; ``device``: None, ``"cpu"``
+    or ``"cuda"`` (ranks may share a GPU, each with ``memory_fraction``: :func:`minidist.env.plan_devices`).
+    Returns ``[result of rank 0, ...]`` (tensors on the CPU). Raises RankError (root cause first),
+    RankTimeoutError, ValueError (bad arguments).
     """
     __tracebackhide__ = True  # IPython: the learner's traceback starts at the report, not here
     if not callable(fn):
@@ -111,13 +79,7 @@ def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0
 
 
 def _choose_start_method(backend: str, start_method: str | None, device: str | None = None) -> str:
-    """Fork only for gloo CPU ranks in a parent that has not initialised CUDA; ranks that will
-    touch CUDA (nccl, or ``device="cuda"``) always spawn: a forked child cannot initialise CUDA
-    safely, and a spawned one starts clean whatever the parent (a notebook kernel) did.
-
-    ``torch.cuda.is_initialized()`` asks torch, not the driver: calling ``is_available()`` here
-    would itself initialise the CUDA driver in the parent and make every later fork unsafe.
-    """
+    """Fork only for gloo CPU ranks in a parent without CUDA initialised; else spawn."""
     if start_method is not None:
         return start_method
     fork_ok = "fork" in mp.get_all_start_methods() and backend == "gloo" and device != "cuda"
@@ -187,9 +149,7 @@ def _clean_up(procs, out, q, tmp) -> None:
 
 
 def _without_interrupts(fn, *args) -> None:
-    """Run ``fn`` with Ctrl-C held back: a second interrupt while the ranks are being stopped
-    (a notebook's stop button pressed twice) must not leave ranks running or the run's folder
-    behind. The held-back interrupt is raised afterwards."""
+    """Run ``fn`` with Ctrl-C held back (raised afterwards), so stopping the ranks always finishes."""
     if threading.current_thread() is not threading.main_thread():
         fn(*args)
         return
@@ -204,9 +164,7 @@ def _without_interrupts(fn, *args) -> None:
 
 
 def _import_whole(name: str) -> None:
-    """``import name``; if interrupted half-way, forget every module it had added, so that the
-    next import starts again instead of finding half a package (an interrupt inside
-    ``import torch._dynamo`` left ``sympy`` without ``sympy.logic`` for the rest of the kernel)."""
+    """``import name``; if interrupted half-way, forget the modules it added (no half packages)."""
     if name in sys.modules:
         return
     before = set(sys.modules)

@@ -1,28 +1,12 @@
 """What runs inside each rank that :func:`minidist.run` starts.
 
-In order: one intra-op thread (a forked child of a process that already used intra-op threads
-hangs on its first parallel op otherwise), die with the parent (PR_SET_PDEATHSIG) and lead a
-process group of its own (so the launcher can stop what the rank started, e.g. data loader
-workers), environment like torchrun's (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE),
-stdout/stderr forwarded to the parent line by line, a faulthandler stack dump on SIGUSR1 (the
-launcher's timeout report), the rendezvous, the process group, a barrier (below), the user's
-function, and the result or the traceback sent back as bytes.
+In order: one intra-op thread, die with the parent (PR_SET_PDEATHSIG) and lead a process group of
+its own, torchrun's environment variables, output forwarded line by line, a stack dump on SIGUSR1
+(for the timeout report), the rendezvous (a ``FileStore`` in the launch's private folder, gloo on
+loopback: no network port), the process group, a barrier (so no rank exits while another is
+still connecting), the user's function, and the result or traceback sent back as bytes.
 
-The barrier after ``init_process_group``: gloo's init returns on a rank as soon as *its* side of
-every connection is up. A rank whose function returns at once could then tear down its process
-group and exit while a slower rank is still inside gloo's connect; the slower rank then fails
-with "Gloo connectFullMesh failed ... Connection closed by peer" (measured on a busy 2-core
-machine: 2 of 30 launches when 3 start at the same moment; with plain torch and one rank slowed
-down, 16 of 60). Every rank therefore waits until all ranks have returned from init before it
-runs any user code (0 of 60 with plain torch, and 0 in the launch measurements since).
-
-The rendezvous opens no network port: a ``FileStore`` in the launch's private temporary folder
-(mode 0700, a new folder per launch), and gloo's device on the loopback interface
-(``GLOO_SOCKET_IFNAME=lo``). Two launches at the same moment therefore share nothing: each has its
-own store file, and gloo's listeners accept connections from this machine only. (With a TCPStore
-listening on every interface and gloo bound to the address the hostname resolves to, concurrent
-launches could reach each other's listeners; see ``tools/concurrent_launches.py``.)
-"""
+Design notes: docs/design/ground.md"""
 
 from __future__ import annotations
 

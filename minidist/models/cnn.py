@@ -2,8 +2,7 @@
 
 ``SmallCNN(in_channels=1, num_classes=10, width=16, batchnorm=True)``: two 3x3 conv blocks
 (conv → BatchNorm2d → ReLU), a global average pool, a Linear head. Input [B, C, H, W] of any
-H, W ≥ 3; output logits [B, num_classes]. Its BatchNorm layers are what SyncBatchNorm replaces.
-"""
+H, W ≥ 3; output logits [B, num_classes]. Its BatchNorm layers are what SyncBatchNorm replaces."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """A tiny character-level GPT in plain PyTorch, nanoGPT-style: the single-process reference.
 
-Pre-LayerNorm blocks as GPT-2 (Radford et al. 2019) / nanoGPT (Karpathy); the head is not tied to
-the embedding unless ``GPTConfig(tie_embeddings=True)``; PyTorch's default initialisation; ``nn.Dropout``. Shapes: ids ``[b, s]``
-(s <= block_size) -> logits ``[b, s, V]``. Built on the CPU; move it with ``.to(device)``.
-
-The fused QKV projection's output rows are laid out head by head, ``[head][q|k|v][head_dim]``
-(Megatron-LM's layout), so that splitting it by columns hands each rank whole heads; the
-tensor-parallel twin (:class:`minidist.tensor_parallel.gpt.TPGPT`) reuses
-:func:`causal_attention` and :class:`Block` from here, so the attention math exists once.
-"""
+Pre-LayerNorm blocks as GPT-2 / nanoGPT; head untied unless ``GPTConfig(tie_embeddings=True)``.
+Shapes: ids ``[b, s]`` (s <= block_size) -> logits ``[b, s, V]``. The fused QKV rows are laid out
+``[head][q|k|v][head_dim]`` (Megatron-LM), so a column split hands each rank whole heads;
+:class:`minidist.tensor_parallel.gpt.TPGPT` reuses :func:`causal_attention` and :class:`Block`."""
 
 from __future__ import annotations
 
@@ -38,10 +33,8 @@ def causal_attention(qkv: torch.Tensor, n_head: int, head_dim: int,
                      attn_drop: nn.Module | None = None) -> torch.Tensor:
     """Causal softmax attention (Vaswani et al. 2017, §3.2) of the ``n_head`` heads in ``qkv``.
 
-    ``qkv``: ``[b, s, n_head · 3 · head_dim]``, laid out ``[head][q|k|v][head_dim]``. Returns
-    ``[b, s, n_head · head_dim]`` (heads concatenated). ``attn_drop`` is applied to the
-    probabilities. Position i attends to positions <= i.
-    """
+    ``qkv``: ``[b, s, n_head · 3 · head_dim]``, laid out ``[head][q|k|v][head_dim]``; returns
+    ``[b, s, n_head · head_dim]``. ``attn_drop`` applies to the probabilities."""
     b, s, _ = qkv.shape
     q, k, v = qkv.view(b, s, n_head, 3, head_dim).permute(3, 0, 2, 1, 4)   # each [b, nh, s, hd]
     att = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)

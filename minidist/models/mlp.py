@@ -2,8 +2,7 @@
 
 ``MLP(in_features=64, hidden=(64,), num_classes=10)``: Linear → ReLU per hidden width, then a Linear
 head. Input [B, in_features] (or any [B, ...] that flattens to it); output logits [B, num_classes].
-``batchnorm=True`` puts a BatchNorm1d after each hidden Linear (the SyncBatchNorm lesson converts it).
-"""
+``batchnorm=True`` puts a BatchNorm1d after each hidden Linear (the SyncBatchNorm lesson converts it)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """Pipeline parallelism from scratch: schedules as data, one engine, a simulator, timelines.
 
-* ``schedules``  — GPipe, 1F1B, interleaved 1F1B as per-rank lists of (op, micro-batch, stage)
-* ``zero_bubble`` — ZB-H1, ZB-V, DualPipe-V: the backward split into B (input grad) and W (weight grads)
-* ``catalog``    — every schedule by name (``make_schedule``)
-* ``split_backward`` — B and W on any stage module: autograd's graph cut at the input path
-* ``simulator``  — the timeline, bubble and peak activations of a schedule, no processes
-* ``partition``  — cut an ``nn.Sequential`` into stages (by layers, parameters or measured time)
-* ``microbatch`` — ``tensor_split`` a batch; each micro-batch's loss weighted by its size
-* ``transport``  — activations forward, gradients backward, with a shape/dtype header
-* ``engine``     — runs any schedule on the ranks of a pipeline group; records a timeline
-
-Timelines (events, the bubble fraction, the Gantt chart) are :mod:`minidist.trace`'s, re-exported
-here.
+``schedules``/``zero_bubble``/``catalog`` (per-rank op lists), ``engine`` (runs any of them),
+``simulator``, ``split_backward`` (B and W), ``partition``, ``microbatch``, ``transport``.
+Design notes: docs/design/pipeline_parallel.md
 """
 
 from .schedules import (Op, Schedule, ScheduleError, gpipe, interleaved_one_f_one_b,  # noqa: F401

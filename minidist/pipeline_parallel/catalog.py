@@ -1,9 +1,5 @@
-"""Every schedule by name: ``make_schedule("1f1b", P, M)``, the way in for the CLI, the benchmarks
-and the chapters.
-
-The builders live in :mod:`.schedules` (GPipe, 1F1B, interleaved 1F1B) and :mod:`.zero_bubble`
-(ZB-H1, ZB-V, DualPipe-V, which build on the former's ``Op`` and ``Schedule``); this module sits
-above both, so neither imports the other back.
+"""Every schedule by name: ``make_schedule("1f1b", P, M)`` (above schedules and zero_bubble).
+Design notes: docs/design/pipeline_parallel.md
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one
 
 
 def make_schedule(name: str, P: int, M: int, v: int = 2) -> Schedule:
-    """``make_schedule("gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-v" | "dualpipe-v", P, M, v)``;
-    ``v`` is used by interleaved only (ZB-V and DualPipe-V always have 2 chunks per rank)."""
+    """``name``: gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipe-v; ``v`` is for interleaved only."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     return interleaved_one_f_one_b(P, M, v) if name == "interleaved" else SCHEDULES[name](P, M)

@@ -1,32 +1,8 @@
 """One engine runs every schedule: walk this rank's op list, receive, compute, send.
 
-For each op of ``schedule[rank]`` (see ``schedules.py``):
-
-* ``F(m, s)``: take micro-batch ``m`` of the input (stage 0) or receive the activation from stage
-  ``s-1``; run stage ``s``; on the last stage compute ``(n_m/N) · loss_fn(y, target_m)``, else
-  send ``y`` to stage ``s+1``. Keep ``(x, y)`` for the backward.
-* ``B(m, s)``: receive ``∂L/∂y`` from stage ``s+1`` (the last stage starts from its loss),
-  backpropagate through stage ``s`` (parameter gradients accumulate across micro-batches), send
-  ``∂L/∂x`` to stage ``s-1``.
-* If the rank's list also has ``W(m, s)``, the backward is split (zero-bubble schedules,
-  :mod:`.zero_bubble`): ``B`` computes only ``∂L/∂x`` and sends it at once; ``W`` computes the
-  weight gradients later (:mod:`.split_backward`). The saved activations are freed at ``W``.
-
-Because each micro-batch's mean loss is weighted by its share of the batch, the summed loss and
-the accumulated gradients equal one process on the whole batch (to fp32 rounding), for any batch
-size N >= M. The engine knows stages and micro-batches only: composing it with data parallelism
-(the replicas' gradient average, the loss and token count over replicas) is
-:func:`minidist.hybrid.dp_pipeline.dp_pipeline_step`'s.
-
-That weighting is right for a loss that is a mean over *samples*. Two other reductions
-(``loss_reduction``, see :mod:`.microbatch`): ``"sum"`` (each micro-batch's sum, weight 1) and
-``"per_token"`` — ``loss_fn`` returns ``(sum, count)``,
-e.g. the cross-entropy summed over the positions that are not ``ignore_index`` and their number;
-each backward starts from the sum, and after the last one the gradients are divided by the
-*global* count (summed over micro-batches, sent from the last stage to every stage of the
-pipeline). Megatron-Core's ``calculate_per_token_loss``. Weighting
-a per-micro-batch token mean by ``n_m/N`` instead is wrong whenever micro-batches hold different
-numbers of counted tokens.
+F runs a stage (the last adds its weighted loss), B backpropagates, W (split backward) computes
+weight gradients later. Weighted micro-batch losses make the step equal one process on the batch.
+Design notes: docs/design/pipeline_parallel.md
 """
 
 from __future__ import annotations
@@ -52,10 +28,8 @@ __all__ = ["pipeline_step", "StepResult", "local_stages", "recv_plan"]
 
 @dataclass
 class StepResult:
-    """``loss``: the full-batch loss (a float) on the rank holding the last stage, None elsewhere.
-    ``events``: this rank's timeline (empty unless ``record=True``), times in seconds from a barrier.
-    ``peak_inflight`` / ``peak_activation_bytes``: {stage: peak micro-batches / bytes saved for
-    backward}, measured. ``t0``: add it to align events of ranks on one machine (same clock)."""
+    """``loss``: full-batch loss on the last stage's rank (None elsewhere); ``events``: timeline if
+    ``record``; ``peak_inflight`` / ``peak_activation_bytes``: {stage: peak}; ``t0``: clock offset."""
 
     loss: float | None
     events: list = field(default_factory=list)
@@ -87,7 +61,6 @@ def recv_plan(schedule: Schedule, rank: int) -> list[tuple]:
 
 @dataclass
 class _StepState:
-    """What the forward and backward ops of one step share on this rank."""
 
     schedule: Schedule
     modules: dict
@@ -113,8 +86,7 @@ class _StepState:
 
 
 def _forward_op(st: _StepState, m: int, s: int) -> None:
-    """F(m, s): take micro-batch m (stage 0) or receive the activation from stage s-1; run stage s;
-    on the last stage add (n_m/N)·loss to the total, else send y to stage s+1; keep (x, y)."""
+    """F(m, s): input or receive; run stage s; loss on the last stage, else send."""
     last = st.schedule.n_stages - 1
     if s == 0:
         x = st.mb_inputs[m].to(st.device)
@@ -138,7 +110,6 @@ def _forward_op(st: _StepState, m: int, s: int) -> None:
 
 
 def _micro_loss(st: _StepState, out, m: int) -> torch.Tensor:
-    """The scalar micro-batch m backpropagates: weighted mean, sum, or the token-loss sum."""
     if st.reduction == "mean":
         return out * st.weights[m]
     if st.reduction == "sum":
@@ -152,8 +123,7 @@ def _micro_loss(st: _StepState, out, m: int) -> torch.Tensor:
 
 
 def _backward_op(st: _StepState, m: int, s: int) -> None:
-    """B(m, s): receive dL/dy from stage s+1 (the last stage starts from its loss), backpropagate
-    through stage s (parameter gradients accumulate), send dL/dx to stage s-1."""
+    """B(m, s): receive dL/dy (or start from the loss), backpropagate, send dL/dx."""
     x, y = st.saved.pop((m, s))
     last = st.schedule.n_stages - 1
     grad = None if s == last else st.transport.recv(st.schedule.owner(s + 1), "grad", m, s + 1, s)
@@ -178,8 +148,7 @@ def _backward_op(st: _StepState, m: int, s: int) -> None:
 
 
 def _weight_op(st: _StepState, m: int, s: int) -> None:
-    """W(m, s): the weight gradients of a split backward (accumulate into ``.grad``); frees the
-    micro-batch's saved activations."""
+    """W(m, s): a split backward's weight gradients; frees the saved activations."""
     start = st.clock()
     ctx = (st.backward_context(s, m, st.last_backward[s] == m) if st.backward_context
            else contextlib.nullcontext())
@@ -193,42 +162,17 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
                   group=None, record: bool = False, device=None,
                   prefetch: bool | None = None, loss_reduction: str = "mean",
                   backward_context=None, autocast_dtype: torch.dtype | None = None) -> StepResult:
-    """Run one training step's forwards and backwards of ``schedule`` on this rank.
+    """Run one step's forwards and backwards of ``schedule`` on this rank.
 
-    Args:
-        schedule: a :class:`Schedule` whose ``P`` equals the size of ``group``.
-        modules: {stage: module} for exactly the stages this rank holds (:func:`local_stages`).
-        inputs: the whole batch ``[N, ...]`` — used on the rank holding stage 0 (None elsewhere).
-        targets: the whole batch's targets ``[N, ...]`` — used on the rank holding the last stage.
-        loss_fn: ``loss_fn(output, target) -> scalar``, a *mean* over the micro-batch (or as
-            ``loss_reduction`` says).
-        group: the pipeline process group (ranks inside it are pipeline ranks); default: world.
-        loss_reduction: ``"mean"`` (over samples; weights ``n_m/N``), ``"sum"`` or
-            ``"per_token"`` (``loss_fn`` returns ``(sum, count)``; gradients divided by the global
-            count).
-        backward_context: ``f(stage, mb, last) -> context manager`` entered around each backward;
-            ``last`` is True for the stage's last backward of the step (its last W when the
-            backward is split: where the weight gradients are final) (where a bucketed DDP wrapper
-            must synchronise, Narayanan et al. 2021 §3.3).
-        autocast_dtype: mixed precision: each forward (stage and loss) runs under
-            ``torch.autocast(device.type, dtype=autocast_dtype)`` (e.g. ``torch.bfloat16``), the
-            backwards outside it, as torch's AMP recipe says; parameters and their gradients stay
-            in their own dtype, activations travel in the dtype the stage returns.
-        record: keep a timeline of compute and communication events.
-        device: where received tensors and micro-batches go (default ``minidist.env.device()``:
-            ``cuda:LOCAL_RANK`` with nccl, the CPU with gloo); the modules must already be there.
-        prefetch: receive on a background thread in schedule order (overlaps comm and compute);
-            False: receive when the op needs it (simplest). Default: True on gloo; False on other
-            backends (NCCL matches messages in issue order, so one thread keeps the schedule's
-            order — see ``simulator.message_order_mismatches``).
+    ``modules``: {stage: module} of this rank (:func:`local_stages`); ``inputs`` ``[N, ...]`` (stage 0's
+    rank) and ``targets`` ``[N, ...]`` (last stage's rank); ``loss_fn(output, target)``: a mean
+    (``loss_reduction="mean"``), a sum (``"sum"``) or ``(sum, count)`` (``"per_token"``).
+    ``backward_context(stage, mb, last)``: a context manager around each backward; ``autocast_dtype``:
+    forwards under autocast; ``prefetch``: receive on a thread (default: gloo only). Gradients
+    accumulate into ``.grad``; the optimizer step is yours.
 
-    Gradients accumulate into ``.grad`` (zero them before the step). The optimizer step is yours.
-
-    Raises:
-        ValueError: the schedule does not fit the group, the modules are not this rank's stages,
-            or the batch has fewer than M samples, or ``loss_reduction`` is unknown.
-        ScheduleError: a list that misses, repeats or misplaces an op (a W before its B).
-    """
+    Raises ``ValueError`` (schedule does not fit the group, wrong modules, fewer than M samples,
+    unknown ``loss_reduction``) and ``ScheduleError`` (an op missing, repeated or misplaced)."""
     rank = dist.get_rank(group)
     P = dist.get_world_size(group)
     try:
@@ -286,8 +230,7 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
 
 
 def scale_gradients(modules: dict[int, nn.Module], scale: float) -> None:
-    """Multiply every gradient of this rank's stages ``modules`` by ``scale``, each parameter once
-    (a tied parameter two of its stages share is scaled once)."""
+    """Multiply every gradient of ``modules`` by ``scale``, each (tied) parameter once."""
     seen: set[int] = set()
     for s in sorted(modules):
         for p in modules[s].parameters():
@@ -297,9 +240,7 @@ def scale_gradients(modules: dict[int, nn.Module], scale: float) -> None:
 
 
 def _reduce_loss(st: _StepState, modules, group, reduction: str):
-    """Sum [loss, count] over the pipeline (only the last stage's are non-zero: a broadcast to
-    every stage); "per_token": divide this rank's gradients by the count, so they are the
-    gradient of the batch's token mean."""
+    """Sum [loss, count] over the pipeline; per_token: divide the gradients by the count."""
     stats = torch.tensor([0.0 if st.total is None else float(st.total), st.count],
                          dtype=torch.float64, device=st.device)
     if dist.get_world_size(group) > 1:

@@ -1,10 +1,7 @@
-"""Measure the activation memory a pipeline stage holds: bytes autograd saves for backward.
+"""Measure the activation memory of a pipeline stage: the bytes autograd saves for backward.
 
-``torch.autograd.graph.saved_tensors_hooks`` sees every tensor autograd saves during a forward.
-We add up their bytes per micro-batch (each tensor once; parameters excluded — they are not
-activations) and keep a running total per stage: +bytes at the micro-batch's forward, -bytes at
-its backward (when its graph is freed). The peak of that total is the stage's saved-activation
-memory. The result is exact and deterministic, on CPU and GPU alike, unlike allocator statistics.
+``saved_tensors_hooks`` counts each saved tensor once (parameters excluded): exact, on CPU and GPU.
+Design notes: docs/design/pipeline_parallel.md
 """
 
 from __future__ import annotations
@@ -18,8 +15,8 @@ __all__ = ["StageActivationMeter"]
 
 
 class StageActivationMeter:
-    """Running saved-activation bytes per stage: ``with meter.forward(stage, mb): y = module(x)``,
-    then ``meter.backward(stage, mb)`` after its backward. ``meter.peak_bytes`` = {stage: peak}."""
+    """``with meter.forward(stage, mb): y = module(x)``, then ``meter.backward(stage, mb)``;
+    ``meter.peak_bytes`` = {stage: peak}."""
 
     def __init__(self, modules: dict[int, nn.Module]):
         self.param_storages = {p.untyped_storage().data_ptr()

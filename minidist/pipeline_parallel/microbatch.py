@@ -1,17 +1,13 @@
 """Cut a batch into micro-batches, and weight each micro-batch's loss so the sum is the full-batch loss.
 
-``torch.tensor_split`` always gives exactly ``M`` pieces whose sizes differ by at most one (10 into
-4 is [3, 3, 2, 2]); ``torch.chunk`` can give fewer (6 into 4 gives 3 pieces of 2). With a mean
-loss, micro-batch ``m`` of ``n_m`` samples contributes ``(n_m / N) · loss_m``: the sum over
-micro-batches is exactly the full-batch mean, and so are the gradients, for any ``N >= M``
-(dividing each micro-batch's mean by M instead would over-weight the smaller ones). Compare torchgpipe's ``microbatch.py`` (Kim et al. 2020).
+``torch.tensor_split`` gives exactly ``M`` near-equal pieces; micro-batch ``m`` of ``n_m`` samples
+weighs its mean loss by ``n_m / N`` (torchgpipe's ``microbatch.py``, Kim et al. 2020).
+Design notes: docs/design/pipeline_parallel.md
 """
 
 from __future__ import annotations
 
 import torch
-
-from .. import zoo
 
 __all__ = ["split", "sizes", "loss_weights", "REDUCTIONS"]
 
@@ -38,11 +34,7 @@ def _check(batch_size: int, M: int, what: str = "batch") -> None:
 
 
 def split(x: torch.Tensor, M: int, what: str = "batch") -> list[torch.Tensor]:
-    """``M`` micro-batches of ``x`` along dim 0 (shape ``[N, ...]`` -> ``[n_m, ...]``, Σ n_m = N).
-
-    Raises:
-        ValueError: ``M < 1`` or ``N < M`` (a micro-batch would be empty).
-    """
+    """``M`` micro-batches ``[n_m, ...]`` of ``x`` ``[N, ...]``; ``ValueError`` if ``M < 1`` or ``N < M``."""
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         raise ValueError(f"split: the {what} must be a tensor with a batch dimension, got "
                          f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of 0 dims'}")
@@ -52,6 +44,4 @@ def split(x: torch.Tensor, M: int, what: str = "batch") -> list[torch.Tensor]:
 
 def loss_weights(batch_size: int, M: int) -> list[float]:
     """``n_m / N`` per micro-batch: multiply each micro-batch's *mean* loss by it."""
-    if zoo.on("microbatch-mean-of-means"):
-        return [1 / M] * M          # the bug: each micro-batch's mean weighted alike
     return [n / batch_size for n in sizes(batch_size, M)]

@@ -1,9 +1,7 @@
 """Split a sequential model into pipeline stages: by layer count, by parameters, or by measured time.
 
-The best contiguous split of ``n`` layers with costs ``c_i`` into ``k`` stages minimises the cost of
-the slowest stage (the pipeline runs at the pace of its slowest stage): the classic linear
-partition problem, solved exactly by dynamic programming in O(k·n²) — fine for the tens of
-layers a lesson uses. GPipe balances by measured time as well (Huang et al. 2019, §2.2).
+Minimises the slowest stage (linear partition, dynamic programming; GPipe, Huang et al. 2019, §2.2).
+Design notes: docs/design/pipeline_parallel.md
 """
 
 from __future__ import annotations
@@ -18,11 +16,8 @@ __all__ = ["balanced_bounds", "split_model", "layer_costs"]
 
 
 def balanced_bounds(costs: list[float], n_stages: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` ranges, one per stage, each non-empty, minimising the max stage sum.
-
-    Raises:
-        ValueError: fewer layers than stages, or negative costs.
-    """
+    """Contiguous non-empty ``[start, end)`` per stage minimising the max stage sum.
+    ``ValueError``: fewer layers than stages, or negative costs."""
     n = len(costs)
     if n_stages < 1 or n < n_stages:
         raise ValueError(f"cannot split {n} layers into {n_stages} stages: every stage needs at "
@@ -55,8 +50,8 @@ def balanced_bounds(costs: list[float], n_stages: int) -> list[tuple[int, int]]:
 
 def layer_costs(model: nn.Sequential, by: str = "layers", sample: torch.Tensor | None = None,
                 repeats: int = 3) -> list[float]:
-    """Cost per layer: 1 each (``"layers"``), parameter count (``"params"``), or measured forward
-    seconds on ``sample`` (``"time"``, median of ``repeats``)."""
+    """Cost per layer: 1 (``"layers"``), parameter count (``"params"``) or median forward seconds
+    on ``sample`` (``"time"``)."""
     layers = list(model)
     if by == "layers":
         return [1.0] * len(layers)
@@ -82,11 +77,8 @@ def layer_costs(model: nn.Sequential, by: str = "layers", sample: torch.Tensor |
 
 def split_model(model: nn.Sequential, n_stages: int, by: str = "layers",
                 sample: torch.Tensor | None = None) -> list[nn.Sequential]:
-    """Cut ``model`` into ``n_stages`` consecutive ``nn.Sequential`` stages sharing its layers.
-
-    The stages share the layer objects (no copy): stage ``s`` applied after stage ``s-1`` computes
-    exactly ``model``. With interleaving, pass ``n_stages = P·v``; rank r keeps stages r, r+P, ...
-    """
+    """Cut ``model`` into ``n_stages`` consecutive ``nn.Sequential`` sharing its layers (no copy);
+    for interleaving pass ``P·v``."""
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"split_model needs an nn.Sequential (a list of layers), got "
                         f"{type(model).__name__}")

@@ -1,25 +1,8 @@
 """Pipeline schedules as data: for every rank, the ordered list of (op, micro-batch, stage).
 
-A schedule is nothing but lists. One engine (``engine.py``) executes any of them, and one
-simulator (``simulator.py``) predicts their timeline, so a new schedule is a new function here
-and its name in ``catalog.py`` (``make_schedule``), nothing else.
-
-Vocabulary: ``P`` ranks (pipeline stages in hardware), ``M`` micro-batches, ``v`` virtual stages
-(model chunks) per rank. The model is cut into ``P·v`` stages; stage ``s`` lives on rank
-``s % P`` (chunk ``s // P`` of that rank), so an activation leaving the last rank wraps around to
-rank 0 for the next chunk. ``F`` is a forward of one micro-batch through one stage, ``B`` its
-backward. The sends and receives are implied by the stage numbers: ``F(m, s)`` needs the
-activation of ``F(m, s-1)``, ``B(m, s)`` needs the gradient of ``B(m, s+1)``.
-
-* :func:`gpipe` — all forwards, then all backwards (GPipe, Huang et al. 2019). Holds ``M``
-  micro-batches of activations on every stage.
-* :func:`one_f_one_b` — ``P-1-r`` warm-up forwards, then one forward / one backward, then the
-  cool-down backwards (PipeDream-Flush, Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel
-  DNN Training"). Same bubble as GPipe, at most ``min(P-r, M)`` micro-batches in flight.
-* :func:`interleaved_one_f_one_b` — 1F1B over ``v`` chunks per rank (Narayanan et al. 2021,
-  "Efficient Large-Scale Language Model Training on GPU Clusters", §2.2; the order of
-  Megatron-LM's ``forward_backward_pipelining_with_interleaving``). Bubble shrinks by ``v``;
-  needs ``M % P == 0``.
+``P`` ranks, ``M`` micro-batches, ``v`` chunks per rank; stage ``s`` lives on rank ``s % P``.
+GPipe (Huang et al. 2019), 1F1B and interleaved 1F1B (Narayanan et al. 2021).
+Design notes: docs/design/pipeline_parallel.md
 """
 
 from __future__ import annotations
@@ -36,9 +19,8 @@ class ScheduleError(ValueError):
 
 
 class Op(NamedTuple):
-    """One unit of work on one rank: ``kind`` is ``"F"``, ``"B"`` or ``"W"``; ``mb`` and ``stage``
-    are indices. ``B`` is the whole backward, unless the rank's list also has ``W`` for the same
-    (mb, stage): then ``B`` computes only the input gradient and ``W`` the weight gradients."""
+    """``kind`` "F", "B" or "W" of micro-batch ``mb`` on ``stage``; with a W for the same pair, B
+    computes only the input gradient."""
 
     kind: str
     mb: int
@@ -103,11 +85,7 @@ def gpipe(P: int, M: int) -> Schedule:
 
 
 def one_f_one_b(P: int, M: int) -> Schedule:
-    """1F1B: warm-up of ``min(P-1-r, M)`` forwards, steady 1F+1B pairs, cool-down backwards.
-
-    Rank ``r`` never holds more than ``min(P-r, M)`` micro-batches of activations. Any M >= 1
-    works (M < P just shortens the warm-up).
-    """
+    """1F1B: ``min(P-1-r, M)`` warm-up forwards, 1F+1B pairs, cool-down backwards; any M >= 1."""
     _check_args("1f1b", P, M)
     ops = []
     for r in range(P):
@@ -121,16 +99,8 @@ def one_f_one_b(P: int, M: int) -> Schedule:
 
 
 def interleaved_one_f_one_b(P: int, M: int, v: int = 2) -> Schedule:
-    """Interleaved 1F1B with ``v`` model chunks per rank (Megatron-LM's virtual pipeline).
-
-    Micro-batches go through the chunks in groups of ``P``: the k-th forward of a rank is chunk
-    ``(k // P) % v`` of micro-batch ``(k // (P·v))·P + k % P``; backwards walk the chunks in the
-    reverse order. Warm-up: ``2(P-1-r) + (v-1)P`` forwards (capped at ``M·v``).
-
-    Raises:
-        ScheduleError: ``M % P != 0`` (the micro-batch groups would be ragged; use 1F1B, or pick
-            M as a multiple of P).
-    """
+    """Interleaved 1F1B with ``v`` chunks per rank (Megatron-LM's virtual pipeline).
+    ``ScheduleError`` unless ``M % P == 0``."""
     _check_args("interleaved", P, M, v)
     if M % P != 0:
         raise ScheduleError(f"interleaved 1F1B needs the number of micro-batches M to be a multiple "
@@ -157,16 +127,8 @@ def interleaved_one_f_one_b(P: int, M: int, v: int = 2) -> Schedule:
 
 
 def validate(schedule: Schedule) -> Schedule:
-    """Check that each rank runs F then B exactly once for every (micro-batch, own stage), and at
-    most one W after its B (a split backward; without W, B is the fused backward).
-
-    This catches lists that miss, repeat or misplace an op (a W before its B). Whether the ranks'
-    orders fit together (no circular wait between stages) is a property of all ranks at once: the
-    simulator finds it.
-
-    Raises:
-        ScheduleError: naming the rank and the op.
-    """
+    """Check every rank runs F then B once per (micro-batch, own stage), at most one W after
+    its B. ``ScheduleError`` naming the rank and the op. Returns ``schedule``."""
     P, M = schedule.P, schedule.M
     if schedule.placement not in ("loop", "v") or (schedule.placement == "v" and schedule.v != 2):
         raise ScheduleError(f"{schedule.name}: placement must be 'loop' or 'v' (with v=2), got "

@@ -1,25 +1,8 @@
 """A pure-Python pipeline simulator: the timeline, bubble and activation memory of a schedule.
 
-No processes, no tensors: each rank runs its op list in order; an op starts when the rank is free
-and the op it depends on has finished (plus ``t_comm`` when that op ran on another rank):
-
-* ``F(m, s)`` depends on ``F(m, s-1)`` (the activation), none for stage 0;
-* ``B(m, s)`` depends on ``B(m, s+1)`` (the gradient); for the last stage on ``F(m, s)``;
-* ``W(m, s)`` depends on ``B(m, s)`` (same rank: it starts from the gradient B received).
-
-This is the same dependency rule the engine enforces with its receives, so a schedule the
-simulator finishes cannot deadlock in the engine, and one it cannot finish is a circular wait:
-:class:`PipelineDeadlock` names each stuck rank, its stage and what it waits for.
-
-Costs: ``t_f`` and ``t_b`` are one micro-batch's forward and *whole* backward through a whole
-rank's share of the model; ``t_w`` is the weight-gradient part of ``t_b`` (default ``t_b / 2``:
-``dX = dY·W`` and ``dW = dYᵀ·X`` are one matmul each). A fused ``B`` costs ``t_b``; a split one
-``t_b - t_w`` and its ``W`` ``t_w``. With ``v`` chunks per rank, each op costs a ``v``-th of that.
-
-Peak in-flight activations of a stage: the largest number of micro-batches whose forward has run
-on that stage and whose activations are not yet freed — at the fused ``B``, or at ``W`` when the
-backward is split (W still needs the layer inputs). It depends on the op order only, not on the
-costs; :func:`peak_bytes` weighs each micro-batch by its bytes.
+No processes: each rank runs its op list; an op starts when the rank is free and its dependency
+(the engine's receive) is done. A schedule it cannot finish raises :class:`PipelineDeadlock`.
+Design notes: docs/design/pipeline_parallel.md
 """
 
 from __future__ import annotations
@@ -43,9 +26,8 @@ class PipelineDeadlock(RuntimeError):
 
 @dataclass
 class SimResult:
-    """``events``: the timeline; ``makespan``: its length; ``bubble``: see :func:`minidist.trace.bubble_fraction`;
-    ``peak_inflight``: {stage: peak micro-batches of saved activations}; ``messages``: the
-    simulated sends in time order, ``(time, src rank, dst rank, "act"|"grad", mb, from stage)``."""
+    """``events``, ``makespan``, ``bubble``, ``peak_inflight`` {stage: peak}, and ``messages``
+    ``(time, src, dst, "act"|"grad", mb, from_stage)``."""
 
     schedule: Schedule
     events: list
@@ -62,11 +44,7 @@ class SimResult:
 
 
 def bubble_formula(P: int, M: int, v: int = 1) -> float:
-    """Closed form for equal costs and no communication time: ``(P-1)/(v·M + P-1)``.
-
-    v=1: GPipe and 1F1B (GPipe paper §2.3). v>1: interleaved 1F1B shrinks the bubble's share of
-    the ideal time by v (Narayanan et al. 2021, §2.2.2).
-    """
+    """Equal costs, no communication: ``(P-1)/(v·M + P-1)`` (Narayanan et al. 2021, §2.2.2)."""
     return (P - 1) / (v * M + P - 1)
 
 
@@ -86,8 +64,7 @@ def peak_inflight(schedule: Schedule) -> dict:
 
 
 def peak_bytes(schedule: Schedule, bytes_of) -> dict:
-    """{stage: peak saved-activation bytes}: ``bytes_of(mb, stage)`` bytes are held from ``F``
-    to the fused ``B``, or to ``W`` for a split backward (the engine's ``StageActivationMeter``)."""
+    """{stage: peak saved-activation bytes}, ``bytes_of(mb, stage)`` held from F to B (or W)."""
     peak: dict = {}
     for r, row in enumerate(schedule.ops):
         split = schedule.split(r)
@@ -104,26 +81,11 @@ def peak_bytes(schedule: Schedule, bytes_of) -> dict:
 def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0,
              t_w: float | None = None, t_gap: float = 0.0, t_sync: float = 0.0,
              t_exposed: float = 0.0, overlap_pairs: bool = False) -> SimResult:
-    """Run ``schedule`` in simulated time. Costs per micro-batch per rank (see module docstring),
-    or ``{stage: seconds of one op}`` per stage (measured costs: stage 0's split B computes no
-    input gradient, so its W holds its whole backward). ``t_gap``: time between two consecutive
-    ops of a rank even when the second is ready (a real engine's per-op overhead: posting sends,
-    bookkeeping); schedules with more ops pay it more often. ``t_sync``: after its last op every
-    rank joins a global synchronization before the optimizer step (the all-reduce of a gradient
-    norm for clipping, or of a NaN/Inf flag) that ends ``t_sync`` after the *last* rank's last op
-    — a ``"sync"`` event per rank (idle time: it counts as bubble). Zero-bubble schedules pay it
-    like any other (Qi et al. 2023, §4 replace it with a post-hoc validation).
+    """Run ``schedule`` in simulated time; costs per micro-batch and rank, or {stage: seconds}.
 
-    DualPipe's premise (DeepSeek-AI 2024, §3.2.1): ``t_exposed`` is communication that occupies the
-    rank inside each F or B (expert-parallel all-to-all, or sends sharing the compute stream),
-    added to its cost (per micro-batch and rank, like ``t_f``: a ``v``-th per chunk op); with ``overlap_pairs=True`` an F followed on the same rank by a B of another
-    stage run as one pair whose computations hide each other's communication (no ``t_exposed``
-    for either) — the two-stream overlap DualPipe-V's steady state is built for.
-
-    Raises:
-        PipelineDeadlock: the ranks' orders wait on each other in a circle.
-        ValueError: negative costs, or ``t_w > t_b``.
-    """
+    ``t_gap``: per-op overhead; ``t_sync``: a global sync after the last op; ``t_exposed``:
+    communication inside each F/B, hidden for F-B pairs with ``overlap_pairs`` (DualPipe, §3.2.1).
+    Raises ``PipelineDeadlock`` (a circular wait) and ``ValueError`` (negative costs, ``t_w > t_b``)."""
     P, v, n_stages = schedule.P, schedule.v, schedule.n_stages
 
     def per_stage(c):  # a number, or {stage: op cost} (measured, one chunk: not divided by v)
@@ -189,8 +151,7 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
 
 def messages(schedule: Schedule, events) -> list[tuple]:
     """The sends of a timeline in time order: ``(time, src, dst, "act"|"grad", mb, from_stage)``
-    — an activation when ``F`` ends (unless on the last stage), a gradient when ``B`` ends (unless
-    on stage 0); hand-offs inside one rank are left out. W sends nothing."""
+    (hand-offs inside one rank left out)."""
     last, out = schedule.n_stages - 1, []
     for e in events:
         if e.kind == "F" and e.stage < last:
@@ -205,14 +166,8 @@ def messages(schedule: Schedule, events) -> list[tuple]:
 
 
 def message_order_mismatches(schedule: Schedule) -> list[tuple]:
-    """Rank pairs whose messages are sent in a different order than the receiver asks for them.
-
-    Gloo matches point-to-point messages by tag, so the engine works whatever the order; NCCL
-    ignores tags and matches the messages between two ranks in the order they were issued. A
-    schedule is safe there only if, for every pair (a, b), the activations and gradients ``a``
-    sends to ``b`` (in ``a``'s op order) are the ones ``b`` receives (in ``b``'s op order). Returns
-    ``[(src, dst, sent, received), ...]``; empty for GPipe, 1F1B and interleaved 1F1B.
-    """
+    """Rank pairs whose messages are sent in another order than received (NCCL matches in
+    issue order): ``[(src, dst, sent, received), ...]``; empty for GPipe and both 1F1B."""
     last = schedule.n_stages - 1
     sent: dict = {}
     recvd: dict = {}

@@ -1,31 +1,8 @@
-"""A stage's backward in two parts: B, the gradient w.r.t. the stage input, now; W, the weight gradients, later.
+"""A stage's backward in two parts: B (gradient w.r.t. the input) now, W (weight gradients) later.
 
-For a linear layer ``Y = X·Wᵀ`` with upstream gradient ``dY``, the backward is two independent
-products: ``dX = dY·W`` (the next stage up is waiting for it) and ``dW = dYᵀ·X`` (nobody is
-waiting: it is only needed at the optimizer step). Zero-bubble pipelines (Qi et al. 2023, "Zero
-Bubble Pipeline Parallelism", §2) run the first as op ``B``, send ``dX`` upstream at once, and run
-the second as op ``W`` whenever the rank would otherwise idle.
-
-For an arbitrary stage module we split autograd's graph instead of the layers:
-
-* **B** — :func:`backward_input`: ``torch.autograd.grad(y, x, dy, retain_graph=True)``. Autograd
-  runs only the nodes on a path from ``y`` to ``x`` (the *input path*) and, in each, only the
-  outputs that lead to ``x``: no weight gradient is computed. A node on the input path that also
-  has an edge leaving it (towards a parameter) is a *frontier* node; a pre-hook records the
-  gradient it received (its ``grad_outputs``), which is all that W needs from B.
-* **W** — :func:`backward_weight`: (1) each frontier node is run again from its recorded gradient,
-  asking only for its edges off the input path (``autograd.grad`` with ``GradientEdge`` inputs:
-  for a Linear, exactly ``dW``'s side of ``AddmmBackward``); (2) one ``autograd.backward`` from
-  those edges into the parameters (accumulating into ``.grad`` as a fused backward does). A
-  subgraph off the input path never leads back to it, so (2) recomputes nothing of B.
-  Frontier nodes that share an edge target (one tensor used by two ops on the path: a weight
-  used twice) are run together, each pinned to its recorded gradient by a pre-hook, so the
-  shared edge receives each contribution exactly once.
-
-When ``x`` needs no gradient (stage 0) or ``y`` does not depend on it, B computes nothing and W
-is the whole backward. The graph (and the activations it saved) lives until W; dropping the
-returned :class:`WeightGrad` frees it. Compare ``stage_backward_input`` / ``stage_backward_weight``
-in ``torch.distributed.pipelining._backward`` (which group by parameter instead of by edge).
+Zero-bubble pipelines (Qi et al. 2023, §2). B is ``autograd.grad(y, x)``; W runs the frontier nodes
+again from their recorded gradients into the parameters (compare torch.distributed.pipelining).
+Design notes: docs/design/pipeline_parallel.md
 """
 
 from __future__ import annotations
@@ -40,8 +17,7 @@ __all__ = ["backward_input", "backward_weight", "WeightGrad"]
 
 @dataclass
 class WeightGrad:
-    """What W needs from B: groups of (frontier node, its recorded grad_outputs, its off-path
-    edges), plus root edges already known (when B computed nothing: ``y`` and ``dy``)."""
+    """What W needs from B: frontier nodes, their recorded grad_outputs, their off-path edges."""
 
     groups: list = field(default_factory=list)   # [[(node, grads, [(next_node, nr), ...]), ...]]
     roots: list = field(default_factory=list)    # [(GradientEdge, grad)]
@@ -49,8 +25,7 @@ class WeightGrad:
 
 
 def _nodes_reaching(root, target) -> dict:
-    """Nodes of the graph under ``root`` from which ``target`` can be reached (incl. target), in
-    a deterministic order (as keys of a dict)."""
+    """Nodes under ``root`` from which ``target`` is reached, in a deterministic order."""
     memo: dict = {}
     stack = [(root, False)]
     while stack:  # iterative post-order: deep graphs do not hit the recursion limit
@@ -72,11 +47,8 @@ def _nodes_reaching(root, target) -> dict:
 
 
 def backward_input(y: torch.Tensor, dy: torch.Tensor | None, x: torch.Tensor, params) -> tuple:
-    """Op B: return ``(dx, WeightGrad)``; ``dx`` is ``None`` when ``x`` needs no gradient.
-
-    ``y``: the stage output (or the scalar loss, ``dy=None``); ``x``: the stage input (a leaf);
-    ``params``: the stage's parameters. No parameter's ``.grad`` changes.
-    """
+    """Op B: ``(dx, WeightGrad)`` (``dx`` None when ``x`` needs no gradient); no ``.grad``
+    changes. ``y``: stage output (or scalar loss with ``dy=None``); ``x``: the stage input (a leaf)."""
     params = [p for p in params if p.requires_grad]
     dy = torch.ones_like(y) if dy is None else dy
     if y.grad_fn is None:  # y does not depend on anything that needs a gradient
@@ -106,7 +78,6 @@ def backward_input(y: torch.Tensor, dy: torch.Tensor | None, x: torch.Tensor, pa
 
 
 def _group(frontier: dict, recorded: dict) -> list:
-    """Union frontier nodes that send gradient into the same edge target (see module docstring)."""
     parent = {n: n for n in frontier}
 
     def find(n):

@@ -1,30 +1,8 @@
-"""Activations forward, gradients backward: point-to-point with a small header, on ``minidist.comm.p2p``.
+"""Activations forward, gradients backward: point-to-point with a small header (minidist.comm.p2p).
 
-Every message is two sends: a header of ``HEADER_LEN`` int64 —
-``[kind, micro-batch, from-stage, dtype code, ndim, *shape]`` — then the payload. The receiver
-allocates from the header, so no stage relies on a preallocated shape (the last micro-batch of a
-ragged batch is smaller), and it checks that the header is the message it expected: a schedule
-bug shows up as an error naming both stages, not as a silently wrong tensor.
-
-Why the engine cannot deadlock on sends: every send is non-blocking (``isend``) and is only waited
-for at the end of the step, so a rank blocks only in a *receive* of something its schedule needs
-next. Two neighbours that both block in a send, each waiting for the other to receive, cannot
-happen; what is left is a
-circular wait between the ranks' orders, which ``simulator.simulate`` detects ahead of time and
-which :func:`minidist.run`'s timeout reports at run time (each transport call is labelled
-``pp/recv act mb 3 stage 1->2`` etc., which the timeout message prints).
-
-Tags: each message carries a tag unique to (kind, micro-batch, stage), so on gloo messages between
-two ranks match by tag, not by arrival order (interleaving sends activations and gradients between
-the same pair of ranks). NCCL ignores tags and matches in issue order; the header check turns a
-mismatch into a clear error.
-
-With ``start_prefetch`` a background thread receives the messages in the order the schedule
-will need them, so transfers overlap compute (real pipelines use a separate communication stream
-for the same reason); p2p's bookkeeping is per thread, so timeouts still name the stages.
-
-A stage sending to itself (one rank holding consecutive stages: ``P = 1`` with ``v > 1``) uses a
-local mailbox; nothing goes through the process group.
+Each message is a header ``[kind, mb, from-stage, dtype, ndim, *shape]`` then the payload, checked
+by the receiver. Sends are non-blocking and waited for at the end of the step.
+Design notes: docs/design/pipeline_parallel.md
 """
 
 from __future__ import annotations
@@ -54,11 +32,8 @@ def _tag(kind: str, mb: int, from_stage: int) -> int:
 
 
 class Transport:
-    """Sends and receives pipeline messages for one rank of a pipeline ``group``.
-
-    ``send`` is non-blocking (the tensor is kept alive until :meth:`finish`); ``recv`` blocks.
-    Records ``(kind, start, end)`` for the timeline when ``clock`` is given.
-    """
+    """Pipeline messages for one rank of ``group``: ``send`` non-blocking (kept alive until
+    :meth:`finish`), ``recv`` blocking; ``(kind, start, end)`` recorded when ``clock`` is given."""
 
     def __init__(self, group=None, device=None, clock=None):
         self.group = group
@@ -141,10 +116,8 @@ class Transport:
 
     # ---- prefetch: receive ahead, in schedule order, on a background thread ------------------
     def start_prefetch(self, plan: list[tuple]) -> None:
-        """Receive every message of ``plan`` = [(peer, kind, mb, from_stage, to_stage), ...] (this
-        rank's receives, in the order its schedule needs them) on a background thread, so a message
-        moves while this rank computes and ``recv`` only waits when the sender is really late.
-        Same order as the schedule, so it adds no new way to deadlock."""
+        """Receive ``plan`` [(peer, kind, mb, from_stage, to_stage), ...] in schedule order on a
+        background thread."""
         plan = [p for p in plan if p[0] != self.rank]
         if not plan:
             return

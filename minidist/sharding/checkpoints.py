@@ -1,26 +1,8 @@
-"""Checkpoints of ZeRO-1/2/3 runs, full or sharded, that never destroy the last good one.
-
-Every save here is a new generation of a checkpoint folder (:mod:`minidist.checkpoint_io`: each
-write checked and fsync'ed, every rank's outcome agreed, a ``manifest.json`` with sizes, SHA-256
-and shapes written last and atomically, then the old generation retired). Supported combinations:
-
-==========================================  =====================================================
-model / optimizer                           full (one file, any world size) / sharded (per rank)
-==========================================  =====================================================
-replicated model, ``ShardedOptimizer``      :func:`save_full_checkpoint` (= ``save_checkpoint``:
-(ZeRO-1/2)                                  the moments all-gathered) / :func:`save_sharded_checkpoint`
-                                            (each rank its ``1/W`` slices; rank 0 the model)
-``fully_shard`` model (ZeRO-3), any         :func:`save_full_checkpoint` (``full_state_dict`` and
-optimizer over its shards                   ``full_optim_state_dict``) / :func:`save_sharded_checkpoint`
-                                            (each rank its shards and their optimizer state)
-==========================================  =====================================================
-
-A full checkpoint loads at any world size; a sharded one at the world size (and shard sizes) that
-wrote it, else a ``ValueError`` on every rank. Anything else (a replicated model with a plain
-optimizer in :func:`save_sharded_checkpoint`: nothing is sharded) is a ``TypeError`` on every rank
-at once, before any communication. ZeRO-3 goes through the public state-dict functions of
-:mod:`.fsdp_state` only. Collective over ``group`` (default: the world), which must be the group
-the model/optimizer is sharded over.
+"""Checkpoints of ZeRO-1/2/3 runs that never destroy the last good one (:mod:`minidist.checkpoint_io`
+generations): :func:`save_full_checkpoint` (one file, any world size) or
+:func:`save_sharded_checkpoint` (per rank, same world size), for a replicated model with a
+:class:`~.zero.ShardedOptimizer` or a ``fully_shard`` model. Collective over ``group``.
+Design notes: docs/design/sharding.md
 """
 
 from __future__ import annotations
@@ -68,11 +50,9 @@ def save_full_checkpoint(path, model, optimizer=None, extra: dict | None = None,
 
 def load_full_checkpoint(path, model, optimizer=None, group=None, states: dict | None = None,
                          generation: int | None = None, fallback: bool = False) -> dict:
-    """Load a generation of :func:`save_full_checkpoint` (``generation``/``fallback``: see
-    :func:`minidist.checkpoint_io.open_generation`) at any world size; returns ``extra``. The
-    random state and per-rank ``states`` come back only at the world size that saved them.
-    Collective: an error (missing, truncated, corrupted, a parameter of another shape, a state
-    the checkpoint lacks) on one rank is an error on every rank."""
+    """Load a generation of :func:`save_full_checkpoint` at any world size; returns ``extra``.
+    Random state and ``states`` come back only at the saving world size. Collective: one rank's error
+    (missing, corrupted, shape, missing state) is every rank's."""
     if not _sharded_model(model):
         return load_checkpoint(path, model, optimizer, group=group, restore_rng=False,
                                states=states, generation=generation, fallback=fallback)
@@ -133,9 +113,8 @@ def save_sharded_checkpoint(path, model, optimizer=None, extra: dict | None = No
 def load_sharded_checkpoint(path, model, optimizer=None, group=None, states: dict | None = None,
                             restore_rng: bool = True, generation: int | None = None,
                             fallback: bool = False) -> dict:
-    """Load a generation of :func:`save_sharded_checkpoint` (same world size; ``generation`` and
-    ``fallback``: see :func:`minidist.checkpoint_io.open_generation`) with this rank's random
-    state and ``states``; returns ``extra``. Collective: one rank's error is every rank's."""
+    """Load a generation of :func:`save_sharded_checkpoint` (same world size); returns ``extra``.
+    Collective: one rank's error is every rank's."""
     rank, world = group_rank_world(group)
     where = f"load_sharded_checkpoint (rank {rank})"
     zero3 = _sharded_model(model)

@@ -1,25 +1,7 @@
-"""A bridge to torch's own checkpoints: a ZeRO-3 model saved and loaded through
-``torch.distributed.checkpoint`` (DCP), in the layout torch FSDP2 and torchtitan use.
-
-minidist's per-parameter ZeRO-3 (:mod:`.fsdp_param`) cuts parameter ``p`` [d0, *rest] on dim 0
-into ``c = ceil(d0 / W)`` rows per rank, rank r holding rows ``[r·c, (r+1)·c)`` (zero padding past
-d0). That is exactly ``torch.chunk``'s split, which is what a DTensor with placement ``Shard(0)``
-means, and what FSDP2 stores (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``). So each
-shard is described, without a copy, as ``DTensor.from_local(p[:real rows], mesh, [Shard(0)],
-shape=the full shape)``, and DCP does the rest: every rank writes its rows, the ``.metadata``
-file records the global shapes, and a load at any world size or sharding (FSDP2's, one process)
-reads the rows it needs.
-
-* :func:`dcp_state_dict` — ``{"model": {name: DTensor}, "optimizer": {"state": {name: {...}},
-  "param_groups": [...]}}``, the format of torch's ``get_model_state_dict`` /
-  ``get_optimizer_state_dict`` (names of the unsharded model; the optimizer keyed by them), whose
-  tensors *are* this rank's shards: ``dcp.load`` into it loads the model in place.
-* :func:`save_dcp` / :func:`load_dcp` — ``dcp.save`` / ``dcp.load`` of that dict (collective).
-
-Buffers are saved as plain tensors (replicated: DCP keeps rank 0's). Units of the flat layout
-(``per_parameter=False``, FSDP1's FlatParameter) have no per-parameter dim-0 shards: refused
-(``TypeError``; export those through :func:`.fsdp_state.full_state_dict`). DCP is torch's: it
-writes per-rank files and a metadata file, without minidist's generations and checksums.
+"""ZeRO-3 through torch's ``torch.distributed.checkpoint`` (DCP), in FSDP2's layout: a dim-0 shard
+is a DTensor with placement ``Shard(0)`` (``DTensor.from_local``, no copy), so DCP saves and loads
+at any world size. Flat units are refused (``TypeError``).
+Design notes: docs/design/sharding.md
 """
 
 from __future__ import annotations
@@ -76,12 +58,8 @@ def _init_state(optimizer: torch.optim.Optimizer) -> None:
 
 def dcp_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                    group=None) -> dict:
-    """The DCP view of a per-parameter ZeRO-3 ``module`` (and ``optimizer``, built on its shards):
-    see the module notes. ``group``: the group the model is sharded over (default the world).
-
-    Raises ``TypeError`` for a unit of the flat layout, ``NotImplementedError`` for HSDP units,
-    ``ValueError`` (via :func:`.fsdp_state.check_covered`) for trainable parameters no unit
-    owns."""
+    """The DCP view of a per-parameter ZeRO-3 ``module`` (and ``optimizer`` on its shards).
+    ``TypeError`` for flat units, ``NotImplementedError`` for HSDP, ``ValueError`` for unowned parameters."""
     us = check_covered(module, "dcp_state_dict")
     hybrid = [type(u.module).__name__ for u in us if u.rep is not None]
     if hybrid:   # FSDP2 describes them on a 2-D mesh, (Replicate(), Shard(0)): not written yet
@@ -136,9 +114,8 @@ def save_dcp(path: str | os.PathLike, module: nn.Module, optimizer=None, group=N
 
 @torch.no_grad()
 def load_dcp(path: str | os.PathLike, module: nn.Module, optimizer=None, group=None) -> None:
-    """``dcp.load`` a DCP checkpoint (minidist's :func:`save_dcp`, or FSDP2's / torchtitan's
-    ``{"model": ..., "optimizer": ...}``, at any world size) into this rank's shards, in place;
-    collective. Raises DCP's ``CheckpointException`` when a name or shape is missing."""
+    """``dcp.load`` a DCP checkpoint (minidist's, FSDP2's, torchtitan's; any world size) into the shards
+    in place; collective. DCP's ``CheckpointException`` when a name or shape is missing."""
     import torch.distributed.checkpoint as dcp
     state = dcp_state_dict(module, optimizer, group)
     dcp.load(state, checkpoint_id=os.fspath(path))

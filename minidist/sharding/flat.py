@@ -1,13 +1,10 @@
 """Flat, padded, sharded buffers: the one data layout every ZeRO stage here uses.
 
-A :class:`FlatBuffer` packs tensors (parameters, in a given order) one after the other into a 1-D
-buffer padded with zeros to ``W · S`` elements, ``S = ceil(numel / W)``; rank r owns
-``[r·S, (r+1)·S)``. Balancing is therefore by *element count*: every rank owns exactly S elements
-of every buffer (a parameter may straddle two ranks), the imbalance is at most the W-1 padding
-elements of each buffer — unlike assigning whole tensors to ranks, where one large embedding can
-leave the other ranks idle (Rajbhandari et al. 2020, ZeRO, §5: each rank updates 1/N_d of the
-parameters). Optimizers like SGD and Adam(W) are element-wise, so stepping a flat shard gives the
-same numbers as stepping the parameters it covers.
+A :class:`FlatBuffer` packs tensors one after the other into a 1-D buffer padded with zeros to
+``W · S`` elements, ``S = ceil(numel / W)``; rank r owns ``[r·S, (r+1)·S)``: balanced by element
+count (Rajbhandari et al. 2020, §5). Element-wise optimizers step a flat shard exactly as the
+parameters it covers.
+Design notes: docs/design/sharding.md
 """
 
 from __future__ import annotations
@@ -31,12 +28,8 @@ def plan_buckets(params: list, cap_bytes: int | None) -> list[list]:
 
 
 class FlatBuffer:
-    """Layout of ``tensors`` in one flat buffer of ``padded`` elements split into W shards.
-
-    Attributes: ``offsets``/``numels``/``shapes`` (per tensor), ``numel`` (sum of numels),
-    ``padded`` (= W · ``shard_numel``), ``world_size``, ``rank``.
-    Raises ``ValueError`` for an empty list or mixed dtypes/devices.
-    """
+    """Layout of ``tensors`` in one [padded] buffer split into W shards: ``offsets``/``numels``/``shapes``,
+    ``numel``, ``padded`` (W · ``shard_numel``). ``ValueError`` for no tensors or mixed dtypes/devices."""
 
     def __init__(self, tensors: list, world_size: int, rank: int):
         if not tensors:

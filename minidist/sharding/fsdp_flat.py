@@ -1,20 +1,10 @@
 """FSDP1's flat layout for a :class:`~.fsdp_unit.ShardUnit`: ``fully_shard(..., per_parameter=False)``.
 
-The first design, kept to teach why it was replaced. A unit's *trainable* parameters are packed
-into one flat buffer padded to W·S elements (:class:`~.flat.FlatBuffer`; torch FSDP1's
-``FlatParameter``, ``torch/distributed/fsdp/_flat_param.py``), rank r keeping its [S] slice as
-the unit's one parameter ``flat_shard``; while the module runs, its parameter names are plain
-attributes pointing at views of the gathered buffer. What that costs, and why FSDP2 moved to
-:class:`~.fsdp_param.ParamLayout` (torch's per-parameter-sharding FSDP tracker, pytorch/pytorch#114299):
-
-* the optimizer sees one 1-D tensor per unit, so a param group "weight decay on ``p.dim() >= 2``"
-  cannot be written;
-* a parameter frozen at wrap time stays unsharded (``unit.frozen``) and can never train: thawing
-  it is a ``RuntimeError`` at the next forward, naming it;
-* a parameter no rank used still gets a (zero) gradient: there is one shard, not one per parameter.
-
-The hooks, prefetching, freeing and no_sync are the unit's (:mod:`.fsdp_unit`); this file only
-says where the parameters live.
+The first design, kept to teach why it was replaced: a unit's *trainable* parameters packed into
+one padded flat buffer (torch FSDP1's ``FlatParameter``), rank r keeping its [S] slice as
+``flat_shard``. The optimizer sees one 1-D tensor per unit, a parameter frozen at wrap can never
+train (``RuntimeError`` at the next forward), an unused parameter still gets a zero gradient.
+Design notes: docs/design/sharding.md
 """
 
 from __future__ import annotations
@@ -29,18 +19,14 @@ __all__ = ["FlatLayout"]
 
 
 class FlatLayout(FlatBuffer):
-    """Where a flat unit's parameters live: :class:`~.flat.FlatBuffer`'s packing (``offsets``,
-    ``numels``, ``shapes`` per parameter, ``padded`` = W·S, ``shard_numel`` = S), plus what a
-    :class:`~.fsdp_unit.ShardUnit` asks of its layout."""
+    """Where a flat unit's parameters live: a :class:`~.flat.FlatBuffer`'s packing."""
 
     per_parameter = False
 
     @classmethod
     def wrap(cls, unit, module: nn.Module) -> FlatLayout | None:
-        """Pack ``module``'s trainable parameters (outside units below) from rank 0's values,
-        keep this rank's slice as ``module.flat_shard`` (and ``unit.flat_shard``), drop the
-        originals' storage. Raises ``ValueError`` for mixed dtypes/devices (one buffer) and a
-        parameter tied to another unit's."""
+        """Pack ``module``'s trainable parameters (rank 0's values) and keep this rank's slice as
+        ``flat_shard``. ``ValueError`` for mixed dtypes/devices or a parameter tied to another unit."""
         unit.slots, params, unit.names = _slots(module, lambda p: p.requires_grad)
         unit.frozen = [(f"{mod_name}{name}", p)   # (name, parameter) left unsharded: frozen at wrap
                        for mod_name, sub in _own_modules(module)

@@ -1,32 +1,8 @@
-"""Per-parameter sharding, the default layout of a :class:`~.fsdp_unit.ShardUnit`: each parameter
-is cut on dim 0.
-
-The flat design (:class:`~.fsdp_flat.FlatLayout`, FSDP1's ``FlatParameter``) hands the optimizer
-one 1-D slice per unit, so nothing per parameter survives: a param group "weight decay on
-``p.dim() >= 2`` only" cannot be written, and a parameter frozen at wrap time can never train.
-FSDP2 (torch ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``) shards every parameter on
-dim 0 instead, and keeps one flat buffer per unit for the communication only. So does this file:
-
-* parameter ``p`` [d0, *rest] (d0 rows) is padded to ``W·c`` rows, ``c = ceil(d0 / W)``; rank r
-  keeps rows ``[r·c, (r+1)·c)``: ``p`` itself (the same ``nn.Parameter`` object, so references
-  taken before wrapping stay valid) now holds that [c, *rest] shard, under its own name, with its
-  own ``requires_grad``. Padding rows are zero and stay zero (their gradient is zero).
-* **all-gather**: rank r's shards are copied into one [S] buffer (``S = Σ c·rest``, in
-  ``param_dtype``), all-gathered into [W, S] (rank-major), and copied out into ``full`` [W·S],
-  parameter-major, where parameter i is the contiguous padded [W·c_i, *rest] block; the module
-  sees views ``full[P_i : P_i + d0·rest].view(d0, *rest)`` while it runs (detached when
-  ``p.requires_grad`` is False, so a frozen parameter gets no gradient, and changing
-  ``requires_grad`` after wrapping takes effect at the next forward).
-* **reduce-scatter**: the gradient of ``full`` is copied back to rank-major [W, S], reduce-
-  scattered (average) into [S], and cut into the shards' gradients — only for parameters that got
-  a gradient in this backward on some rank (as one process: a parameter no rank used keeps
-  ``grad`` None; one that some rank used gets the average on every rank, agreed by a small
-  all-reduce of flags after the reduce-scatter).
-
-The unit's hooks (:mod:`.fsdp_unit`) run both steps; this file says where each parameter lives.
-Frozen parameters are sharded and gathered like the others (cast to ``param_dtype`` too: FSDP2's
-behaviour), so mixed precision with frozen weights works. 0-d parameters are refused
-(``ValueError``): there is no dim 0 to cut.
+"""Per-parameter sharding, the default layout of a :class:`~.fsdp_unit.ShardUnit` (FSDP2's
+``_fsdp_param.py``): ``p`` [d0, *rest] padded to W·c rows, rank r keeps rows [r·c, (r+1)·c) in ``p``
+itself, so param groups and ``requires_grad`` stay per parameter; communication goes through one
+flat [W·S] buffer per unit. 0-d parameters: ``ValueError``.
+Design notes: docs/design/sharding.md
 """
 
 from __future__ import annotations
@@ -39,11 +15,8 @@ __all__ = ["ParamLayout"]
 
 
 class ParamLayout:
-    """Where each parameter of a per-parameter unit lives. Per parameter i: ``shapes[i]`` (full),
-    ``rows[i]`` (c_i, rows per rank), ``numels[i]`` (c_i·rest_i, elements per rank),
-    ``offsets[i]`` (o_i, in the [S] per-rank buffer); ``shard_numel`` S; ``padded`` W·S (the
-    gathered buffer); ``dtype``/``device`` (the first parameter's). Plus what a
-    :class:`~.fsdp_unit.ShardUnit` asks of its layout (:meth:`wrap` and the methods below)."""
+    """Where each parameter of a per-parameter unit lives: ``shapes``, ``rows`` (c_i), ``numels``
+    (c_i·rest_i), ``offsets`` (in [S]); ``shard_numel`` S; ``padded`` W·S; ``dtype``/``device``."""
 
     per_parameter = True
 
@@ -88,10 +61,9 @@ class ParamLayout:
     # ------------------------------------------------------------------ what the unit asks
     @classmethod
     def wrap(cls, unit, module) -> ParamLayout | None:
-        """Shard every parameter of ``module`` outside units below (frozen ones too): rank 0's
-        values (and buffers) broadcast, then each ``p.data`` becomes this rank's [c, *rest] rows.
-        Sets ``unit.slots``, ``unit.names``, ``unit.params``. Raises ``ValueError`` for a 0-d
-        parameter, mixed dtypes without ``param_dtype``, a parameter tied to another unit's."""
+        """Shard ``module``'s parameters outside units below (rank 0's values broadcast); sets
+        ``unit.slots``/``names``/``params``. ``ValueError``: 0-d, mixed dtypes without ``param_dtype``, tied to another unit.
+        """
         unit.slots, params, unit.names = _slots(module, lambda p: True)   # frozen ones too
         name = type(module).__name__
         for p, n in zip(params, unit.names):

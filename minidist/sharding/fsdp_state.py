@@ -1,28 +1,8 @@
-"""State of a :func:`~.fsdp.fully_shard` model: full and sharded checkpoints, global-norm clipping.
-
-* :func:`full_state_dict` — every unit's flat shard all-gathered and cut back into the original
-  parameters, named as in the unsharded model (tied parameters under each of their names), plus
-  the buffers and unsharded (frozen) parameters; on every rank or only on rank 0 (FSDP paper,
-  Zhao et al. 2023, §4.1 "state dict": full vs sharded). :func:`load_full_state_dict` takes such
-  a dict at *any* world size and keeps this rank's slices.
-* :func:`full_optim_state_dict` / :func:`load_full_optim_state_dict` — the same for an optimizer
-  built on the shards, keyed by parameter name (so it reloads at another world size).
-* one file per rank with its slices only: :func:`minidist.sharding.checkpoints.save_sharded_checkpoint`
-  (generations, checksums, every rank's outcome agreed; built on the module's ``state_dict``).
-* :func:`clip_grad_norm_` — the global p-norm of all gradients is (all-reduce of every rank's
-  sum of |g|^p over its slices)^(1/p), the max over ranks for p = inf (the zero padding adds
-  nothing); every rank scales its slices by ``min(1, max_norm / (norm + 1e-6))``, as
-  ``torch.nn.utils.clip_grad_norm_``. The sums are reduced over the *shard* group: under HSDP
-  (:mod:`.hsdp`) the R replicas of a piece hold the same averaged values, and summing over all
-  W ranks would count each R times (VeOmni#184, fixed there in VeOmni#862). Replicated units'
-  gradients (:mod:`.replicate`) are whole and equal on every rank: added once, locally, after
-  that reduction (mindspore hyper-parallel#279; FSDP1's NO_SHARD, pytorch/pytorch#88955).
-
-Replicated units are covered by every function here: their parameters are whole, so the state
-dict holds them as they are and the optimizer state is theirs, unsharded.
-
-Both unit layouts (per-parameter and flat, :mod:`.fsdp`) are handled; dict keys are the names of
-the unsharded model either way.
+"""State of a :func:`~.fsdp.fully_shard` model: full state dicts and optimizer state dicts (names of
+the unsharded model, any world size; Zhao et al. 2023, §4.1), and :func:`clip_grad_norm_`, the
+global p-norm reduced over the *shard* group (replicated units' norm added once). Both layouts
+and replicated units are handled; per-rank files: :mod:`minidist.sharding.checkpoints`.
+Design notes: docs/design/sharding.md
 """
 
 from __future__ import annotations
@@ -56,9 +36,7 @@ def _unit_entries(module: nn.Module, per_param: bool):
 
 
 def check_covered(module: nn.Module, what: str) -> list:
-    """The units of ``module``; ``ValueError`` naming every module whose trainable parameters no
-    unit owns (wrap the root too: ``fully_shard(model)`` after its blocks owns what no block
-    owns, as FSDP2's root does). Frozen parameters outside units are fine (they never change)."""
+    """The units of ``module``; ``ValueError`` naming every module with trainable parameters no unit owns."""
     us = units(module)
     reps = replicated_units(module)
     owned: set[int] = {id(p) for r in reps for p in r.params}
@@ -105,11 +83,8 @@ def _rows_of(u, i: int, full: torch.Tensor, dtype=None) -> torch.Tensor:
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """The unsharded ``state_dict`` (fp32 masters). Collective. ``rank0_only``: only rank 0 of
-    the data-parallel group (of both groups under HSDP) gets it, the others {}.
-
-    Raises ``ValueError`` naming the modules whose trainable parameters belong to no unit: their
-    gradients were never averaged, so every rank holds a different value."""
+    """The unsharded ``state_dict`` (fp32 masters). Collective. ``rank0_only``: the others get {}.
+    Raises ``ValueError`` naming modules whose trainable parameters belong to no unit."""
     check_covered(module, "full_state_dict")
     out = {name: t.detach().clone() for name, t in module.state_dict().items()
            if not name.endswith("flat_shard")}
@@ -149,9 +124,8 @@ def _replicated_entries(module: nn.Module):
 
 
 def full_gradients(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded gradients of a per-parameter :func:`~.fsdp.fully_shard` model, by name
-    (parameters with no gradient left out: the same on every rank). Collective; for checks and
-    inspection (training never needs them). Raises ``ValueError`` for flat units."""
+    """Unsharded gradients of a per-parameter model, by name (for checks). Collective;
+    ``ValueError`` for flat units."""
     if any(u.layout is not None and not _per_param(u) for u in units(module)):
         raise ValueError("full_gradients: per-parameter units only (fully_shard's default)")
     out = {}
@@ -261,12 +235,9 @@ def load_full_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimiz
 @torch.no_grad()
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
-    """Clip by the global ``norm_type`` norm across shards (as ``torch.nn.utils.clip_grad_norm_``:
-    any p > 0 or ``inf``); returns the norm (fp32 scalar). Collective.
-
-    Raises ``ValueError`` if a parameter of ``module`` belongs to no unit (it would be left out
-    of the norm), ``RuntimeError`` for a non-finite norm with ``error_if_nonfinite``.
-    """
+    """Clip by the global ``norm_type`` norm across shards (as ``torch.nn.utils.clip_grad_norm_``);
+    returns the norm (fp32 scalar). Collective. ``ValueError`` if a parameter belongs to no unit,
+    ``RuntimeError`` for a non-finite norm with ``error_if_nonfinite``."""
     us = [u for u in check_covered(module, "clip_grad_norm_") if u.layout is not None]
     whole = [q.grad for _, q in _replicated_entries(module) if q.grad is not None]
     p = float(norm_type)

@@ -1,23 +1,8 @@
 """The unit of :func:`~.fsdp.fully_shard`: the machinery both layouts share, and nothing of either.
-
-A :class:`ShardUnit` (attached to its module as ``module._fsdp``) owns the parameters of its module
-that no unit below owns. Its hooks — gather before forward and before backward, prefetch, free, the
-reduce-scatter when the gradient is complete, no_sync, HSDP's all-reduce across replicas — do not
-depend on where each parameter lives in the flat communication buffer ``full`` [W·S]; that is the
-*layout*'s, an object the unit holds (composition, not a subclass):
-
-* :class:`~.fsdp_param.ParamLayout` (default, FSDP2): every parameter cut on dim 0;
-* :class:`~.fsdp_flat.FlatLayout` (``per_parameter=False``, FSDP1's ``FlatParameter``, the first
-  design, kept to teach why it was replaced): the trainable parameters packed into one buffer.
-
-A layout class has ``wrap(unit, module)`` (shard the module's parameters, set the unit's ``slots``,
-``names``, ``params`` or ``flat_shard``; returns the layout, or None when there is nothing to
-shard) and per instance ``per_parameter``, ``padded`` (W·S), ``shard_numel`` (S), ``dtype``,
-``device``, ``gather_into(comm, unit)`` (fill ``unit.full`` from the shards), ``bind(unit)``
-(the module's names → views of ``full``), ``unbind(unit)`` (→ the shards again),
-``to_rank_major(grad)`` (what reduce-scatter cuts), ``master_dtype(unit)`` and
-``accept(unit, out)`` (the reduced [S] slice → the shards' gradients).
-:mod:`.fsdp` has the whole picture (the four steps per training step) and :func:`~.fsdp.fully_shard`.
+A :class:`ShardUnit` (``module._fsdp``) gathers, prefetches, frees, reduce-scatters, accumulates
+and all-reduces (HSDP); where each parameter lives in the flat buffer ``full`` [W·S] is the
+layout's (:class:`~.fsdp_param.ParamLayout`, :class:`~.fsdp_flat.FlatLayout`).
+Design notes: docs/design/sharding.md
 """
 
 from __future__ import annotations
@@ -66,15 +51,12 @@ class _Context:
 
 
 class ShardUnit:
-    """The state :func:`~.fsdp.fully_shard` attaches to a module as ``module._fsdp``: a unit of
-    ``layout`` (a layout class, see the module doc) over ``comm``'s group (HSDP: and ``rep``'s).
+    """A unit (``module._fsdp``) of ``layout`` over ``comm``'s group (HSDP: and ``rep``'s).
 
-    Attributes: ``layout`` (None when the module has nothing to shard), ``params`` (per parameter:
-    the unit's parameters, each now its shard) or ``flat_shard`` (flat: the [S] parameter),
-    ``slots``/``names`` (where each parameter sits in the module), ``frozen`` (flat: parameters
-    left unsharded), ``full`` (the gathered [W·S] buffer, freed between uses), ``state``
-    (``"sharded"`` or ``"gathered"``), ``sync`` and ``requires_all_reduce`` (gradient
-    accumulation, :mod:`.fsdp`)."""
+    Attributes: ``layout`` (None: nothing to shard), ``params`` (per parameter: the shards) or
+    ``flat_shard`` ([S]), ``slots``/``names``, ``frozen`` (flat: left unsharded), ``full`` (gathered
+    [W·S], freed between uses), ``state`` (``"sharded"``/``"gathered"``), ``sync``,
+    ``requires_all_reduce``."""
 
     def __init__(self, module: nn.Module, comm: Communicator, mp: MixedPrecisionPolicy,
                  reshard_after_forward: bool, prefetch: bool, layout, rep=None):
@@ -143,12 +125,7 @@ class ShardUnit:
         return tuple(p._version for p in shards if p is not None)
 
     def _drop_if_stale(self) -> None:
-        """Free a gathered copy — kept, or prefetched and still in flight — of shards that
-        changed since (an optimizer step, a load): what it would otherwise serve stale, as
-        torch's FSDP2 does after a no-grad forward between backward and step
-        (pytorch/pytorch#149029). A prefetch can outlive its forward: a unit used twice
-        prefetches the next one again after it ran, and a no-grad forward has no backward to
-        consume that gather before the step."""
+        """Free a gathered copy (kept or prefetched) of shards changed since (step, load), as FSDP2."""
         if self.state == "sharded" and self.handle is None:
             return
         if self._gathered_from == self._versions():
@@ -242,22 +219,7 @@ class ShardUnit:
 
     def _reduce(self, comm, out: torch.Tensor, grad: torch.Tensor, got: set[int],
                 agreed: set[int]) -> None:
-        """On the communication thread: ``out`` ← this rank's slice of the average of ``grad``;
-        ``agreed`` ← the parameters that got a gradient on any rank (``got``: on this one).
-
-        Per parameter, then which parameters got a gradient on *any* rank (an all-reduce of a 0/1
-        flag per parameter, on the same thread so the collectives stay in order): a parameter one
-        rank used and another did not (an expert no token of this rank chose) must get the
-        averaged gradient on both, or the replicas' shards part ways.
-
-        HSDP: then the [S] average over the shard group is all-reduced (average) over the
-        replicate group — the ranks that hold the same piece — and the flags too (``max``), on
-        the comm thread's copy of that group (:class:`_Context`). Under
-        :func:`~.fsdp.set_requires_all_reduce` ``(False)`` the piece is kept instead (summed with
-        any kept before) and no gradient is handed out; the next backward that all-reduces adds
-        the kept sum to its own piece *before* the all-reduce, so every micro-batch crosses
-        (pytorch/pytorch#125484: accumulating after the all-reduce would leave earlier
-        micro-batches out)."""
+        """Comm thread: ``out`` ← this rank's slice of the average of ``grad``; ``agreed`` ← used anywhere."""
         if not self.layout.per_parameter:               # flat: one shard, every element kept
             _reduce_scatter(comm, out, grad)
             return

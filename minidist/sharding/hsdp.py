@@ -1,26 +1,8 @@
-"""Hybrid sharding (HSDP): shard inside a group of ranks, replicate across such groups.
-
-Zhao et al. 2023 ("PyTorch FSDP", §3.2.2 "hybrid sharding") and torch FSDP2's
-``fully_shard(module, mesh=init_device_mesh(dev, (R, S), mesh_dim_names=("replicate", "shard")))``:
-the W = R·S data-parallel ranks form an R x S mesh. Rank ``r·S + s`` sits in row ``r`` (its
-*shard group*: the S consecutive ranks ``[r·S, r·S + S)``, typically one node, fast links) and in
-column ``s`` (its *replicate group*: ranks ``s, S + s, 2S + s, ...``, one per node, slow links).
-
-* parameters are sharded over the shard group only: each rank keeps 1/S of the model (not 1/W),
-  and the all-gathers of forward and backward stay inside the node;
-* after backward each unit's gradient is reduce-scattered (average) over the shard group, then the
-  [1/S] piece is all-reduced (average) over the replicate group among the R ranks that hold the
-  same piece: (1/S)·(1/R)·Σ = the average over all W ranks, one process's gradient. Only that
-  piece crosses nodes: per step a rank sends 2(R-1)/R · Ψ/S elements over the replicate group
-  (a ring all-reduce), against (W-1)/W · Ψ of FSDP's reduce-scatter over all W ranks. ZeRO++'s
-  hpZ (Wang et al. 2023, §3.2) keeps a secondary copy of the parameters inside the node for the
-  same reason: the gathers stay on the fast links.
-
-:func:`hsdp_mesh` builds the two groups of this rank from (R, S), in torch's order, once per
-process (groups cost gloo threads: a second call returns the same pair); :func:`resolve` turns
-``fully_shard``'s ``mesh=`` (an :class:`HSDPMesh`, a ``(replicate, shard)`` pair of groups or a 2-D
-torch ``DeviceMesh``) into the two groups; :func:`check_layout` refuses a replicate group that does
-not fit the shard groups, on every rank of it, before anything else is communicated.
+"""Hybrid sharding (HSDP, Zhao et al. 2023, §3.2.2; FSDP2's 2-D mesh): W = R·S ranks, sharded within
+each row of S consecutive ranks (a node), replicated down the columns; each gradient piece is
+reduce-scattered in the row, then all-reduced in the column (only that crosses nodes, as ZeRO++'s
+hpZ, Wang et al. 2023, §3.2). :func:`hsdp_mesh`, :func:`resolve`, :func:`check_layout`.
+Design notes: docs/design/sharding.md
 """
 
 from __future__ import annotations
@@ -48,13 +30,9 @@ _MESHES: dict = {}   # (R, S) -> (the world it was built in, HSDPMesh)
 
 
 def hsdp_mesh(replicate: int, shard: int) -> HSDPMesh:
-    """The groups of this rank in an R x S mesh over the world: shard groups are consecutive
-    ranks (``[0, 1], [2, 3]`` for 2 x 2), replicate groups every S-th rank (``[0, 2], [1, 3]``),
-    as ``init_device_mesh("cpu", (R, S))``. Collective (every rank calls it with the same sizes);
-    cached per process: the same sizes give the same groups.
-
-    Raises ``ValueError`` (on every rank, before any group is made) unless R, S >= 1 and
-    R·S = the world size."""
+    """This rank's groups in an R x S mesh over the world, as ``init_device_mesh("cpu", (R, S))``:
+    shard groups consecutive ranks, replicate groups every S-th. Collective; cached per process.
+    Raises ``ValueError`` (every rank, before any group) unless R, S >= 1 and R·S = world size."""
     if not dist.is_initialized():
         raise RuntimeError("hsdp_mesh: the process group is not initialised; run inside "
                            "minidist.run(...) or call minidist.init() first")
@@ -84,10 +62,8 @@ def hsdp_mesh(replicate: int, shard: int) -> HSDPMesh:
 
 
 def resolve(mesh, group, replicate_group) -> tuple:
-    """``(shard group, replicate group or None)`` from ``fully_shard``'s arguments: ``mesh`` (an
-    :class:`HSDPMesh`, a ``(replicate, shard)`` pair, or a torch ``DeviceMesh`` of 1 or 2 dims)
-    or ``group`` / ``replicate_group``. ``ValueError`` for both forms at once or a mesh of more
-    dims."""
+    """``(shard group, replicate group or None)`` from ``mesh`` or ``group``/``replicate_group``.
+    ``ValueError`` for both forms at once or a mesh of more than 2 dims."""
     if mesh is None:
         return group, replicate_group
     if group is not None or replicate_group is not None:
@@ -120,17 +96,8 @@ _CHECKED: dict = {}   # (id(shard group), id(replicate group)) -> the pair, once
 
 
 def check_layout(where: str, shard, replicate, collectives: str = "hand-built") -> None:
-    """Refuse a replicate group that does not fit the shard layout, naming rank, op, argument and
-    what was expected; the same verdict on every rank of the replicate group (never a hang):
-
-    1. it shares no rank but this one with the shard group (a rank cannot be its own replica),
-       on any member;
-    2. every member holds the same piece of a shard group of the same size (replicas of the
-       same shard).
-
-    One all-gather of (no overlap, shard rank, shard size) over the replicate group, made by
-    every member before any verdict.
-    """
+    """Refuse (``ValueError``, same verdict on every member) a replicate group that overlaps the shard
+    group or whose members hold different pieces; one all-gather over the replicate group."""
     me = dist.get_rank()
     key = (id(shard), id(replicate))
     hit = _CHECKED.get(key)
@@ -165,9 +132,7 @@ def check_layout(where: str, shard, replicate, collectives: str = "hand-built") 
 
 
 def thread_copy(comm: Communicator) -> Communicator:
-    """A communicator like ``comm`` on a process group of its own (the same members), for a
-    communication thread: nothing on the main thread can interleave with it on the wire. Made by
-    its members only, then a barrier (what :class:`~minidist.communicator.CommThread` does)."""
+    """``comm`` on a process group of its own (same members), for a communication thread. Collective."""
     own = dist.new_group(ranks=_ranks(comm.group), use_local_synchronization=True)
     if isinstance(own, dist.ProcessGroup) and dist.get_backend(own) == "gloo":
         dist.barrier(group=own)

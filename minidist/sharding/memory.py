@@ -1,31 +1,6 @@
-"""Memory per rank, accounted from the live tensors, beside the ZeRO paper's formulas.
-
-ZeRO (Rajbhandari et al. 2020, §5, Figure 1) counts model states for Ψ parameters, N_d
-data-parallel ranks and K bytes of optimizer state per parameter, with 2-byte (fp16) parameters
-and gradients and mixed-precision Adam (K = 12: fp32 master, momentum, variance):
-
-=========  =======================  ==================
-stage      per rank (bytes)         what is sharded
-=========  =======================  ==================
-0 (DP)     (2 + 2 + K) Ψ            nothing
-1 (P_os)   2Ψ + 2Ψ + KΨ/N_d         optimizer states
-2 (P_os+g) 2Ψ + (2 + K)Ψ/N_d        + gradients
-3 (P_os+g+p) (2 + 2 + K)Ψ/N_d       + parameters
-=========  =======================  ==================
-
-:func:`zero_formula` takes the bytes per parameter and per gradient as arguments. **On CPU in
-fp32** (the tests, the course): parameters and gradients take 4 bytes, there is no separate master
-copy, so K = 8 for Adam/AdamW (exp_avg, exp_avg_sq) and K = 4 for SGD with momentum
-(momentum_buffer); the formulas become (4+4+K)Ψ, 4Ψ+4Ψ+KΨ/N_d, 4Ψ+(4+K)Ψ/N_d, (4+4+K)Ψ/N_d.
-Ψ counts trainable elements (frozen parameters and buffers are replicated and listed apart).
-
-:func:`account` measures, after ``optimizer.step()``: the bytes of the distinct storages that
-hold trainable parameters, gradients, per-element optimizer states, and (separately) the
-per-tensor scalars such as Adam's ``step`` (4 bytes per optimized tensor; not in the formula).
-With the padding of flat buffers (at most W-1 elements each) it equals the formula exactly when
-every flat buffer's size is divisible by W. :class:`ActivationMeter` counts the bytes autograd
-saves for backward (saved-tensor hooks; parameters excluded), including the inputs a
-:func:`~.recompute.checkpoint` keeps. On CUDA, ``torch.cuda.max_memory_allocated`` is added.
+"""Memory per rank: :func:`zero_formula` (ZeRO §5, Figure 1), :func:`account` (live storages of
+parameters, gradients, optimizer state) and :class:`ActivationMeter` (bytes saved for backward).
+Design notes: docs/design/sharding.md
 """
 
 from __future__ import annotations
@@ -44,9 +19,7 @@ K_FP32 = {"adamw": 8, "adam": 8, "sgd": 4}  # bytes of optimizer state per param
 def zero_formula(psi: int, n_d: int, stage: int, k: int, param_bytes: int = 2,
                  grad_bytes: int = 2) -> dict[str, float]:
     """ZeRO §5 per-rank bytes of model states: {"params", "grads", "optimizer", "total"}.
-
-    Raises ``ValueError`` for a stage outside 0..3 or ``n_d < 1``.
-    """
+    ``ValueError`` for a stage outside 0..3 or ``n_d < 1``."""
     if stage not in (0, 1, 2, 3) or n_d < 1:
         raise ValueError(f"zero_formula: stage must be 0..3 and n_d >= 1, got {stage}, {n_d}")
     p = param_bytes * psi / (n_d if stage >= 3 else 1)
@@ -71,10 +44,7 @@ def _sum(tensors) -> int:
 
 def account(model: nn.Module, optimizer) -> dict[str, int]:
     """Bytes this rank holds: params, grads, optimizer, optimizer_scalars (and cuda_peak on CUDA).
-
-    ``optimizer``: a ``torch.optim`` optimizer (also one built on :func:`~.fsdp.fully_shard`
-    shards) or a :class:`~.zero.ShardedOptimizer`.
-    """
+    ``optimizer``: a ``torch.optim`` optimizer or a :class:`~.zero.ShardedOptimizer`."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     params, grads = list(trainable), [p.grad for p in trainable]
     inner = getattr(optimizer, "optim", optimizer)
@@ -96,9 +66,7 @@ def account(model: nn.Module, optimizer) -> dict[str, int]:
 
 
 class ActivationMeter:
-    """``with ActivationMeter(model) as m: loss = loss_fn(model(x), y)`` → ``m.bytes``: the bytes
-    of distinct storages saved for backward, parameters (and ZeRO-3 gathered buffers) excluded;
-    inputs kept by :func:`~.recompute.checkpoint` count too."""
+    """``with ActivationMeter(model) as m: ...`` → ``m.bytes`` saved for backward (parameters excluded)."""
 
     def __init__(self, model: nn.Module):
         self.exclude = {_storage(p)[0] for p in model.parameters()}

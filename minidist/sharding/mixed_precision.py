@@ -1,15 +1,9 @@
-"""Mixed precision for ZeRO-3 units: bf16/fp16 compute on gathered parameters, fp32 sharded
-masters, gradients reduce-scattered in ``reduce_dtype`` (FSDP, Zhao et al. 2023, §4.4; torch's
-``MixedPrecisionPolicy``). Used by :func:`~.fsdp.fully_shard` through ``mp_policy=``:
+"""Mixed precision for ZeRO-3 units (Zhao et al. 2023, §4.4; torch's ``MixedPrecisionPolicy``).
 
-* the fp32 shard is cast to ``param_dtype`` *before* the all-gather (half the bytes on the wire);
-* floating-point forward inputs of each unit are cast to ``param_dtype``;
-* the unit's gradient (``param_dtype``) is cast to ``reduce_dtype`` before the reduce-scatter,
-  and the averaged slice is kept in the master's dtype (fp32);
-* per-parameter units cast *every* parameter, frozen ones included (FSDP2's behaviour: a frozen
-  fp32 weight in a bf16 unit would otherwise meet bf16 activations); flat units leave frozen
-  parameters unsharded in their own dtype;
-* buffers are not cast (as FSDP2): an fp32 buffer combined with bf16 activations promotes them.
+Shards are cast to ``param_dtype`` before the all-gather, unit inputs cast to ``param_dtype``,
+gradients reduce-scattered in ``reduce_dtype`` and kept in the fp32 master's dtype. Per-parameter
+units cast frozen parameters too (FSDP2); buffers are not cast.
+Design notes: docs/design/sharding.md
 """
 
 from __future__ import annotations
@@ -23,9 +17,8 @@ __all__ = ["MixedPrecisionPolicy", "cast_floating"]
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """``param_dtype``: dtype of the gathered parameters, i.e. of the compute (bf16/fp16);
-    ``reduce_dtype``: dtype gradients are reduce-scattered in (fp32 keeps the sum exact-ish).
-    The sharded master parameter and its gradient stay fp32 (torch's ``MixedPrecisionPolicy``)."""
+    """``param_dtype``: gathered parameters' (compute) dtype; ``reduce_dtype``: the reduce-scatter's.
+    Masters and their gradients stay fp32."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None

@@ -1,7 +1,5 @@
-"""Which unit owns which parameter: the walk over a unit's own modules (it stops at units below,
-sharded or replicated), the unit's parameter slots, and the registry that refuses a parameter
-tied across two units. Shared by the layouts of :mod:`.fsdp_unit` (:mod:`.fsdp_param`,
-:mod:`.fsdp_flat`) and by :mod:`.replicate`.
+"""Which unit owns which parameter: the walk over a unit's modules (stopping at units below), its
+parameter slots, and the registry refusing a parameter tied across two units.
 """
 
 from __future__ import annotations
@@ -30,9 +28,7 @@ def _claim(params, names, unit: str) -> None:
 
 
 def _slots(module: nn.Module, shard) -> tuple[list, list, list]:
-    """(slots, params, names) of a unit: one slot (submodule, attribute name, index into params,
-    qualified name) per parameter attribute of ``module`` outside other units that ``shard(p)``
-    keeps; a tied parameter is one entry of ``params``, named by its first slot."""
+    """(slots, params, names) of a unit; a tied parameter is one entry of ``params``."""
     slots: list = []
     params: list = []
     seen: dict = {}

@@ -1,29 +1,10 @@
-"""Activation recomputation (gradient checkpointing) from scratch: keep the inputs, drop the rest.
+"""Activation recomputation from scratch: keep the inputs, drop the rest (torch's non-reentrant design).
 
-``y = checkpoint(fn, *args)`` runs ``fn`` once, but every tensor autograd wants to *save* for the
-backward of the operations inside ``fn`` is replaced by a ticket number (a saved-tensor "pack"
-hook, ``torch.autograd.graph.saved_tensors_hooks``). The first time backward asks for one of them
-("unpack"), ``fn`` is run again on the same inputs under ``enable_grad`` with the RNG states it
-had the first time — torch's CPU and CUDA generators and the tensor-parallel dropout tracker's
-generators (:mod:`minidist.tensor_parallel.random`) — so dropout draws the same masks, and the
-tensors that run saves, numbered in the same order, are handed to the original graph one by one.
-No nested backward runs, so gradient hooks (bucketed DDP's, ZeRO-2's, ZeRO-3's) fire once, in the
-outer backward, exactly as without recomputation. This is the design of torch's non-reentrant
-``torch.utils.checkpoint``; the reentrant one instead runs a whole nested backward in a custom
-autograd function.
-
-One recomputation per *backward call* (autograd's graph task): a graph walked by several
-backwards — a zero-bubble pipeline's split backward (B with ``retain_graph=True``, then the weight
-pass W, :mod:`minidist.pipeline_parallel.split_backward`), or any ``retain_graph=True`` — is
-recomputed again in each, as torch's non-reentrant checkpoint does. Each ticket is a small holder
-object held by the graph; the recomputed tensors are kept by holder in a weak dictionary, each
-handed over once, and what a backward did not ask for is dropped when that backward ends.
-
-Memory: for a chain of n blocks with activations A per block, saved activations go from n·A to
-n·(size of a block input) + A (one block recomputed at a time) for one extra forward of compute
-(Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"; Korthikanti et al. 2022 §4 for
-transformers). Restriction: ``fn`` must save the same tensors in the same order when run again
-(no data-dependent control flow), else ``RuntimeError``.
+Saved tensors become tickets (``saved_tensors_hooks``); the first unpack in backward reruns ``fn``
+with the first run's RNG states and hands the tensors over in order: no nested backward, gradient
+hooks fire once. Memory n·A → n·(input) + A for one extra forward (Chen et al. 2016).
+``fn`` must save the same tensors when rerun, else ``RuntimeError``.
+Design notes: docs/design/sharding.md
 """
 
 from __future__ import annotations
@@ -55,9 +36,7 @@ class _Frame:
 
 
 def _rng_state(args):
-    """Every generator the forward may draw from: torch's CPU one, the CUDA ones of the inputs'
-    devices, and the tensor-parallel dropout tracker's (Megatron's ``checkpoint`` saves
-    ``get_cuda_rng_tracker().get_states()`` for the same reason)."""
+    """Every generator the forward may draw from (CPU, inputs' CUDA devices, the TP tracker)."""
     from ..tensor_parallel.random import get_rng_tracker
     devices = sorted({a.device for a in args if torch.is_tensor(a) and a.device.type == "cuda"},
                      key=str)
@@ -77,11 +56,8 @@ def _set_rng_state(state) -> None:
 def checkpoint(fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, saving only ``args`` for backward and recomputing the rest there.
 
-    Shapes: whatever ``fn`` takes and returns. Gradients equal those without recomputation
-    (bit for bit on CPU), including dropout from torch's generators and from the global
-    tensor-parallel tracker (a dropout given a ``tracker=`` of its own is not replayed). Raises
-    ``RuntimeError`` if the recomputation saves a different number of tensors than the first run.
-    """
+    Gradients equal those without recomputation (bit for bit on CPU), dropout included (not a
+    dropout with its own ``tracker=``). ``RuntimeError`` if the rerun saves a different number of tensors."""
     rng = _rng_state(args)
     autocast = _autocast_state()
     frame = _Frame()
@@ -116,10 +92,7 @@ def checkpoint(fn, *args, **kwargs):
 
 
 def _autocast_state() -> list[tuple[str, torch.dtype]]:
-    """The autocast regions the forward ran in: ``[(device type, dtype)]`` (mixed precision). The
-    recomputation runs in backward, outside them, and must enter them again or it computes in
-    another dtype than the forward did (torch.utils.checkpoint saves the same state, pytorch#71124;
-    the forward's dtype, not autocast's default: fairscale#1199)."""
+    """The forward's autocast regions ``[(device type, dtype)]``, re-entered for the recomputation."""
     kinds = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     return [(k, torch.get_autocast_dtype(k)) for k in kinds if torch.is_autocast_enabled(k)]
 
@@ -154,12 +127,8 @@ def _recompute(fn, args, kwargs, rng, autocast, expected: int) -> dict:
 
 
 class Checkpointed(nn.Module):
-    """``module`` whose forward runs through :func:`checkpoint` (or not, ``enabled=False``), with
-    whatever positional and keyword arguments ``module`` takes.
-
-    ``impl``: ``"minidist"`` (this file), ``"torch-reentrant"`` or ``"torch-non-reentrant"``
-    (``torch.utils.checkpoint`` with ``use_reentrant=True/False``), for comparisons.
-    """
+    """``module`` whose forward runs through :func:`checkpoint` (unless ``enabled=False``).
+    ``impl``: ``"minidist"``, ``"torch-reentrant"`` or ``"torch-non-reentrant"``, for comparisons."""
 
     def __init__(self, module: nn.Module, enabled: bool = True, impl: str = "minidist"):
         super().__init__()

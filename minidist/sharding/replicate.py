@@ -1,36 +1,7 @@
-"""Replicated units: parameters kept whole on every rank, gradients all-reduced (average).
-
-The other kind of unit beside :func:`~.fsdp.fully_shard`'s: what torch's composable
-``torch.distributed._composable.replicate`` does (DDP as a unit), and what FSDP setups do with
-small parameters that are not worth sharding — LayerNorm gains and biases in Stanford CS336's
-assignment 2 (linears and embeddings sharded, norms replicated). ``replicate(module)`` makes
-``module`` such a unit:
-
-* **at wrap**: its parameters (trainable and frozen) and buffers are broadcast from rank 0 of
-  ``group``, so every replica starts equal (pytorch/pytorch#140183: HSDP replicas that were never
-  synced train apart);
-* **forward**: nothing (the parameters are there, whole);
-* **end of backward** (an autograd callback queued by a hook on the module's outputs, so it runs
-  once, after every gradient of the backward has been accumulated): every trainable parameter's
-  ``.grad`` is all-reduced (average) over ``group`` in one flat buffer per dtype, with one flag per
-  parameter appended (its average is > 0 iff some rank has a gradient): a parameter one rank used
-  and another did not gets the average on both; one no rank used keeps ``grad`` None. Under
-  :func:`~.fsdp.set_requires_gradient_sync` ``(False)`` nothing is reduced (the local sum
-  accumulates; the next synced backward averages it: averaging a part that is already equal on
-  every rank leaves it unchanged); nor under :func:`~.fsdp.set_requires_all_reduce` ``(False)``.
-
-``group``: the whole data-parallel group (default the world); ``mesh``: an
-:class:`~.hsdp.HSDPMesh` (or ``(replicate, shard)`` pair), all-reduced over the shard group then
-the replicate group — the average over all R·S ranks, without a group of its own.
-
-A fully_shard unit above does not take these parameters (``module._replicate`` marks the
-module), and :mod:`.fsdp_state`'s full state dict, loading, optimizer state dict and
-``clip_grad_norm_`` cover them: a replicated gradient is the same on every rank, so the global
-norm adds it *once*, after the all-reduce of the sharded sums (FSDP1's ``clip_grad_norm_`` counted
-NO_SHARD gradients W times until pytorch/pytorch#88955).
-
-Every rank must run backward through the module's output in a synced step (the all-reduce is
-collective). No mixed-precision policy: parameters and gradients stay in their dtype.
+"""Replicated units (torch's composable ``replicate``): parameters whole on every rank, broadcast at
+wrap, gradients all-reduced at the end of backward with a used-flag per parameter; e.g. norms
+beside sharded linears. A unit above leaves them out; :mod:`.fsdp_state` covers them.
+Design notes: docs/design/sharding.md
 """
 
 from __future__ import annotations
@@ -55,9 +26,7 @@ def replicated_units(module: nn.Module) -> list["ReplicateUnit"]:
 
 
 class ReplicateUnit:
-    """What :func:`replicate` attaches to a module as ``module._replicate``: ``params`` (whole,
-    the module's own ``nn.Parameter`` objects), ``names`` (their qualified names in the module),
-    ``comms`` (the all-reduce goes over each in turn), ``sync``."""
+    """``module._replicate``: ``params`` (whole), ``names``, ``comms`` (all-reduced over in turn), ``sync``."""
 
     def __init__(self, module: nn.Module, comms: list[Communicator]):
         self.module, self.comms = module, comms
@@ -129,14 +98,10 @@ class ReplicateUnit:
 
 def replicate(module: nn.Module, *, group=None, mesh=None, collectives: str = "hand-built",
               algorithm: str = "auto") -> nn.Module:
-    """Make ``module`` a replicated unit (see the module doc) and return it: whole parameters on
-    every rank, gradients all-reduced (average) over ``group`` (default the world) — or, with
-    ``mesh`` (an :class:`~.hsdp.HSDPMesh`, as ``fully_shard``'s), over its shard group then its
-    replicate group. Call it before ``fully_shard`` of any module above (the root then leaves
-    these parameters out). Broadcasts parameters and buffers from rank 0.
-
-    Raises ``ValueError`` for a module already sharded or replicated, one that contains a
-    ``fully_shard`` unit, or a parameter already owned by a unit (tied across units)."""
+    """Make ``module`` a replicated unit and return it (before ``fully_shard`` of a module above).
+    Gradients averaged over ``group`` (default the world) or ``mesh``'s groups; broadcasts from rank 0.
+    Raises ``ValueError`` for a module already sharded or replicated, containing a unit, or a
+    parameter owned by a unit."""
     name = type(module).__name__
     if getattr(module, "_replicate", None) is not None or getattr(module, "_fsdp", None) is not None:
         raise ValueError(f"replicate: {name} is already a unit (sharded or replicated)")

@@ -1,51 +1,24 @@
 """ZeRO stages 1 and 2: optimizer states (and gradients) sharded over the data-parallel ranks.
 
-:class:`ShardedOptimizer` has the signature of torch's ``ZeroRedundancyOptimizer``. Each param
-group's trainable parameters are packed (in reverse registration order: the order backward
-produces their gradients) into flat padded buffers (:class:`~.flat.FlatBuffer`, at most
-``bucket_cap_mb`` each); the parameters become views of them. Rank r owns the r-th 1/W slice of
-every buffer, and the wrapped optimizer (any element-wise ``torch.optim`` class: SGD, Adam, AdamW)
-is built on those slices only, so it keeps state for ``Ψ/N_d`` elements (Rajbhandari et al. 2020,
-§5.1, P_os). After its step the buffers are **all-gathered** — not broadcast from owners: every
-rank owns an equal slice, so one ring all-gather per buffer sends (W-1)/W of it per rank, the
-second half of a ring all-reduce, and reduce-scatter (grads) + all-gather (params) together move
-exactly what plain data parallelism's all-reduce moves (§7.2.1). Broadcasting from owners would
-need W broadcasts of unequal sizes and, with the gradients all-reduced, 1.5x DP's traffic.
-
-``stage=1`` with ``grads="averaged"`` (default, as torch's): ``p.grad`` was already averaged
-(e.g. by DDP). ``grads="local"``: ``p.grad`` is this rank's gradient and :meth:`step`
-reduce-scatters it (average), so each rank only ever reduces its own slice.
-
-``stage=2`` (§5.2, P_os+g): a post-accumulate-grad hook copies each gradient into its bucket and
-frees ``p.grad``; a full bucket is reduce-scattered on a communication thread while backward
-continues (the overlap of :class:`minidist.data_parallel.BucketedDDP`); each rank keeps only its
-[S] slice of the averaged gradient. Backward then accumulates (micro-batches add up in the slices).
-
-Parameters with ``requires_grad=False`` are left as they are (never stepped, no state) until they
-require a gradient: at the next :meth:`step` they get flat buffers of their own in their param
-group (fresh optimizer state, as torch creates it at a parameter's first step; stage 2 also hooks
-them for the following backwards), so staged fine-tuning ("unfreeze the backbone after N steps")
-trains like one process. A parameter frozen *after* construction that shares a flat buffer with
-parameters that still train is a ``RuntimeError`` naming it at the next step (torch would skip
-only it; a flat slice cannot skip part of itself). Tied parameters appear once. A trainable
-parameter without a gradient on this rank counts as a zero contribution when another rank gave
-it one (ranks agree by a small all-reduce, :mod:`minidist.data_parallel.usage`; the one-process
-answer, as DeepSpeed's default ``ignore_unused_parameters``); one without a gradient on every rank
-is a ``RuntimeError`` naming it, on every rank.
-
-Construction syncs nothing: every rank must pass the same parameters (ZeRO-1/2 assume identical
-replicas, e.g. after :class:`~minidist.data_parallel.DDP`'s broadcast or a seeded init).
+:class:`ShardedOptimizer` (torch's ``ZeroRedundancyOptimizer`` signature) packs each param group's
+trainable parameters, in backward's order, into flat padded buffers (:class:`~.flat.FlatBuffer`);
+rank r's inner optimizer steps only its 1/W slice of each, then every buffer is all-gathered
+(Rajbhandari et al. 2020, §5.1, P_os). Stage 1 takes averaged (or, ``grads="local"``,
+reduce-scatters local) gradients; stage 2 reduce-scatters them during backward
+(:mod:`.zero_backward`, §5.2). State dicts: :mod:`.zero_state`. Construction syncs nothing.
+Design notes: docs/design/sharding.md
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..backward import in_nested_backward
 from ..communicator import CommThread, Communicator
 from ..data_parallel.buckets import check_bucket_cap
 from ..data_parallel.usage import gradient_users
 from .flat import FlatBuffer, plan_buckets
+from .zero_backward import _Stage2Backward
+from .zero_state import _ConsolidatedState
 
 __all__ = ["ShardedOptimizer"]
 
@@ -63,22 +36,14 @@ class _Bucket:
         self.seen: set[int] = set()                  # stage 2: which params gave a gradient
 
 
-class ShardedOptimizer:
-    """ZeRO-1/2 optimizer wrapper. See the module docstring.
+class ShardedOptimizer(_Stage2Backward, _ConsolidatedState):
+    """ZeRO-1/2 optimizer wrapper (torch's ``ZeroRedundancyOptimizer`` signature).
 
-    Args:
-        params: tensors or param-group dicts (as for any ``torch.optim`` optimizer).
-        optimizer_class: e.g. ``torch.optim.AdamW``; built on this rank's flat slices.
-        group: data-parallel process group (default: the world), e.g. ``ProcessGrid.dp_group``.
-        collectives: ``"hand-built"`` (minidist's) or ``"torch"``.
-        algorithm: hand-built only: ``"auto"`` (default; :mod:`minidist.comm.tuner`) or a fixed
-            name (``"ring"``, ``"naive"``) for the reduce-scatters and all-gathers.
-        stage: 1 (optimizer states sharded) or 2 (gradients too, reduce-scattered in backward).
-        grads: stage 1 only — ``"averaged"`` (p.grad already averaged) or ``"local"``.
-        bucket_cap_mb: MiB per flat buffer (default: one buffer per param group for stage 1,
-            25 MiB for stage 2).
-        **defaults: the optimizer's hyperparameters (lr, momentum, weight_decay, ...).
-    """
+    ``optimizer_class`` (e.g. ``torch.optim.AdamW``) is built on this rank's flat slices with
+    ``**defaults``; ``group``: the data-parallel group (default the world); ``collectives``/
+    ``algorithm`` as :class:`~minidist.communicator.Communicator`; ``stage`` 1 or 2; ``grads``
+    (stage 1) ``"averaged"`` or ``"local"``; ``bucket_cap_mb``: MiB per flat buffer (default one
+    per param group for stage 1, 25 for stage 2). ``ValueError``/``TypeError`` for bad arguments."""
 
     def __init__(self, params, optimizer_class, group=None, *, collectives: str = "hand-built",
                  stage: int = 1, grads: str = "averaged", bucket_cap_mb: float | None = None,
@@ -140,11 +105,7 @@ class ShardedOptimizer:
         self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _take_in_thawed(self) -> list[_Bucket]:
-        """Parameters frozen when this optimizer was built that require a gradient now (staged
-        fine-tuning): give them buckets of their own in their param group — fresh optimizer state,
-        as torch's optimizers create it at a parameter's first step — and, for stage 2, hooks for
-        the next backward. Every rank does the same (``requires_grad`` is set the same way on
-        every rank). Returns the new buckets (their ``p.grad`` is still this rank's own)."""
+        """Buckets (fresh state, stage-2 hooks) for parameters that were frozen and train now."""
         new = []
         for gi, ps in enumerate(self._group_params):
             thawed = [p for p in ps if p.requires_grad and p not in self._where]
@@ -181,100 +142,6 @@ class ShardedOptimizer:
         """What the summed gradients are divided by: the data-parallel world size."""
         return self.world_size
 
-    # ------------------------------------------------------------------ stage 2: backward hooks
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._in_backward:                        # the first gradient of a backward
-            self._in_backward, self._next = True, 0
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_graph_task)
-        b, i = self._where[p]
-        if b.grad_flat is None:
-            b.grad_flat, b.filled, b.seen = b.layout.empty(), 0, set()
-        if i in b.seen:
-            self._drop_backward()
-            raise RuntimeError(
-                f"ShardedOptimizer (rank {self.rank}): gradient of {b.names[i]} produced twice in "
-                "one backward: it is used both inside and outside a torch.utils.checkpoint("
-                "use_reentrant=True) region, or in two of them (each one's backward is a separate "
-                "one), and its bucket may be reduce-scattered before the second part comes. Use "
-                "checkpoint(..., use_reentrant=False)")
-        o, k = b.layout.offsets[i], b.layout.numels[i]
-        b.grad_flat[o:o + k].copy_(p.grad.reshape(-1))
-        p.grad = None                                    # the full gradient is not kept
-        b.filled += 1
-        b.seen.add(i)
-        self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        while self._next < len(self.buckets):            # launch in bucket order on every rank
-            nb = self.buckets[self._next]
-            if not any(q.requires_grad for q in nb.params):   # frozen since: no gradient comes
-                self._next += 1
-                continue
-            if nb.grad_flat is None or nb.filled < len(nb.params):
-                break
-            nb.reduced = torch.empty(nb.layout.shard_numel, dtype=nb.layout.dtype,
-                                     device=nb.layout.device)
-            nb.handle = self.worker.submit(f"ZeRO-2 reduce-scatter of bucket {self._next} "
-                                           f"(rank {self.rank})", _reduce_scatter, nb.reduced,
-                                           nb.grad_flat, self.gradient_divisor())
-            self._next += 1
-
-    def _end_of_graph_task(self) -> None:
-        """The engine ends a graph task that produced some of the gradients. A reentrant
-        checkpoint's nested backward ends inside the user's one (:mod:`minidist.backward`): the
-        rest comes later, and the next hook queues this again on the outer task — or, when every
-        gradient came from nested backwards, :meth:`step` ends the backward."""
-        self._queued = False
-        if not in_nested_backward():
-            self._finish_backward()
-
-    def _finish_backward(self) -> None:
-        """End of backward: a parameter some rank gave no gradient counts as a zero contribution
-        on that rank (its slot in the bucket stays zero, the bucket is reduce-scattered like the
-        others: the one-process answer); one no rank gave a gradient is refused on every rank
-        (:mod:`minidist.data_parallel.usage`)."""
-        self._in_backward = False
-        active = [b for b in self.buckets if any(q.requires_grad for q in b.params)]
-        try:
-            self._refuse_refrozen()   # the cause, if a parameter was frozen since (not "missing")
-        except RuntimeError:
-            self._drop_backward()
-            raise
-        for b in active:              # slots no gradient reached are zero (layout.empty())
-            if b.grad_flat is None:
-                b.grad_flat, b.seen = b.layout.empty(), set()
-            b.filled = len(b.params)
-        self._launch_ready()
-        for b in active:
-            b.handle.wait()
-        used = [i in b.seen for b in active for i in range(len(b.params))]
-        names = [n for b in active for n in b.names]
-        users = gradient_users(used, self.rank, self.world_size, self.comm.group,
-                               active[0].layout.device if active else None)
-        nowhere = [n for n, u in zip(names, users) if not u]
-        if nowhere:
-            self._drop_backward()
-            raise RuntimeError(f"ShardedOptimizer (rank {self.rank}): stage 2 got no gradient for "
-                               f"{', '.join(nowhere)} on any rank in this backward; freeze them "
-                               "(requires_grad=False) or use them in the loss")
-        with torch.no_grad():
-            for b in active:
-                if b.shard.grad is None:
-                    b.shard.grad = b.reduced
-                else:
-                    b.shard.grad.add_(b.reduced)
-                b.grad_flat = b.reduced = b.handle = None
-
-    def _drop_backward(self) -> None:
-        self._in_backward = False
-        for b in self.buckets[:self._next]:
-            if b.handle is not None:
-                b.handle.wait()
-        for b in self.buckets:
-            b.grad_flat = b.reduced = b.handle = None
-
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def _stage1_grads(self, buckets=None, local: bool | None = None) -> None:
@@ -310,12 +177,9 @@ class ShardedOptimizer:
     _step_supports_amp_scaling = True
 
     def step(self, closure=None, grad_scaler=None):
-        """Step this rank's slices, then all-gather every flat buffer (params on every rank).
-
-        With ``grad_scaler`` (a ``torch.amp.GradScaler`` passes itself): the slices' gradients are
-        unscaled, an inf/NaN on any rank is agreed by an all-reduce (max) of a flag, and then
-        every rank skips the step (the scaler's ``update()`` lowers the scale) or every rank
-        steps. Returns None."""
+        """Step this rank's slices, then all-gather every flat buffer. With ``grad_scaler`` (a
+        ``GradScaler`` passes itself) an inf/NaN on any rank makes every rank skip. Returns None;
+        ``ValueError`` for a closure."""
         if closure is not None:
             raise ValueError("ShardedOptimizer.step: closures are not supported")
         if self._in_backward:     # every gradient came from a reentrant checkpoint's backward
@@ -375,61 +239,3 @@ class ShardedOptimizer:
         if self.stage == 2:
             self.worker.close()
 
-    # ------------------------------------------------------------------ state dicts
-    checkpoint_scope = "replicated"         # state_dict() is the consolidated state (minidist.state)
-
-    def state_dict(self) -> dict:
-        """The full (consolidated) optimizer state in torch's format, on every rank.
-
-        Collective: every rank must call it. ``state`` is keyed by the index of the parameter in
-        the order given at construction (frozen ones count, and have no state).
-        """
-        state, index = {}, {id(p): i for i, p in enumerate(self.all_params)}
-        for b in self.buckets:
-            own = self.optim.state.get(b.shard, {})
-            for key in sorted(own):
-                val = own[key]
-                if torch.is_tensor(val) and val.shape == b.shard.shape:
-                    full = b.layout.empty(val.dtype, zero=False)
-                    self.comm.all_gather(full, val)
-                    for p, v in zip(b.params, b.layout.views(full)):
-                        state.setdefault(index[id(p)], {})[key] = v.clone()
-                else:
-                    for p in b.params:
-                        state.setdefault(index[id(p)], {})[key] = (
-                            val.clone() if torch.is_tensor(val) else val)
-        groups, start = [], 0
-        for g, n in zip(self.optim.param_groups, self._group_meta):
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(start, start + n))})
-            start += n
-        return {"state": state, "param_groups": groups}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full optimizer state (from :meth:`state_dict` at any world size, or from a
-        plain ``torch.optim`` optimizer over the same parameters); keep this rank's slices."""
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.optim.param_groups):
-            raise ValueError(f"load_state_dict (rank {self.rank}): {len(groups)} param groups, "
-                             f"this optimizer has {len(self.optim.param_groups)}")
-        for mine, saved in zip(self.optim.param_groups, groups):
-            mine.update({k: v for k, v in saved.items() if k != "params"})
-        full = {int(k): v for k, v in state_dict["state"].items()}
-        index = {id(p): i for i, p in enumerate(self.all_params)}
-        for b in self.buckets:
-            per = [full.get(index[id(p)], {}) for p in b.params]
-            keys = set().union(*per)
-            new = {}
-            for key in sorted(keys):
-                vals = [s.get(key) for s in per]
-                if key != "step" and all(torch.is_tensor(v) and v.shape == p.shape
-                                         for v, p in zip(vals, b.params)):
-                    flat = b.layout.pack(vals, dtype=vals[0].dtype)
-                    new[key] = b.layout.shard(flat).clone()
-                else:
-                    new[key] = vals[0].clone() if torch.is_tensor(vals[0]) else vals[0]
-            self.optim.state[b.shard] = new
-
-
-def _reduce_scatter(comm: Communicator, out, flat, divisor) -> None:
-    comm.reduce_scatter(out, flat, divisor=divisor)

@@ -1,24 +1,8 @@
 """Tensor parallelism from scratch, Megatron-LM style (Shoeybi et al. 2019; Korthikanti et al. 2022).
 
-======================  =====================================================================
-module                  what it holds
-======================  =====================================================================
-``regions``             the region operators f, g, scatter/gather (tensor and sequence), and
-                        differentiable all-reduce / all-gather / reduce-scatter along a dim
-``layers``              ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-``mlp``, ``attention``  ParallelMLP, ParallelSelfAttention (heads split across ranks)
-``cross_entropy``       vocab_parallel_cross_entropy (global max, padding, label smoothing)
-``random``              dropout generators: same masks where replicated, different on shards
-``sequence``            sequence parallelism: gradient all-reduce of sequence-sharded params
-``sharding``            full weight / state dict <-> this rank's shards; parameter bytes per rank
-``accounting``          which collective the region operators ran in which layer and pass
-``gpt``                 TPGPT: the tiny GPT of :mod:`minidist.models.gpt`, tensor-parallel
-======================  =====================================================================
-
-Demos and the checks against the single-process model live in the course kit
-(``minidist_course.references.tensor_parallel``, ``minidist_course.lessons.tensor_parallel_demo``).
-Every function takes ``group=None`` (the world) or a process group, so a 3-D grid can pass its TP
-group.
+One module per idea (regions f/g, layers, mlp, attention, cross_entropy, random, sequence,
+sharding, accounting, gpt); every function takes ``group=None`` (the world) or a process group.
+Design notes: docs/design/tensor_parallel.md
 """
 
 from . import (accounting, attention, cross_entropy, gpt, layers, mlp, random,

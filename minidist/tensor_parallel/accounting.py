@@ -1,18 +1,7 @@
-"""Communication accounting for tensor parallelism: which collective ran where, in which pass.
+"""Communication accounting for tensor parallelism: which collective ran in which layer and pass.
 
-Every region operator (:mod:`minidist.tensor_parallel.regions`) reports its collective here while a
-:func:`comm_log` is open. The *scope* is the layer that ran it (``"block0.attn"``): set with
-:func:`scope` in the forward pass and remembered by the autograd node, so the backward's collective
-is filed under the same layer. Bytes are the payload (the tensor handed to the collective) and the
-bytes this rank actually sent, counted by :mod:`minidist.comm.p2p`. ``start``/``end`` are the
-collective's ``time.perf_counter()`` instants (two clock reads per collective, always taken: a
-timeline of the TP communication, :mod:`minidist.hybrid.timeline`, is built from them).
-
-The formula the lesson checks (Megatron-LM, Shoeybi et al. 2019, §3; Korthikanti et al. 2022, §4):
-per transformer block and per pass, plain TP runs 2 all-reduces of the activation ``b·s·h``; a ring
-all-reduce sends ``2(W-1)/W`` of its payload per rank. Sequence parallelism replaces each all-reduce
-by an all-gather plus a reduce-scatter, each sending ``(W-1)/W`` of the full activation: the same
-bytes, but activations between them are 1/W the size.
+Region operators report to every open :func:`comm_log`, filed under the forward's :func:`scope`.
+Design notes: docs/design/tensor_parallel.md
 """
 
 from __future__ import annotations
@@ -86,8 +75,7 @@ def record(scope_name: str, op: str, phase: str, payload_bytes: int, bytes_sent:
 
 @contextlib.contextmanager
 def collective(scope_name: str, op: str, phase: str, payload_bytes: int):
-    """Time the collective run inside the block and count the bytes this rank sends, then
-    :func:`record` it (what every region operator's collective runs under)."""
+    """Time the block, count the bytes this rank sends, then :func:`record` it."""
     start = time.perf_counter()
     with p2p.count_traffic() as sent:
         yield
@@ -107,12 +95,8 @@ def summarize(log, by=("scope", "phase", "op")) -> dict:
 
 def block_formula(batch: int, seq: int, hidden: int, tp: int, bytes_per_element: int = 4,
                   sequence_parallel: bool = False) -> dict:
-    """Expected communication of one transformer block, per pass (forward or backward), per rank.
-
-    Returns ``{"ops": {op: count}, "payload_bytes": ..., "bytes_sent": ...}``: with TP = 1 there is
-    nothing to do; plain TP runs 2 all-reduces of ``b·s·h`` elements (ring: ``2(W-1)/W`` of it sent
-    each); sequence parallelism runs 2 all-gathers and 2 reduce-scatters (``(W-1)/W`` each).
-    """
+    """Expected traffic of one transformer block per pass and rank:
+    ``{"ops": {op: count}, "payload_bytes": ..., "bytes_sent": ...}``."""
     act = batch * seq * hidden * bytes_per_element
     if tp == 1:
         return {"ops": {}, "payload_bytes": 0, "bytes_sent": 0}

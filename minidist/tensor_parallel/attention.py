@@ -1,14 +1,7 @@
 """Tensor-parallel causal self-attention (Megatron-LM, Shoeybi et al. 2019, §3, Fig. 3b).
 
-Heads are independent, so each rank computes ``n_head / W`` whole heads: the fused QKV projection
-is column-parallel (f on its input) and the output projection row-parallel (g on its output).
-One all-reduce forward, one backward, as in the MLP.
-
-The QKV weight's rows are laid out head by head, ``[head][q|k|v][head_dim]`` (Megatron's layout),
-so a plain column split hands each rank complete heads, and each rank runs the single-process
-model's :func:`minidist.models.gpt.causal_attention` on its own heads (one implementation).
-Dropout on the attention probabilities uses the ``"model-parallel"`` generator (different heads,
-different masks); dropout on the output the ``"replicated"`` one.
+Each rank computes ``n_head / W`` whole heads: QKV column-parallel, output projection row-parallel.
+Design notes: docs/design/tensor_parallel.md
 """
 
 from __future__ import annotations
@@ -28,9 +21,7 @@ __all__ = ["ParallelSelfAttention"]
 class ParallelSelfAttention(nn.Module):
     """``[b, s, h] -> [b, s, h]`` causal attention with the heads split across the TP group.
 
-    Raises ``ValueError`` naming the rank when ``n_head`` is not divisible by the TP size (a head
-    cannot be split without changing the math) or ``hidden`` by ``n_head``.
-    """
+    Raises ``ValueError`` naming the rank unless W divides ``n_head`` and ``n_head`` divides ``hidden``."""
 
     def __init__(self, hidden: int, n_head: int, attn_dropout: float = 0.0,
                  resid_dropout: float = 0.0, group=None, sequence_parallel: bool = False):

@@ -1,23 +1,7 @@
-"""Cross-entropy over logits whose vocabulary is split across the TP group (Megatron-LM,
-``vocab_parallel_cross_entropy``; Shoeybi et al. 2019, §3).
+"""Cross-entropy over vocabulary-sharded logits (Megatron-LM ``vocab_parallel_cross_entropy``).
 
-The full logits ``[..., V]`` never exist on one rank: rank r holds columns
-``[r·Vp/W, (r+1)·Vp/W)`` of the vocabulary padded to ``Vp`` (a multiple of W). Per token:
-
-1. ``m = max_j z_j`` over the *real* columns of every shard — an all-reduce(max); subtracting it
-   keeps ``exp`` finite even for logits of 1e4 (log-sum-exp trick);
-2. ``S = Σ_j exp(z_j - m)``, ``z_t - m`` (only the rank owning target t has it, the others
-   add 0) and, for label smoothing, ``Σ_j (z_j - m)``: one all-reduce(sum) of the three;
-3. ``loss = log S - (z_t - m)``; with label smoothing ε (as ``F.cross_entropy``):
-   ``(1-ε)·loss + ε·(log S - Σ_j (z_j - m) / V)``.
-
-Backward needs no communication: ``dL/dz_j = softmax_j - (1-ε)·[j = t] - ε/V`` on real columns,
-0 on padding columns. Every rank ends with the same loss.
-
-Tokens whose target equals ``ignore_index`` (default -100, as ``F.cross_entropy``; padding, or the
-prompt part of a sequence) get loss 0 and gradient 0, and ``reduction="mean"`` divides by the number
-of *non-ignored* tokens — Megatron-LM masks the same way with its ``loss_mask``. Like torch, a mean
-over no token at all (all ignored, or empty input) is NaN with zero gradient.
+Two all-reduces forward (max, then the sums), none backward; every rank ends with the same loss.
+Design notes: docs/design/tensor_parallel.md
 """
 
 from __future__ import annotations
@@ -81,21 +65,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
                                  group=None, ignore_index: int = -100) -> torch.Tensor:
     """Cross-entropy of vocabulary-sharded logits; equals ``F.cross_entropy`` on the full logits.
 
-    Args:
-        logits: ``[..., Vp/W]`` this rank's columns of the padded vocabulary (the output of a
-            ColumnParallelLinear with ``padded_out_features=Vp``).
-        target: ``[...]`` int64 class ids in ``[0, vocab_size)`` or ``ignore_index`` (the same on
-            every rank).
-        vocab_size: the real vocabulary size V (columns ``>= V`` are padding and ignored).
-        label_smoothing: ε in ``[0, 1)``, with ``F.cross_entropy``'s definition.
-        reduction: ``"mean"`` (default: over the non-ignored tokens; NaN if there is none, as
-            torch), ``"sum"`` or ``"none"`` (per-token losses ``[...]``, 0 where ignored).
-        ignore_index: target value whose tokens contribute neither loss nor gradient (-100, as
-            ``F.cross_entropy``; it may also be a class id in ``[0, V)``, which is then ignored).
-
-    Raises ``ValueError`` (naming the rank) for targets out of range that are not
-    ``ignore_index``, a shape mismatch, or a vocabulary that does not fit ``W x`` the local columns.
-    """
+    ``logits`` ``[..., Vp/W]`` (this rank's columns of the padded vocabulary), ``target`` ``[...]``
+    int64 in ``[0, vocab_size)`` or ``ignore_index``; ``reduction`` "mean" (over non-ignored
+    tokens), "sum" or "none". Raises ``ValueError`` (naming the rank) for a target out of range, a
+    shape mismatch, or a vocabulary that does not fit W x the local columns."""
     rank, world = group_rank_world(group)
     where = f"vocab_parallel_cross_entropy (rank {rank})"
     if logits.shape[:-1] != target.shape:

@@ -1,21 +1,8 @@
 """The tiny GPT of :mod:`minidist.models.gpt`, tensor-parallel (Megatron-LM, Shoeybi et al. 2019).
 
-:class:`GPTStage` is a pipeline stage of it (some blocks; the embeddings on the first stage, the
-head on the last) and ``TPGPT`` the one stage holding everything, so 3-D training
-(:mod:`minidist.hybrid`) and TP alone run the same code. ``TPGPT`` is
-:class:`~minidist.models.gpt.GPT` built from this package: VocabParallelEmbedding,
-ParallelSelfAttention, ParallelMLP (inside the plain model's ``Block``), a vocabulary-parallel head
-and vocab-parallel cross-entropy, optionally with sequence parallelism. Both have the same
-parameter names and, built after the same ``torch.manual_seed``, the same full weights; so
-``gather_state_dict(tp_model)`` can be compared with ``gpt.state_dict()`` key by key.
-
-Dropout draws its masks from :mod:`.random` (call ``model_parallel_seed(seed)`` first when dropout
-is on). To compare with the single-process model *with* dropout, give it the same generators:
-:func:`use_tracker_dropout` swaps its ``nn.Dropout`` modules for the tracker's.
-
-Shapes: ids ``[b, s]`` (s <= block_size) -> this rank's logits ``[b, s, Vp/W]``, Vp the vocabulary
-padded to a multiple of the TP size. Communication per block and pass is filed under
-``block{i}.attn`` / ``block{i}.mlp`` in :mod:`.accounting`.
+:class:`GPTStage` is a pipeline stage of it; ``TPGPT`` is the one stage holding everything, with
+the single-process model's parameter names and (after the same seed) its full weights.
+Design notes: docs/design/tensor_parallel.md
 """
 
 from __future__ import annotations
@@ -40,11 +27,7 @@ __all__ = ["GPTStage", "TPGPT", "LayerDict", "use_tracker_dropout"]
 
 
 class LayerDict(nn.ModuleDict):
-    """Blocks by their *global* layer index (``blocks[5]`` or ``blocks["5"]``): a stage holding
-    layers 4-7 names its parameters ``blocks.5.attn...``, as the one-process GPT does.
-
-    Iterating yields the blocks themselves, in layer order, as the one-process GPT's
-    ``nn.ModuleList`` does (``for b in model.blocks``); ``keys()``/``items()`` give the indices."""
+    """Blocks by their global layer index (``blocks[5]``); iterating yields the blocks."""
 
     def __getitem__(self, key):
         return super().__getitem__(str(key))
@@ -60,12 +43,8 @@ class LayerDict(nn.ModuleDict):
 
 
 class GPTStage(nn.Module):
-    """Stage ``index`` of ``n_stages``: blocks ``layers`` (global indices), plus the embeddings on
-    the first stage and ``ln_f`` + head on the last, tensor-parallel over ``group``.
-
-    ``run_block``: None (each block called as is) or ``f(block, x) -> y`` that runs every block —
-    activation recomputation sets it to a checkpoint function (``HybridGPT(recompute=...)``);
-    parameter names stay the GPT's."""
+    """Stage ``index`` of ``n_stages``: blocks ``layers``, the embeddings on the first stage and
+    ``ln_f`` + head on the last. ``run_block``: None or ``f(block, x) -> y`` (recomputation)."""
 
     run_block: Callable | None = None
 
@@ -80,8 +59,7 @@ class GPTStage(nn.Module):
                                      sequence_parallel)
 
     def positions(self, s: int, device) -> tuple[int, torch.Tensor]:
-        """Stage 0: ``(full sequence length, position ids [s])`` of this rank's ``s`` tokens
-        (here ``0..s-1``; a subclass holding a slice of the sequence returns its global ones)."""
+        """Stage 0: ``(full sequence length, position ids [s])`` of this rank's tokens."""
         return s, torch.arange(s, device=device)
 
     def _build(self, cfg: GPTConfig, index: int, n_stages: int, layers: range, group,
@@ -133,13 +111,9 @@ class GPTStage(nn.Module):
 
 
 class TPGPT(GPTStage):
-    """:class:`~minidist.models.gpt.GPT` split over the TP ``group`` (default: the world): the one
-    :class:`GPTStage` that holds every layer (the code every 3-D pipeline stage runs too).
+    """ids ``[b, s]`` -> this rank's logits ``[b, s, Vp/W]``, split over the TP ``group``.
 
-    With ``sequence_parallel=True`` the LayerNorms, dropouts and residual stream work on sequence
-    shards (``s`` must be divisible by the TP size) and, after ``loss.backward()``, you must call
-    :meth:`finish_grads` (it all-reduces the partial gradients of those regions' parameters).
-    """
+    With ``sequence_parallel=True`` (``s`` divisible by W) call :meth:`finish_grads` after backward."""
 
     def __init__(self, cfg: GPTConfig, group=None, sequence_parallel: bool = False):
         # same construction order as GPT (embeddings, blocks, ln_f, head): the same RNG calls
@@ -162,20 +136,14 @@ class TPGPT(GPTStage):
         return logits, loss
 
     def finish_grads(self) -> None:
-        """After backward: sum the sequence-parallel parameters' partial gradients (no-op without SP).
-        With gradient accumulation, call it after each micro-batch or once before the step."""
+        """Sum the sequence-parallel parameters' partial gradients (no-op without SP)."""
         if self.sequence_parallel:
             allreduce_sequence_parallel_grads(self, self.group)
 
 
 def use_tracker_dropout(model: nn.Module) -> nn.Module:
-    """Replace every ``nn.Dropout`` of a single-process model by the RNG tracker's :class:`Dropout`,
-    in place: ``attn_drop`` (attention probabilities) draws from ``"model-parallel"``, every other
-    one from ``"replicated"``, as in :class:`TPGPT`. Returns ``model``.
-
-    Needed only to compare a single-process run with a TP run *with dropout on*: the masks then
-    come from the same generators (at TP size 1 the model-parallel seed equals rank 0's).
-    """
+    """Swap a single-process model's ``nn.Dropout`` for the tracker's, as in :class:`TPGPT`
+    (in place; returns ``model``): to compare with a TP run with dropout on."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Dropout):

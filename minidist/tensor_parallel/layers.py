@@ -1,22 +1,8 @@
 """Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
 
-Megatron-LM (Shoeybi et al. 2019, §3). ``Y = X A`` with ``A`` split by columns ``[A_1 .. A_W]``:
-rank r computes ``X A_r`` (its slice of Y's last dimension) — a *column-parallel* layer, whose
-input must be replicated and whose input gradient is a partial sum (f all-reduces it). With ``A``
-split by rows and ``X`` split by columns, rank r computes the partial sum ``X_r A_r`` and g
-all-reduces: a *row-parallel* layer. Column then row (an MLP, attention) needs one f and one g.
-
-Initialisation: each layer builds the *full* weight exactly as ``torch.nn.Linear`` /
-``torch.nn.Embedding`` would (same calls on the global generator, in the same order), then keeps
-its shard. So a TP model and the single-process model built after the same ``torch.manual_seed``
-hold the same full weights (Megatron's ``_initialize_affine_weight_cpu``). Every rank of the TP
-group must construct with the same seed.
-
-Each parameter carries ``tensor_model_parallel`` (bool), ``partition_dim`` (0 or 1, or None when
-replicated), ``full_size`` (the unpadded size along that dimension) and ``sequence_parallel``
-(True when its gradient is partial over sequence shards and must be all-reduced, see
-:func:`minidist.tensor_parallel.sequence.allreduce_sequence_parallel_grads`); the sharding helpers
-in :mod:`.sharding` read them.
+Megatron-LM (Shoeybi et al. 2019, §3). Each layer builds the full weight as ``nn.Linear`` /
+``nn.Embedding`` would, then keeps its shard, and marks its parameters for :mod:`.sharding`.
+Design notes: docs/design/tensor_parallel.md
 """
 
 from __future__ import annotations
@@ -61,21 +47,10 @@ def _check_divisible(n: int, group, what: str, name: str) -> None:
 
 
 class ColumnParallelLinear(nn.Module):
-    """``Y = X A^T + b`` with the output features split across the TP group.
+    """``Y = X A^T + b`` with the output features split: ``[..., in]`` -> ``[..., out/W]``.
 
-    Args:
-        in_features, out_features: sizes of the full layer (``out_features`` divisible by the TP
-            size, unless ``padded_out_features`` is given: the full weight gets that many rows,
-            the extra ones zero, e.g. a vocabulary padded to a multiple of the TP size).
-        gather_output: all-gather the output so every rank holds the full Y; else Y's shard.
-        sequence_parallel: the input is a sequence shard ``[b, s/W, in]``: all-gather it (instead
-            of f), and reduce-scatter its gradient in backward.
-        group: the TP process group (default: the world).
-
-    Shapes: input ``[..., in_features]`` replicated; output ``[..., out_local]`` with
-    ``out_local = out/W`` (or ``[..., out]`` with ``gather_output``). Weight shard
-    ``[out/W, in]`` = rows ``r·out/W .. (r+1)·out/W`` of the full weight.
-    """
+    ``padded_out_features``: rows of the full weight (extra ones zero); ``gather_output``: all-gather
+    to ``[..., out]``; ``sequence_parallel``: the input is ``[b, s/W, in]`` and is all-gathered."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = False, group=None, sequence_parallel: bool = False,
@@ -111,18 +86,10 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``Y = X A^T + b`` with the input features split across the TP group.
+    """``Y = X A^T + b`` with the input features split: ``[..., in/W]`` -> ``[..., out]``.
 
-    Args:
-        in_features (divisible by the TP size), out_features: sizes of the full layer.
-        input_is_parallel: the input already is this rank's shard ``[..., in/W]`` (the output of a
-            ColumnParallelLinear); else the full input is split here.
-        sequence_parallel: reduce-scatter the partial outputs along ``seq_dim`` (instead of g), so
-            each rank ends with a sequence shard; the bias is then marked ``sequence_parallel``.
-
-    Shapes: output ``[..., out]`` replicated (or ``[b, s/W, out]`` with sequence parallelism).
-    Weight shard ``[out, in/W]``; the bias is replicated and added after the reduction.
-    """
+    ``input_is_parallel=False`` splits a full input here; ``sequence_parallel`` reduce-scatters
+    the output to ``[b, s/W, out]``. The bias is replicated, added after the reduction."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = True, group=None, sequence_parallel: bool = False,
@@ -158,15 +125,8 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by rows (vocabulary) across the TP group.
-
-    The vocabulary is padded to a multiple of the TP size with zero rows (never looked up). Rank
-    r owns ids ``[r·Vp/W, (r+1)·Vp/W)``: it looks up those, writes zeros for the others, and g
-    all-reduces (or, with ``sequence_parallel``, reduce-scatters along ``seq_dim``).
-
-    Shapes: ids ``[...]`` (int64, in ``[0, num_embeddings)``: ``ValueError`` otherwise) ->
-    ``[..., embedding_dim]``. Weight shard ``[Vp/W, embedding_dim]``.
-    """
+    """Embedding split by vocabulary rows (padded to a multiple of W): ids ``[...]`` ->
+    ``[..., embedding_dim]``. ``ValueError`` for ids outside ``[0, num_embeddings)``."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group=None,
                  sequence_parallel: bool = False, seq_dim: int = 1):

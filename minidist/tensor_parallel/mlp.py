@@ -1,9 +1,5 @@
-"""The tensor-parallel MLP block (Megatron-LM, Shoeybi et al. 2019, §3, Fig. 3a).
-
-``Y = dropout(GeLU(X A) B)``: A is split by columns (ColumnParallelLinear, f on its input), so each
-rank applies GeLU to its own slice with no communication — GeLU is elementwise, which is why A is
-split by columns and not rows — then B is split by rows (RowParallelLinear, g on its output).
-One all-reduce forward (g), one backward (f).
+"""The tensor-parallel MLP (Megatron-LM, Shoeybi et al. 2019, §3, Fig. 3a): column then row.
+Design notes: docs/design/tensor_parallel.md
 """
 
 from __future__ import annotations
@@ -19,11 +15,7 @@ __all__ = ["ParallelMLP"]
 
 
 class ParallelMLP(nn.Module):
-    """``[b, s, h] -> [b, s, h]`` (sequence shards ``[b, s/W, h]`` with ``sequence_parallel``).
-
-    ``ffn_hidden`` must be divisible by the TP size. Parameter names (``fc1``, ``fc2``) match the
-    single-process ``minidist.models.gpt.MLP``.
-    """
+    """``[b, s, h] -> [b, s, h]`` (``[b, s/W, h]`` with ``sequence_parallel``); W divides ``ffn_hidden``."""
 
     def __init__(self, hidden: int, ffn_hidden: int, dropout: float = 0.0, group=None,
                  sequence_parallel: bool = False):

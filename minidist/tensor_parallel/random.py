@@ -1,37 +1,8 @@
-"""Dropout randomness under tensor parallelism, as Megatron-LM handles it (Shoeybi et al. 2019, §3;
-Megatron's ``CudaRNGStatesTracker``).
+"""Dropout randomness under tensor parallelism (Megatron-LM's ``CudaRNGStatesTracker``).
 
-Two kinds of activation need two kinds of mask:
-
-* **replicated** activations (the residual stream, the outputs of g): every rank of the TP group
-  holds the same tensor, so every rank must drop the *same* elements — else the replicas drift
-  apart. Generator ``"replicated"``, seeded with ``seed`` on every TP rank.
-* **parallel** activations (each rank's attention heads): shards of one tensor, so masks must be
-  *different* on different ranks — equal masks would correlate the heads. Generator
-  ``"model-parallel"``, seeded with ``seed + 2718 + tp_rank`` (Megatron's offset).
-
-Masks are drawn from these dedicated ``torch.Generator`` objects, never from torch's global
-generator: a rank that calls ``torch.rand`` for its own purposes (logging, data on rank 0 only)
-changes nothing. With sequence parallelism a replicated-region dropout draws the full-sequence
-mask and keeps its slice, so its masks differ per shard and the result equals plain TP's.
-
-**With pipeline and data parallelism too** (a :class:`~minidist.grid.ProcessGrid`), the seeds
-follow Megatron-LM's ``_set_random_seed`` (``megatron/training/initialize.py``):
-
-* **pipeline stages** hold different layers, so they must not draw the same masks: stage
-  ``pp_rank`` uses ``seed + 100·pp_rank`` as its base seed (without it, stage 1's first dropout
-  would repeat stage 0's first mask whenever the shapes agree);
-* **data-parallel replicas** reuse the seed by default: replica d draws the *same* masks as replica
-  0 (on different data). With ``data_parallel_random_init=True`` (Megatron's flag of that name)
-  the base seed also gets ``+ 10·dp_rank``, so replicas differ;
-* within a stage, ``"replicated"`` = base and ``"model-parallel"`` = base + 2718 + tp_rank, as above.
-
-The offsets are Megatron's and so are their limits: 10·dp_rank meets 100·pp_rank at dp_rank 10,
-and base + 100·27 comes near base + 2718; a grid that large needs a different scheme.
-
-The tracker's generator states can be saved and restored (:meth:`RNGTracker.state_dict` /
-:meth:`RNGTracker.load_state_dict`, the library's state protocol; Megatron calls them
-``get_states`` / ``set_states``) so that a resumed run continues the same masks, and :func:`record_masks` lists the masks drawn while it is active (for tests and the lesson).
+Generator ``"replicated"`` (same masks on every TP rank) and ``"model-parallel"`` (different
+per rank), never torch's global one; seeds per stage and replica as Megatron's ``_set_random_seed``.
+Design notes: docs/design/tensor_parallel.md
 """
 
 from __future__ import annotations
@@ -79,8 +50,7 @@ class RNGTracker:
     checkpoint_scope = "per_rank"           # ranks draw different masks (minidist.state)
 
     def state_dict(self) -> dict:
-        """``{"seeds": {name: int}, "generators": {"name|device": ByteTensor}}``: a copy of the
-        seeds and of every generator's state (what a checkpoint saves)."""
+        """Copy of the seeds and every generator's state (what a checkpoint saves)."""
         return {"seeds": dict(self.seeds),
                 "generators": {f"{n}|{d}": g.get_state() for (n, d), g in self._gens.items()}}
 
@@ -104,20 +74,15 @@ def get_rng_tracker() -> RNGTracker:
 
 
 def stage_seed(seed: int, pp_rank: int = 0, dp_rank: int | None = None) -> int:
-    """Megatron-LM's per-rank base seed: ``seed + 100·pp_rank``, plus ``10·dp_rank`` when
-    ``dp_rank`` is given (``data_parallel_random_init``); ``dp_rank=None``: replicas share it."""
+    """Megatron's base seed: ``seed + 100·pp_rank`` (+ ``10·dp_rank`` when dp_rank is given)."""
     return int(seed) + PIPELINE_OFFSET * int(pp_rank) + (
         DATA_PARALLEL_OFFSET * int(dp_rank) if dp_rank is not None else 0)
 
 
 def model_parallel_seed(seed: int, group=None, tracker: RNGTracker | None = None, *,
                         pp_rank: int = 0, dp_rank: int | None = None) -> RNGTracker:
-    """Seed ``"replicated"`` with ``b = stage_seed(seed, pp_rank, dp_rank)`` and
-    ``"model-parallel"`` with ``b + 2718 + tp_rank`` (tp_rank: this rank's place in ``group``).
-
-    With the defaults (``pp_rank=0, dp_rank=None``) it is plain TP's ``seed`` / ``seed+2718+tp``.
-    Returns the tracker (the global one unless ``tracker`` is given).
-    """
+    """Seed ``"replicated"`` with ``b = stage_seed(...)`` and ``"model-parallel"`` with
+    ``b + 2718 + tp_rank``. Returns the tracker."""
     tracker = tracker or _TRACKER
     rank, _ = group_rank_world(group)
     base = stage_seed(seed, pp_rank, dp_rank)
@@ -128,18 +93,14 @@ def model_parallel_seed(seed: int, group=None, tracker: RNGTracker | None = None
 
 def grid_seed(seed: int, grid, data_parallel_random_init: bool = False,
               tracker: RNGTracker | None = None) -> RNGTracker:
-    """:func:`model_parallel_seed` for this rank of a :class:`~minidist.grid.ProcessGrid`: TP
-    group ``grid.tp_group``, ``pp_rank=grid.pp_rank``, and ``dp_rank=grid.dp_rank`` only when
-    ``data_parallel_random_init`` (default: every DP replica draws the same masks, as Megatron-LM).
-    Seeds only the dropout tracker, not torch's global generator (weight init is the caller's)."""
+    """model_parallel_seed for this rank of a :class:`~minidist.grid.ProcessGrid` (dropout only)."""
     return model_parallel_seed(seed, grid.tp_group, tracker, pp_rank=grid.pp_rank,
                                dp_rank=grid.dp_rank if data_parallel_random_init else None)
 
 
 @contextmanager
 def record_masks():
-    """``with record_masks() as log:`` appends ``(region, keep)`` for every :func:`dropout` that
-    draws a mask in this process (``keep``: bool tensor of x's shape, True = kept), in call order."""
+    """``with record_masks() as log:`` collects ``(region, keep)`` of every mask drawn."""
     log: list = []
     _RECORDERS.append(log)
     try:
@@ -151,11 +112,8 @@ def record_masks():
 def dropout(x: torch.Tensor, p: float, training: bool = True, region: str = "replicated",
             group=None, sequence_parallel: bool = False, seq_dim: int = 1,
             tracker: RNGTracker | None = None) -> torch.Tensor:
-    """Inverted dropout with a mask from the tracker's ``region`` generator.
-
-    With ``sequence_parallel`` (``x`` is this rank's sequence shard of a replicated tensor), the
-    mask of the whole sequence is drawn and sliced, so that it equals plain TP's mask.
-    """
+    """Inverted dropout with a mask from the tracker's ``region`` generator (with
+    ``sequence_parallel``: the full-sequence mask, sliced)."""
     if not training or p == 0.0:
         return x
     if not 0.0 <= p < 1.0:

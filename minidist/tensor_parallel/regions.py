@@ -1,35 +1,8 @@
 """The region operators of tensor parallelism, with Megatron-LM's names (Shoeybi et al. 2019, §3).
 
-A tensor-parallel layer moves activations between two kinds of region: *replicated* (every rank of
-the TP group holds the same full tensor) and *parallel* (each rank holds its own shard or partial
-sum). Each crossing is an autograd Function whose backward is the conjugate collective:
-
-==================================================  ===========================  ========================
-operator                                            forward                      backward
-==================================================  ===========================  ========================
-``copy_to_tensor_model_parallel_region`` (f)        identity                     all-reduce (sum)
-``reduce_from_tensor_model_parallel_region`` (g)    all-reduce (sum)             identity
-``scatter_to_tensor_model_parallel_region``         keep my slice of last dim    all-gather last dim
-``gather_from_tensor_model_parallel_region``        all-gather last dim          keep my slice
-``scatter_to_sequence_parallel_region``             keep my slice of seq dim     all-gather seq dim
-``gather_from_sequence_parallel_region``            all-gather seq dim           reduce-scatter seq dim
-``reduce_scatter_to_sequence_parallel_region``      reduce-scatter seq dim       all-gather seq dim
-==================================================  ===========================  ========================
-
-Why f's backward all-reduces: a replicated input ``x`` feeds W shards, and each rank's backward
-only sees its shard's contribution to dL/dx; the true gradient is the sum. Why g's backward is the
-identity: the all-reduced output is replicated, so every rank already has the full dL/dy.
-
-All seven, and the plain differentiable collectives below them (``all_reduce`` with an all-reduce
-backward too, ``all_gather`` / ``reduce_scatter`` along any dim: conjugate to each other), are one
-autograd Function, ``_Region``, told its forward move and its backward move.
-
-Shapes: the last dimension (tensor regions) or ``seq_dim`` (sequence regions, default 1 for
-``[batch, seq, hidden]``) must be divisible by the TP size when split: ``ValueError`` naming the
-rank and the op otherwise. ``group=None`` is the world. With a TP size of 1 all are the identity.
-Collectives are minidist's own (:mod:`minidist.collectives`), reported to :mod:`.accounting`.
-A plain collective has no backward: ``y = all_reduce(x)`` then ``loss.backward()`` leaves x.grad
-the *local* upstream gradient only, silently wrong; these functions are what TP uses instead.
+One autograd Function, ``_Region``, told its forward move and the conjugate backward move; a split
+dimension must divide by W (``ValueError`` naming the rank); with W = 1 all are the identity.
+Design notes: docs/design/tensor_parallel.md
 """
 
 from __future__ import annotations
@@ -51,7 +24,6 @@ __all__ = [
 
 # ------------------------------------------------------------------ the four moves (no autograd)
 def _chunks(x: torch.Tensor, dim: int, group, what: str) -> tuple[int, list[torch.Tensor]]:
-    """``(rank, the W slices of x along dim)``; ValueError naming the rank unless W divides it."""
     rank, world = group_rank_world(group)
     if x.shape[dim] % world:
         raise ValueError(f"{what} (rank {rank}): dimension {dim} of shape {tuple(x.shape)} has "
@@ -103,7 +75,6 @@ _MOVES = {
 
 
 def _move(name: str, x: torch.Tensor, dim: int, group, phase: str, where: str) -> torch.Tensor:
-    """Run one move; a collective is reported to :mod:`.accounting` with the bytes it sent."""
     fn, payload = _MOVES[name]
     _, world = group_rank_world(group)
     if world == 1 and name != "identity":
@@ -116,7 +87,6 @@ def _move(name: str, x: torch.Tensor, dim: int, group, phase: str, where: str) -
 
 
 class _Region(torch.autograd.Function):
-    """Forward ``fwd``, backward the conjugate ``bwd``: every operator of the table above."""
 
     @staticmethod
     def forward(ctx, x, fwd: str, bwd: str, dim: int, group):
@@ -167,8 +137,7 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None, seq_
 
 # ------------------------------------------------------------------ plain differentiable collectives
 def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum over ranks; backward all-reduces the gradient too. Not f or g: the gradient of a
-    replicated output summed again is W times too large in a TP layer (a test shows it)."""
+    """Sum over ranks; backward all-reduces the gradient too (not f or g)."""
     return _Region.apply(x, "all_reduce", "all_reduce", -1, group)
 
 

@@ -1,25 +1,8 @@
-"""Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", §4.2.2).
+"""Sequence parallelism (Korthikanti et al. 2022, §4.2.2): the replicated regions on sequence shards.
 
-Plain TP leaves LayerNorm, dropout and the residual adds *replicated*: every rank does the same
-work on the full ``[b, s, h]`` activation and stores it. Sequence parallelism shards them along
-the sequence instead (``[b, s/W, h]`` per rank) and swaps the collectives at the borders:
-
-* g (all-reduce after a row-parallel layer) becomes a **reduce-scatter** along the sequence;
-* f (identity before a column-parallel layer) becomes an **all-gather** along the sequence
-  (its backward a reduce-scatter).
-
-An all-reduce *is* a reduce-scatter followed by an all-gather, so the bytes on the wire are
-the same; what shrinks is the activation memory of those regions (by W).
-
-One new duty: parameters used inside the sequence-sharded region (LayerNorm weight and bias,
-row-parallel biases, the position embedding) see only their shard's tokens, so their gradients
-are partial sums: :func:`allreduce_sequence_parallel_grads` sums them over the TP group after
-backward (Megatron does the same before the optimizer step). With gradient accumulation the
-learner may call it after every micro-batch or once before the step: a model passed to
-:func:`track_sequence_parallel_grads` (``TPGPT`` is) notes each backward's contribution, so only
-what has not been summed yet is summed (summing ``.grad`` again would count the earlier
-micro-batches W times).
+Parameters used there see only their shard's tokens: :func:`allreduce_sequence_parallel_grads`
+sums their gradients over the TP group after backward.
+Design notes: docs/design/tensor_parallel.md
 """
 
 from __future__ import annotations
@@ -44,9 +27,8 @@ def mark_sequence_parallel(module: nn.Module) -> nn.Module:
 
 
 def track_sequence_parallel_grads(model: nn.Module) -> nn.Module:
-    """Note each backward's gradient contribution to the sequence-parallel parameters, so that
-    :func:`allreduce_sequence_parallel_grads` sums only what it has not summed yet (gradient
-    accumulation). ``zero_grad`` (to None or to zeros) starts afresh. Returns ``model``."""
+    """Make :func:`allreduce_sequence_parallel_grads` sum only what it has not summed yet
+    (gradient accumulation). Returns ``model``."""
     for p in model.parameters():
         if getattr(p, "sequence_parallel", False) and not hasattr(p, "_sp_pending"):
             p._sp_pending, p._sp_base = None, None  # not summed yet / already summed, in p.grad
@@ -69,12 +51,8 @@ def _noter(ref):
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> int:
-    """Sum the gradients of sequence-parallel parameters over the TP group; returns how many.
-
-    All ranks of the group must call it after ``backward()`` and before the optimizer step. On a
-    tracked model (:func:`track_sequence_parallel_grads`) it may also be called after every
-    micro-batch: each contribution is summed once.
-    """
+    """Sum the sequence-parallel parameters' gradients over the TP group; returns how many.
+    Every rank calls it after backward (on a tracked model: after any micro-batch)."""
     _, world = group_rank_world(group)
     n = 0
     for _, p in model.named_parameters():

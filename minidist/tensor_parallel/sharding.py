@@ -1,14 +1,8 @@
-"""Move between a full (single-process) state dict and a tensor-parallel model's shards.
+"""Full (single-process) state dict <-> a tensor-parallel model's shards.
 
-Every TP layer marks its parameters (see :func:`minidist.tensor_parallel.layers.mark_parameter`)
-with ``partition_dim`` and ``full_size``; a parameter without them is replicated. Parameter names
-of the TP models in minidist equal those of their single-process reference, so
-
-* ``model.load_state_dict(shard_state_dict(full_sd, model))`` loads a checkpoint of the
-  single-process model into a TP model (pads, then keeps this rank's slice), and
-* ``gather_state_dict(model)`` (a collective: every rank of the group must call it) rebuilds the
-  full, unpadded state dict on every rank — or the full gradients with ``grads=True``, which is how
-  the tests compare each shard's weight gradient with the single-process one.
+``model.load_state_dict(shard_state_dict(full_sd, model))`` loads a single-process checkpoint;
+``gather_state_dict(model)`` (collective) rebuilds the full state dict (or gradients) on every rank.
+Design notes: docs/design/tensor_parallel.md
 """
 
 from __future__ import annotations
@@ -30,9 +24,8 @@ def _meta(model) -> dict:
 
 def pad_and_split(full: torch.Tensor, dim: int, padded: int, group=None,
                   what: str = "shard") -> torch.Tensor:
-    """This rank's slice along ``dim`` of ``full`` zero-padded to ``padded`` (a multiple of the TP
-    size) along ``dim``: the one way a full weight becomes a shard (layers at construction,
-    checkpoints at load). ``ValueError`` naming the rank if ``full`` is larger than ``padded``."""
+    """This rank's slice along ``dim`` of ``full`` zero-padded to ``padded``.
+    ``ValueError`` naming the rank if ``full`` is larger."""
     rank, world = group_rank_world(group)
     if full.shape[dim] > padded:
         raise ValueError(f"{what} (rank {rank}): full size {full.shape[dim]} along dim {dim} "
@@ -69,10 +62,7 @@ def gather_tensor(shard: torch.Tensor, partition_dim, full_size=None, group=None
 
 
 def shard_state_dict(full_sd: dict, model, group=None) -> dict:
-    """The state dict ``model`` (a TP model) should load on this rank, cut from a full one.
-
-    Raises ``KeyError`` naming missing keys. Buffers are copied as they are.
-    """
+    """The state dict ``model`` loads on this rank; ``KeyError`` naming missing keys."""
     meta, local = _meta(model), model.state_dict()
     missing = sorted(set(local) - set(full_sd))
     if missing:
@@ -82,11 +72,7 @@ def shard_state_dict(full_sd: dict, model, group=None) -> dict:
 
 
 def gather_state_dict(model, group=None, grads: bool = False) -> dict:
-    """The full, unpadded parameters (or gradients) on every rank. A collective over ``group``.
-
-    With ``grads=True`` parameters without a gradient are left out (the same on every rank, as
-    every rank runs the same model).
-    """
+    """The full, unpadded parameters (or gradients with ``grads=True``) on every rank (collective)."""
     if grads:
         items = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     else:
@@ -95,8 +81,7 @@ def gather_state_dict(model, group=None, grads: bool = False) -> dict:
 
 
 def gather_tensors(model, tensors: dict, group=None) -> dict:
-    """``{name: this rank's TP shard}`` of ``model``'s parameters → the full, unpadded tensors (a
-    collective over ``group``); e.g. gradients a data-parallel wrapper kept elsewhere."""
+    """``{name: this rank's shard}`` -> the full, unpadded tensors (collective)."""
     out = {}
     meta = _meta(model)
     for name, t in tensors.items():

@@ -91,7 +91,7 @@ def build(dp: int, tp: int, pp: int, model: dict = MODEL, batch: int = 16, dp_mo
 
 def _rank(rank, world, dp, tp, pp, model, batch, M, steps, warmup, dp_mode, breakdown):
     from minidist.hybrid import train_step
-    from minidist.hybrid.timeline import kind_of, record_step
+    from minidist_course.diagrams.step_timeline import kind_of, record_step
 
     net, opt, modules, ids, targets = build(dp, tp, pp, model, batch, dp_mode)
     times = []
@@ -119,7 +119,7 @@ def measure_config(dp: int, tp: int, pp: int, model: dict = MODEL, batch: int = 
                    timeout: float = 600.0, breakdown: bool = False) -> dict:
     """Run ``warmup + steps`` steps on ``dp·tp·pp`` ranks. Returns ``{"times": [slowest rank's
     seconds per step], "median_s", "min_s", "max_s", "microbatches", "parts"}``; ``parts``
-    (``breakdown``: one more step, recorded by :func:`minidist.hybrid.timeline.record_step`): per
+    (``breakdown``: one more step, recorded by :func:`minidist_course.diagrams.step_timeline.record_step`): per
     kind, the largest over ranks of a rank's seconds — compute (F/B without the TP collectives
     inside them), tp, pp (transport, including waiting for a stage: the bubble), dp, other."""
     if steps < 1 or warmup < 0:

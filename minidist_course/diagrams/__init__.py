@@ -13,6 +13,8 @@
   :func:`draw_parallelism_memory`);
 * ``bisect.py`` (chapter 12): a bisector's report as tensors × steps coloured by error over budget
   (:func:`draw_divergence`).
+* ``step_timeline.py`` (chapter 12): one 3-D step recorded on every rank, by kind
+  (``record_step``, ``plot_step_timeline``; imported as ``minidist_course.diagrams.step_timeline``).
 
 Every function returns the ``matplotlib.figure.Figure`` it drew.
 """

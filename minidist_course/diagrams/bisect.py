@@ -1,5 +1,5 @@
 """The bisector's picture (chapter 12): every compared tensor × step, coloured by its error over
-the budget (:class:`minidist.hybrid.bisect.Report`), so the first divergence and what follows from
+the budget (:class:`minidist_course.references.bisect.Report`), so the first divergence and what follows from
 it are seen at a glance."""
 
 from __future__ import annotations

@@ -37,9 +37,9 @@ from collections import defaultdict
 
 import torch.distributed as dist
 
-from ..tensor_parallel import accounting
-from ..trace import Event, Timeline, align
-from .step import train_step
+from minidist.hybrid.step import train_step
+from minidist.tensor_parallel import accounting
+from minidist.trace import Event, Timeline, align
 
 __all__ = ["KINDS", "kind_of", "record_step", "align", "time_by_kind", "plot_step_timeline"]
 

@@ -1,5 +1,5 @@
-"""Grade exercise 12b, the bug hunt: name three bugs of :mod:`minidist.zoo` from their symptoms
-alone, then fix one of them.
+"""Grade exercise 12b, the bug hunt: name three bugs of :mod:`minidist_course.zoo` from their
+symptoms alone, then fix one of them.
 
 Part A. Each *mystery* is a zoo bug switched on in a 3-D run of the tiny GPT. The learner sees only
 symptoms (:func:`symptoms`): on four configurations — one replica; two replicas; two replicas with
@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from minidist import zoo
+from .. import zoo
 from .core import Report
 
 __all__ = ["MYSTERIES", "VARIANTS", "CHOICES", "symptoms", "show_symptoms", "grade_diagnosis",

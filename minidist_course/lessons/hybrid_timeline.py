@@ -1,5 +1,5 @@
 """The capstone's timeline and MFU cells in one call each: one recorded 3-D step of the tiny GPT on
-``dp·tp·pp`` ranks (:func:`minidist.hybrid.timeline.record_step`), drawn per rank, and its MFU.
+``dp·tp·pp`` ranks (:func:`minidist_course.diagrams.step_timeline.record_step`), drawn per rank, and its MFU.
 
     events = step_timeline(2, 2, 2)                  # 8 ranks, after one warm-up step
     plot_step_timeline(events, title="(dp, tp, pp) = (2, 2, 2)")
@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from ..bench.hybrid import MODEL, build
-from minidist.hybrid.timeline import align, plot_step_timeline, record_step, time_by_kind  # noqa: F401
+from minidist_course.diagrams.step_timeline import align, plot_step_timeline, record_step, time_by_kind  # noqa: F401
 from minidist.launch import run
 
 __all__ = ["step_timeline", "plot_step_timeline", "time_by_kind"]

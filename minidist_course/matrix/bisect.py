@@ -1,6 +1,6 @@
 """``minidist bisect``: one configuration of the composition matrix (its features as options) run by
-:func:`minidist.hybrid.bisect.bisect` against one process — the first tensor that diverges, its
-rank and a diagnosis, then the next few; optionally with a bug of :mod:`minidist.zoo` switched on.
+:func:`minidist_course.references.bisect.bisect` against one process — the first tensor that diverges, its
+rank and a diagnosis, then the next few; optionally with a bug of :mod:`minidist_course.zoo` injected.
 
     minidist bisect --dp 2 --tp 2 --bug dp-sum-not-average
     minidist bisect --cp ring/zigzag --loss per_token --steps 3
@@ -12,10 +12,10 @@ import argparse
 import functools
 import sys
 
-from minidist import zoo
 from minidist.hybrid import wrap_stages
-from minidist.hybrid.bisect import bisect
+from minidist_course.references.bisect import bisect
 
+from .. import zoo
 from ..references import hybrid as ref_hybrid
 from .covering import DIMENSIONS, refusal, world_size
 from .run import BATCH, _autocast_dtype, _cfg, _ignore, build
@@ -29,10 +29,11 @@ def _build(rank, world, config):
 
 
 def run_bisect(config: dict, steps: int = 2, bug: str | None = None, lr: float = 0.1):
-    """The :class:`~minidist.hybrid.bisect.Report` of one matrix configuration."""
+    """The :class:`~minidist_course.references.bisect.Report` of one matrix configuration."""
     ids, targets = ref_hybrid.batch(BATCH, _cfg(config), _ignore(config))
     return bisect(functools.partial(_build, config=config), world_size(config), ids, targets,
-                  config["microbatches"], steps=steps, lr=lr, bug=bug,
+                  config["microbatches"], steps=steps, lr=lr,
+                  context=functools.partial(zoo.inject, bug) if bug else None,
                   schedule=config["schedule"], dp_mode=config["dp_mode"],
                   loss_reduction=config["loss"], autocast_dtype=_autocast_dtype(config))
 

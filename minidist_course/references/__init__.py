@@ -21,11 +21,13 @@ module                  what it holds
                         replica groups as processes, one killed and healed; torchft's DiLoCo
 ``expert_parallel``     the dense one-process MoE (every expert on every token, the drop rule
                         as a Python loop), sharing no code with the expert-parallel path
+``bisect``              the first tensor where a parallel step leaves one process on the same
+                        seed and batch (``diagnose``: what its error's pattern means)
 ======================  ====================================================================
 
 Nothing is imported here eagerly: ``import minidist_course.references.data_parallel`` loads only
 what it needs.
 """
 
-__all__ = ["data_parallel", "tensor_parallel", "sharding", "hybrid", "fault_tolerant",
+__all__ = ["data_parallel", "tensor_parallel", "sharding", "hybrid", "fault_tolerant", "bisect", "diagnose",
            "expert_parallel"]

@@ -44,11 +44,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import zoo
-from ..launch import run
-from ..models.gpt import GPT
+from minidist.hybrid.step import train_step
+from minidist.launch import run
+from minidist.models.gpt import GPT
+
 from .diagnose import Divergence, compare_all
-from .step import train_step
 
 __all__ = ["Divergence", "Report", "bisect", "budget"]
 
@@ -140,8 +140,8 @@ class _Recorder:
         self.step, self.mb = self.step + 1, {}
 
 
-def _rank(rank, world, build, ids, targets, steps, microbatches, lr, kwargs, bug):
-    with zoo.inject(bug) if bug else contextlib.nullcontext():
+def _rank(rank, world, build, ids, targets, steps, microbatches, lr, kwargs, context):
+    with context() if context is not None else contextlib.nullcontext():
         model, modules = build(rank, world)
         cfg = model.cfg
         if cfg.dropout or getattr(cfg, "attn_dropout", 0.0):   # every rank, before communicating
@@ -169,7 +169,7 @@ def _one_process(cfg, seed, ids, targets, steps, lr, reduction, autocast_dtype, 
     With ``moe``, :class:`~minidist.expert_parallel.MoEGPT` runs micro-batch by micro-batch — the
     m-th micro-batch of every replica together, the capacity applied to each replica's part — and
     adds ``(n_m/N)·aux(m)`` to the cross-entropy, as the pipeline does."""
-    from ..expert_parallel.gpt import MoEGPT
+    from minidist.expert_parallel.gpt import MoEGPT
     torch.manual_seed(seed)
     model = GPT(cfg) if moe is None else MoEGPT(cfg, **moe, drop_chunks=dp)
     acts, grads, losses = {}, [], []
@@ -217,19 +217,20 @@ def _one_process(cfg, seed, ids, targets, steps, lr, reduction, autocast_dtype, 
 
 
 def bisect(build, world_size: int, ids: torch.Tensor, targets: torch.Tensor, microbatches: int,
-           steps: int = 2, lr: float = 0.1, bug: str | None = None, timeout: float = 300,
+           steps: int = 2, lr: float = 0.1, context=None, timeout: float = 300,
            **step_kwargs) -> Report:
     """Run ``build`` on ``world_size`` ranks for ``steps`` steps of :func:`~.step.train_step` on
     the global batch ``ids``/``targets`` ``[B, s]`` (``step_kwargs``: its schedule, dp_mode,
     loss_reduction, autocast_dtype), then one process; return the :class:`Report`.
 
     ``build(rank, world_size) -> (HybridGPT, modules)`` (picklable, e.g. a module-level function):
-    the model and ``wrap_stages(model, dp_mode)``. ``bug``: a :mod:`minidist.zoo` bug switched on
-    in every rank. Raises ``ValueError`` for dropout > 0 and for MoE blocks under autocast (each
-    named, before training), and what ``train_step`` raises.
+    the model and ``wrap_stages(model, dp_mode)``. ``context``: None or a picklable callable of
+    no argument returning a context manager, entered on every rank around the build and the steps
+    (e.g. a patch that mutates one library function). Raises ``ValueError`` for dropout > 0 and
+    for MoE blocks under autocast (each named, before training), and what ``train_step`` raises.
     """
     results = run(_rank, world_size, build, ids, targets, steps, microbatches, lr, step_kwargs,
-                  bug, timeout=timeout)
+                  context, timeout=timeout)
     head = results[0]
     if "dropout" in head:
         raise ValueError(f"bisect: dropout={head['dropout']} draws other masks than one process; "

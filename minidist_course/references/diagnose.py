@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..context_parallel.sharding import positions
+from minidist.context_parallel.sharding import positions
 
 __all__ = ["Divergence", "diagnose", "compare_all"]
 

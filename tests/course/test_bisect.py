@@ -1,17 +1,18 @@
-"""The divergence bisector (:mod:`minidist.hybrid.bisect`): silent on correct configurations, and for
-each bug of the zoo (:mod:`minidist.zoo`) it names the first tensor off, its rank and the pattern."""
+"""The divergence bisector (:mod:`minidist_course.references.bisect`): silent on correct configurations, and for
+each bug of the zoo (:mod:`minidist_course.zoo`) it names the first tensor off, its rank and the
+pattern."""
 
 import functools
 
 import pytest
 import torch
 
-from minidist import zoo
 from minidist.grid import ProcessGrid
 from minidist.hybrid import HybridGPT, wrap_stages
-from minidist.hybrid.bisect import bisect, budget
-from minidist.hybrid.diagnose import diagnose
+from minidist_course.references.bisect import bisect, budget
+from minidist_course.references.diagnose import diagnose
 from minidist.models.gpt import GPTConfig
+from minidist_course import zoo
 
 CFG = dict(vocab_size=37, block_size=8, n_layer=4, n_head=4, n_embd=16)
 
@@ -38,7 +39,8 @@ def _batch(ignore=0.0, n=8):
 def _run(bug=None, world=4, steps=2, ignore=0.0, loss="mean", microbatches=2, **grid):
     ids, targets = _batch(ignore)
     return bisect(functools.partial(_build, **grid), world, ids, targets, microbatches=microbatches,
-                  steps=steps, bug=bug, loss_reduction=loss, timeout=120)
+                  steps=steps, context=functools.partial(zoo.inject, bug) if bug else None,
+                  loss_reduction=loss, timeout=120)
 
 
 def test_a_correct_configuration_reports_nothing_beyond_budget():

@@ -193,8 +193,8 @@ def test_draw_parallelism_memory_and_errors():
 
 
 def test_draw_divergence_boxes_the_first_divergence():
-    from minidist.hybrid.bisect import Report
-    from minidist.hybrid.diagnose import Divergence
+    from minidist_course.references.bisect import Report
+    from minidist_course.references.diagnose import Divergence
     errors = {(0, "forward", "blocks.0"): 0.0, (0, "backward", "blocks.0"): 1.0,
               (0, "gradients", "blocks.0.attn.qkv.weight"): 1e-6,
               (0, "gradients", "blocks.0.ln1.bias"): 1e-5,

@@ -1,4 +1,4 @@
-"""The per-rank timeline of one 3-D step (minidist.hybrid.timeline): what each rank did, by kind.
+"""The per-rank timeline of one 3-D step (minidist_course.diagrams.step_timeline): what each rank did, by kind.
 
 Deterministic checks only (no timing asserts): on a (dp, tp, pp) = (2, 2, 2) step every rank has
 compute, TP, PP and DP events, in each DP mode; on (1, 2, 2) every rank has compute, TP and PP
@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import minidist  # noqa: E402
 from minidist.grid import ProcessGrid  # noqa: E402
 from minidist.hybrid import HybridGPT, make_optimizer, train_step, wrap_stages  # noqa: E402
-from minidist.hybrid import timeline as T  # noqa: E402
+from minidist_course.diagrams import step_timeline as T  # noqa: E402
 from minidist.models.gpt import GPTConfig  # noqa: E402
 from minidist.trace import Event  # noqa: E402
 

@@ -81,7 +81,7 @@ def test_every_case_the_matrix_found_stays_fixed():
              if got[k]["status"] != want}
     assert not wrong, wrong
     # torch's FSDP2 keeps a stale gathered copy after a no-grad forward between backward and
-    # step (pytorch/pytorch#149029; 2.07e-1 on 2.14.1); if a later torch fixes it, fine
+    # step (seen here: 2.07e-1 on 2.14.1; related: pytorch/pytorch#149029); if a later torch fixes it, fine
     torch_row = got["plain", "torch-fsdp2-keep", "eval before step"]
     assert torch_row["status"] == "✓" or float(torch_row["detail"].split()[-1]) > 1e-3, torch_row
 

@@ -74,14 +74,17 @@ def _wrong_place(rank, world):
     mistake of a learner's hierarchical all-reduce): ranks 2 and 3 are wrong, 0 and 1 right."""
     nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = nodes[rank // 2]
+    one = lambda: list(torch.ones(4).tensor_split(2))  # noqa: E731
     calls = {
-        "reduce_scatter_chunks": lambda: ring.reduce_scatter_chunks(
-            list(torch.ones(4).tensor_split(2)), "sum", rank, 2, mine),
-        "all_gather_chunks": lambda: ring.all_gather_chunks(list(torch.ones(4).tensor_split(2)),
-                                                            rank, 2, mine),
+        "reduce_scatter_chunks": lambda: ring.reduce_scatter_chunks(one(), "sum", rank, 2, mine),
+        "all_gather_chunks": lambda: ring.all_gather_chunks(one(), rank, 2, mine),
         "all_reduce": lambda: ring.all_reduce(torch.ones(4), "sum", rank, 2, mine),
+        "reduce_scatter_simple": lambda: ring.reduce_scatter_simple(one(), "sum", rank, 2, mine),
+        "all_gather_simple": lambda: ring.all_gather_simple(one(), rank, 2, group=mine),
         "all_reduce_simple": lambda: ring.all_reduce_simple(torch.ones(4), "sum", rank, 2, mine),
         "all_reduce (world wrong)": lambda: ring.all_reduce(torch.ones(4), "sum", rank % 2, 4, mine),
+        "all_reduce (keywords)": lambda: ring.all_reduce(torch.ones(4), op="sum", rank=rank,
+                                                         world=2, group=mine),
     }
     out = {}
     for name, call in calls.items():
@@ -109,7 +112,9 @@ def test_a_global_rank_for_a_place_in_the_group_is_refused_on_every_wrong_rank()
         assert out[rank]["reduce_scatter_chunks"].startswith(
             f"ring.reduce_scatter_chunks (rank {rank}): rank={rank} but")
         assert out[rank]["all_gather_chunks"].startswith(f"ring.all_gather_chunks (rank {rank}):")
-        assert out[rank]["all_reduce_simple"].startswith(f"ring.all_reduce_simple (rank {rank}):")
+        for name in ("reduce_scatter_simple", "all_gather_simple", "all_reduce_simple"):
+            assert out[rank][name].startswith(f"ring.{name} (rank {rank}): rank={rank} but"), name
+        assert out[rank]["all_reduce (keywords)"] == out[rank]["all_reduce"]
     for rank in range(4):
         assert out[rank]["all_reduce (world wrong)"] == (
             f"ring.all_reduce (rank {rank}): world=4 but its group has 2 ranks: pass the group's "
@@ -120,11 +125,22 @@ def test_a_global_rank_for_a_place_in_the_group_is_refused_on_every_wrong_rank()
         ring.all_reduce(torch.ones(2), "sum", 1, 1)
 
 
-def test_help_states_the_contract_and_the_source_is_the_rings_own():
+def test_the_public_rings_are_the_plain_functions_with_the_check_in_front():
+    """The check lives in minidist.comm.checks, applied once per public name; help() and
+    inspect.getsource show the ring itself (chapter 03 prints it)."""
     import inspect
+
+    from minidist.comm import checks
     for fn, contract in ((ring.reduce_scatter_chunks, "afterwards ``chunks[rank]`` holds"),
                          (ring.all_gather_chunks, "``chunks[rank]`` is this rank's data"),
                          (ring.all_reduce, "afterwards ``flat``"),
-                         (ring.reduce_scatter_simple, "afterwards ``chunks[rank]`` holds")):
+                         (ring.reduce_scatter_simple, "afterwards ``chunks[rank]`` holds"),
+                         (ring.all_gather_simple, "``chunks[rank]`` is this rank's data"),
+                         (ring.all_reduce_simple, "afterwards ``flat``")):
+        plain = fn.__wrapped__
+        assert fn.__code__ is checks.placed(plain, "x").__code__, fn.__name__
+        assert fn.__name__ == plain.__name__ and fn.__doc__ == plain.__doc__
         assert inspect.getdoc(fn).startswith("In place: ") and contract in inspect.getdoc(fn)
-        assert "_check_place" not in inspect.getsource(fn)     # chapter 03 prints the ring itself
+        src = inspect.getsource(fn)
+        assert src.startswith(f"def {plain.__name__}(") and "check" not in src
+        assert inspect.signature(fn) == inspect.signature(plain)

@@ -8,7 +8,7 @@ parameters: it used to leave them bound to the module, so ``full_state_dict`` ra
 parameter "belongs to no fully_shard unit", and the next forward after an optimizer step would
 have used the stale gathered copy. torch's FSDP2 (2.14) does the latter: an eval forward between
 backward and step under ``reshard_after_forward=False`` makes the next training forward use the
-pre-step parameters (pytorch/pytorch#149029); the same launch measures that and this library is
+pre-step parameters (seen here on 2.14.1; related: pytorch/pytorch#149029, the parameters left unsharded after such a forward); the same launch measures that and this library is
 right where it is not.
 """
 import itertools
