@@ -36,7 +36,9 @@ from .dp import DP_MODES, PipelineBucketedDDP, ZeRO1Optimizer, make_optimizer  #
 from .dp_pipeline import dp_pipeline_step, sync_gradients  # noqa: F401
 from .reshard import load_layout_free, save_layout_free  # noqa: F401
 from .stages import CPGPTStage, GPTStage, HybridGPT, check_grid, stage_bounds  # noqa: F401
-from .step import StepOutput, make_loss_fn, train_step, wrap_stages  # noqa: F401
+from .dp_modes import wrap_stages  # noqa: F401
+from .loss import make_loss_fn  # noqa: F401
+from .step import StepOutput, train_step  # noqa: F401
 
 __all__ = ["HybridGPT", "GPTStage", "CPGPTStage", "check_grid", "stage_bounds", "PipelineBucketedDDP", "ZeRO1Optimizer",
            "make_optimizer", "DP_MODES", "global_grad_norm", "clip_grad_norm_", "train_step",

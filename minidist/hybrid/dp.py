@@ -258,7 +258,7 @@ def check_sharding(model, dp_mode: str, who: str) -> None:
 
 def make_optimizer(model, dp_mode: str, optimizer_class=torch.optim.AdamW, **defaults):
     """The optimizer for ``model`` (a :class:`~.stages.HybridGPT`): ``optimizer_class`` over its
-    parameters (with ``"zero3"`` and ``"hsdp"``: the shards — call :func:`~.step.wrap_stages`
+    parameters (with ``"zero3"`` and ``"hsdp"``: the shards — call :func:`~.dp_modes.wrap_stages`
     first), or a :class:`ZeRO1Optimizer` on the grid's DP group for ``"zero1"``."""
     if dp_mode not in DP_MODES:
         raise ValueError(f"make_optimizer (rank {model.grid.rank}): dp_mode must be one of "

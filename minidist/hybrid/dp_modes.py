@@ -18,10 +18,10 @@ import contextlib
 
 from ..sharding.fsdp import set_requires_gradient_sync
 from .clip import clip_grad_norm_
-from .dp import SHARDED
-from .moe import average_gradients
+from .dp import DP_MODES, SHARDED, PipelineBucketedDDP, refuse_zero2, shard_stages
+from .moe import average_gradients, refuse_expert_dp_mode
 
-__all__ = ["DPMode", "dp_mode_for"]
+__all__ = ["DPMode", "dp_mode_for", "wrap_stages"]
 
 
 class DPMode:
@@ -107,6 +107,26 @@ def dp_mode_for(dp_mode: str, model, optimizer, modules: dict) -> DPMode:
     if dp_mode in SHARDED:
         return Sharded(model, optimizer, modules, hsdp=dp_mode == "hsdp")
     return DPMode(model, optimizer, modules)
+
+
+def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> dict:
+    """{stage: module} the engine runs: the stages themselves, or (``"bucketed"``) each wrapped in a
+    :class:`~.dp.PipelineBucketedDDP` on the DP group (a small ``bucket_cap_mb``: several buckets
+    even for the tiny model); with ``"zero3"``/``"zero3/keep"`` each stage becomes a
+    ``fully_shard`` unit over DP×CP, with ``"hsdp"`` one sharded over CP and replicated over DP
+    (:mod:`.dp`) — build the optimizer after this. Collective over the DP (×CP) group for
+    ``"bucketed"``, ZeRO-3 and HSDP."""
+    if dp_mode not in DP_MODES:
+        raise ValueError(f"wrap_stages (rank {model.grid.rank}): dp_mode must be one of "
+                         f"{DP_MODES}, got {dp_mode!r}")
+    refuse_zero2(model, dp_mode, "wrap_stages")
+    refuse_expert_dp_mode(model, dp_mode, "wrap_stages")
+    if dp_mode in SHARDED:
+        shard_stages(model, dp_mode)
+    if dp_mode != "bucketed":
+        return dict(model.stages)
+    return {s: PipelineBucketedDDP(m, group=model.grid.dp_cp_group, bucket_cap_mb=bucket_cap_mb)
+            for s, m in sorted(model.stages.items())}
 
 
 @contextlib.contextmanager

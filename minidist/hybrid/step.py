@@ -20,13 +20,12 @@ from ..context_parallel.sharding import shard
 from ..pipeline_parallel.engine import StepResult
 from ..trace import Event
 from .check_step import check_step
-from .dp import DP_MODES, SHARDED, PipelineBucketedDDP, refuse_zero2, shard_stages
 from .dp_modes import dp_mode_for
 from .dp_pipeline import dp_pipeline_step
 from .loss import AuxMeter, device_of, global_loss, make_loss_fn
-from .moe import aux_weight, refuse_expert_dp_mode
+from .moe import aux_weight
 
-__all__ = ["StepOutput", "train_step", "wrap_stages", "make_loss_fn"]
+__all__ = ["StepOutput", "train_step"]
 
 
 @dataclass
@@ -43,26 +42,6 @@ class StepOutput:
     aux_loss: float | None = None
 
 
-def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> dict:
-    """{stage: module} the engine runs: the stages themselves, or (``"bucketed"``) each wrapped in a
-    :class:`~.dp.PipelineBucketedDDP` on the DP group (a small ``bucket_cap_mb``: several buckets
-    even for the tiny model); with ``"zero3"``/``"zero3/keep"`` each stage becomes a
-    ``fully_shard`` unit over DP×CP, with ``"hsdp"`` one sharded over CP and replicated over DP
-    (:mod:`.dp`) — build the optimizer after this. Collective over the DP (×CP) group for
-    ``"bucketed"``, ZeRO-3 and HSDP."""
-    if dp_mode not in DP_MODES:
-        raise ValueError(f"wrap_stages (rank {model.grid.rank}): dp_mode must be one of "
-                         f"{DP_MODES}, got {dp_mode!r}")
-    refuse_zero2(model, dp_mode, "wrap_stages")
-    refuse_expert_dp_mode(model, dp_mode, "wrap_stages")
-    if dp_mode in SHARDED:
-        shard_stages(model, dp_mode)
-    if dp_mode != "bucketed":
-        return dict(model.stages)
-    return {s: PipelineBucketedDDP(m, group=model.grid.dp_cp_group, bucket_cap_mb=bucket_cap_mb)
-            for s, m in sorted(model.stages.items())}
-
-
 def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torch.Tensor,
                microbatches: int, schedule: str | None = None, dp_mode: str = "flat",
                loss_reduction: str | None = None, max_norm: float | None = None,
@@ -70,7 +49,7 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
                autocast_dtype: torch.dtype | None = None) -> StepOutput:
     """One step on the global batch ``ids``/``targets`` ``[B, s]`` (the same on every rank).
 
-    ``model``: a :class:`~.stages.HybridGPT`; ``modules``: :func:`wrap_stages` with the same
+    ``model``: a :class:`~.stages.HybridGPT`; ``modules``: :func:`~.dp_modes.wrap_stages` with the same
     ``dp_mode``; ``optimizer``: :func:`~.dp.make_optimizer`'s (None with ``step=False``: gradients
     averaged, clipped and left in ``.grad``); ``schedule``: one of
     :data:`~minidist.pipeline_parallel.catalog.SCHEDULES` that fits the model (None: 1F1B, or
