@@ -49,8 +49,10 @@ ZIGZAG_RULES = {
 RING_RULES = {
     "finite": "the ring's running result stays finite: it starts from lse -inf and scores can be "
               "of order 1e4 (Part A's merge)",
-    "equal": "every rank's output equals full causal attention on one process (1-4 ranks, S not "
-             "divisible by 2W)",
+    "cover": "the ranks' positions together are the whole sequence, each on one rank (a split "
+             "that drops positions can still match full attention where it kept them)",
+    "equal": "every rank's output equals full causal attention on one process (1-4 ranks, S "
+             "divisible by 2W or not)",
 }
 
 MERGE_CASES = [  # (name, seed, scale, dtype, empty)
@@ -143,8 +145,9 @@ def _merge_check(fn, case):
                     f"exp(lse_{empty} - lse) must be 0 and lse = lse_{other} (log-add-exp with -inf "
                     "is the identity; -inf - (-inf) is nan, so handle it)")
         return "stable", ("overflow: the merge is not finite for large log-sum-exps — "
-                "log(1 + exp(lse_b - lse_a)) overflows once the difference passes ~88 in fp32; "
-                "write log-add-exp as max + log1p(exp(-|a - b|))")
+                "log(exp(a) + exp(b)) overflows once a score passes ~88 in fp32, and "
+                "log(1 + exp(b - a)) once the difference does; write log-add-exp as "
+                "max + log1p(exp(-|a - b|))")
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     scale_l = max(1.0, float(want_l.abs().max()))
     err_l = float((lse.double() - want_l).abs().max()) / scale_l
@@ -158,6 +161,15 @@ def _merge_check(fn, case):
         plain = (oa + ob).double()
         if torch.allclose(out.double(), plain):
             return "weights", "out is out_a + out_b: weight each by its share exp(lse_x - lse) of the total"
+        if torch.allclose(out.double(), plain / 2):
+            return "weights", ("out is the average of out_a and out_b: the blocks' shares are "
+                               "exp(lse_a - lse) and exp(lse_b - lse), equal only when lse_a = lse_b")
+        lse_d = want_l.unsqueeze(-1)
+        swapped = (torch.exp(lb.double().unsqueeze(-1) - lse_d).nan_to_num(0.0) * oa.double()
+                   + torch.exp(la.double().unsqueeze(-1) - lse_d).nan_to_num(0.0) * ob.double())
+        if torch.allclose(out.double(), swapped):
+            return "weights", ("the weights are swapped: out_a takes exp(lse_a - lse), its own "
+                               "block's share, and out_b exp(lse_b - lse)")
         return "weights", f"out wrong by {err_o:.2e}: out = exp(lse_a - lse)·out_a + exp(lse_b - lse)·out_b"
     return None
 
@@ -198,21 +210,40 @@ def _variants(seq_len, world, rank):
     return out
 
 
+def _which_chunks(got, seq_len, world):
+    """``(i, j)``, i < j, when ``got`` is chunks i and j of ``tensor_split(2W)`` in order, else None."""
+    parts = torch.arange(seq_len).tensor_split(2 * world)
+    for i in range(2 * world):
+        for j in range(i + 1, 2 * world):
+            if got.numel() == len(parts[i]) + len(parts[j]) and \
+                    torch.equal(got, torch.cat([parts[i], parts[j]])):
+                return i, j
+    return None
+
+
 def _zigzag_check(fn, seq_len, world):
+    got_all = []
     for rank in range(world):
-        want = sharding.positions("zigzag", seq_len, world, rank)
         got = fn(seq_len, world, rank)
         if not isinstance(got, torch.Tensor):
             return "order", f"rank {rank}: expected a tensor of positions, got {type(got).__name__}"
-        got = got.reshape(-1).long()
+        got_all.append(got.reshape(-1).long())
+    variants = [_variants(seq_len, world, r) for r in range(world)]
+    pairing = ("the wrong chunk pairing; rank r holds chunks r and 2W-1-r of 2W (here {} and "
+               "{}), so the early and the late chunks pair up and every rank gets the same "
+               "causal work")
+    for rank, got in enumerate(got_all):
+        want = sharding.positions("zigzag", seq_len, world, rank)
         if torch.equal(got, want):
             continue
         text = f"rank {rank}: expected {want.tolist()}, got {got.tolist()}"
-        for name, v in _variants(seq_len, world, rank).items():
-            if torch.equal(got, v) and not torch.equal(v, want):
-                return "pairing", (f"{text} — {name}: the wrong chunk pairing; rank r holds chunks r and "
-                        f"2W-1-r of 2W (here {rank} and {2 * world - 1 - rank}), so the early and "
-                        "the late chunks pair up and every rank gets the same causal work")
+        for name, v in variants[rank].items():   # named only when every rank made that mistake
+            if torch.equal(got, v) and all(name in vr and torch.equal(g, vr[name])
+                                           for g, vr in zip(got_all, variants)):
+                return "pairing", f"{text} — {name}: " + pairing.format(rank, 2 * world - 1 - rank)
+        if (pair := _which_chunks(got, seq_len, world)) is not None:
+            return "pairing", (f"{text} — chunks {pair[0]} and {pair[1]} of {2 * world}: "
+                               + pairing.format(rank, 2 * world - 1 - rank))
         if seq_len % (2 * world) and got.numel() != want.numel():
             return "uneven", (f"{text} — {seq_len} does not divide into {2 * world} equal chunks: cut with "
                     "torch.arange(seq_len).tensor_split(2 * world)")
@@ -271,8 +302,22 @@ def _ring_rank(rank, world, merge_fn, positions_fn, seq_len, scale):
     return mine[rank], out
 
 
+def _coverage(positions_fn, seq_len, world):
+    """A message when the ranks' positions are not the whole sequence, each once (else None)."""
+    held = torch.cat([torch.as_tensor(positions_fn(seq_len, world, r)).reshape(-1).long()
+                      for r in range(world)]).tolist()
+    if sorted(held) == list(range(seq_len)):
+        return None
+    missing = sorted(set(range(seq_len)) - set(held))
+    twice = sorted({p for p in held if held.count(p) > 1})
+    return (f"S = {seq_len}, W = {world}: the ranks hold {len(held)} positions; missing "
+            f"{missing[:8]}, held twice {twice[:8]} — every position on exactly one rank")
+
+
 def _ring_check(merge_fn, positions_fn, world, seq_len, scale):
     from minidist.launch import run
+    if msg := _coverage(positions_fn, seq_len, world):
+        return "cover", msg
     got = run(_ring_rank, world, merge_fn, positions_fn, seq_len, scale, timeout=60)
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, seq_len, 4, generator=g) for _ in range(3))
@@ -294,6 +339,8 @@ def _ring_check(merge_fn, positions_fn, world, seq_len, scale):
 def _ring_rank_check(rank, world, merge_fn, positions_fn, case):
     """One generated case on this rank: its output against full attention, or a message."""
     seq_len, scale = case
+    if msg := _coverage(positions_fn, seq_len, world):
+        return tagged(RING_RULES, "cover", msg)
     pos, out = _ring_rank(rank, world, merge_fn, positions_fn, seq_len, scale)
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, seq_len, 4, generator=g) for _ in range(3))

@@ -46,7 +46,9 @@ RULES: dict[str, dict[str, dict[str, str]]] = {
             "f_forward": "f is the identity in forward",
             "f_backward": "f all-reduces (sums) the gradient in backward",
             "g_forward": "g all-reduces (sums) its input in forward",
-            "g_backward": "g is the identity in backward"},
+            "g_backward": "g is the identity in backward",
+            "copy": "f and g leave the tensor they are given unchanged: the all-reduce works on a "
+                    "clone (autograd may still need the original)"},
         "column_row_grade": {
             "column_shard": "ColumnParallelLinear keeps this rank's rows of the weight and the bias "
                             "(its shard of the output)",

@@ -727,6 +727,33 @@ def zigzag_positions(seq_len, world, rank):
 '''}, "does not divide into")
 
 
+def test_ex14_names_what_a_learner_did_not_other_mistakes():
+    """From a learner's trial: an off-by-one pairing (2W-2-r) was told "chunks r and W + r" and
+    "uneven lengths"; an average and swapped weights got no name; a split that drops the last
+    positions passed Part C. Each is now named for what it is."""
+    off_by_one = {"zigzag_positions": '''
+def zigzag_positions(seq_len, world, rank):
+    chunks = torch.arange(seq_len).tensor_split(2 * world)
+    return torch.cat([chunks[rank], chunks[2 * world - 2 - rank]])
+'''}
+    text = _rejects("14_context_parallel.ipynb", "zigzag_positions_grade", off_by_one,
+                    "[pairing]", "chunks 0 and 6 of 8")
+    assert "W + r" not in text and "[uneven]" not in text.split("S = 7, W = 4")[1].split("\n")[0]
+    for body, needle in (("(out_a + out_b) / 2", "the average of out_a and out_b"),
+                         ("torch.exp(lse_b - lse)[..., None] * out_a + torch.exp(lse_a - lse)[..., None] * out_b",
+                          "the weights are swapped")):
+        _rejects("14_context_parallel.ipynb", "merge_grade", {"merge": f'''
+def merge(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)
+    return {body}, lse
+'''}, "[weights]", needle)
+    _rejects("14_context_parallel.ipynb", "ring_grade", {"zigzag_positions": '''
+def zigzag_positions(seq_len, world, rank):
+    chunks = torch.arange(seq_len).split(max(1, seq_len // (2 * world)))
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]])
+'''}, "[cover]", "missing [12]")
+
+
 def test_ex12b_weights_in_float32_or_six_decimals_pass_and_a_close_miss_shows_its_digits():
     """float32 or 6-decimal weights make the same run (the run's check is 1e-6 relative), so the
     sweep accepts them; a miss that prints like the right values is shown with more digits and
