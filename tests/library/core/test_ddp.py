@@ -8,9 +8,10 @@ Bucketing changes no value, so the bucket layouts are compared too. All cases ru
 """
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import strategies as st
 
 import minidist
+from _drawn import drawn
 from minidist.core import ddp as core
 from minidist.data_parallel import BucketedDDP
 
@@ -26,18 +27,6 @@ CASES = st.fixed_dictionaries({
     "seed": st.integers(0, 2**16),
 })
 
-
-def _draw(strategy, n):
-    """``n`` cases drawn in the parent (deterministic), to run in one launch."""
-    cases = []
-
-    @settings(max_examples=n, deadline=None, database=None, derandomize=True)
-    @given(strategy)
-    def collect(case):
-        cases.append(case)
-
-    collect()
-    return cases
 
 
 def _model(case, rank):
@@ -114,6 +103,6 @@ def _compare(rank, world_size, cases):
 
 
 def test_core_ddp_equals_the_library_bucketed_ddp():
-    cases = _draw(CASES, 40)
+    cases = drawn(CASES, 40)
     for rank, mismatches in enumerate(minidist.run(_compare, W, cases, timeout=120)):
         assert not mismatches, f"rank {rank}: {[(cases[m[0]], *m[1:]) for m in mismatches]}"

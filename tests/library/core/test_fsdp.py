@@ -8,10 +8,11 @@ must be bit-identical (``torch.equal``). All hypothesis cases run inside one lau
 """
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import strategies as st
 from torch import nn
 
 import minidist
+from _drawn import drawn
 from minidist.core import fsdp as core
 from minidist.sharding import fsdp as lib
 
@@ -36,18 +37,6 @@ class Block(nn.Module):
     def forward(self, x):
         return torch.tanh(self.linear(x))
 
-
-def _draw(strategy, n):
-    """``n`` cases drawn in the parent (deterministic), to run in one launch."""
-    cases = []
-
-    @settings(max_examples=n, deadline=None, database=None, derandomize=True)
-    @given(strategy)
-    def collect(case):
-        cases.append(case)
-
-    collect()
-    return cases
 
 
 def _build(case, shard):
@@ -99,6 +88,6 @@ def _compare(rank, world_size, cases):
 
 
 def test_core_units_equal_the_library_units():
-    cases = _draw(CASES, 24)
+    cases = drawn(CASES, 24)
     for rank, mismatches in enumerate(minidist.run(_compare, W, cases, timeout=120)):
         assert not mismatches, f"rank {rank}: {[(cases[m[0]], *m[1:]) for m in mismatches]}"

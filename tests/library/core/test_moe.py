@@ -11,9 +11,10 @@ tokens (dropless cases).
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import strategies as st
 
 import minidist
+from _drawn import drawn
 from minidist.core import moe as core
 from minidist.expert_parallel import (MoE, expert_capacity, keep_mask, load_balancing_loss,
                                       local_experts, route)
@@ -31,20 +32,8 @@ def _case(draw):
                 seed=draw(st.integers(0, 2**16)))
 
 
-def _generated(n):
-    out = []
 
-    @settings(max_examples=n, derandomize=True, database=None, deadline=None,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-    @given(_case())
-    def collect(c):
-        out.append(c)
-
-    collect()
-    return out
-
-
-CASES = _generated(12)
+CASES = drawn(_case(), 12)
 
 
 def _one(rank, world, c):

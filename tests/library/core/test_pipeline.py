@@ -9,10 +9,11 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import strategies as st
 from torch import nn
 
 import minidist
+from _drawn import drawn
 from minidist import pipeline_parallel as lib
 from minidist.core import pipeline as core
 
@@ -24,18 +25,6 @@ CASES = st.fixed_dictionaries({
     "seed": st.integers(0, 2**16),
 })
 
-
-def _draw(strategy, n):
-    """``n`` cases drawn in the parent (deterministic), to run in one launch."""
-    cases = []
-
-    @settings(max_examples=n, deadline=None, database=None, derandomize=True)
-    @given(strategy)
-    def collect(case):
-        cases.append(case)
-
-    collect()
-    return cases
 
 
 def test_one_f_one_b_lists_the_library_ops_in_the_same_order():
@@ -70,7 +59,7 @@ def _compare(rank, world_size, cases, core_step, schedule):
 
 
 def check_against_library(core_step, schedule, n_cases=16):
-    cases = _draw(CASES, n_cases)
+    cases = drawn(CASES, n_cases)
     results = minidist.run(_compare, P, cases, core_step, schedule, timeout=120)
     for rank, mismatches in enumerate(results):
         assert not mismatches, f"rank {rank}: {[(cases[m[0]], *m[1:]) for m in mismatches]}"

@@ -8,9 +8,10 @@ bit for bit, in fp32 and fp64, under every split, causal or not, sequences not d
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import strategies as st
 
 import minidist
+from _drawn import drawn
 from minidist.context_parallel import SPLITS, chunks, log_add_exp, ring_attention, shard
 from minidist.core import ring_attention as core
 
@@ -25,20 +26,8 @@ def _case(draw):
                 seq_len=draw(st.integers(2 * W, 5 * W + 2)), seed=draw(st.integers(0, 2**16)))
 
 
-def _generated(n):
-    out = []
 
-    @settings(max_examples=n, derandomize=True, database=None, deadline=None,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-    @given(_case())
-    def collect(c):
-        out.append(c)
-
-    collect()
-    return out
-
-
-CASES = _generated(12)
+CASES = drawn(_case(), 12)
 
 
 def _one(rank, world, c):

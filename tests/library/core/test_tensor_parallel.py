@@ -6,9 +6,10 @@ bit-identical (``torch.equal``). All hypothesis cases run inside one launch.
 """
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import strategies as st
 
 import minidist
+from _drawn import drawn
 from minidist import tensor_parallel as lib
 from minidist.core import tensor_parallel as core
 
@@ -22,18 +23,6 @@ CASES = st.fixed_dictionaries({
     "seed": st.integers(0, 2**16),
 })
 
-
-def _draw(strategy, n):
-    """``n`` cases drawn in the parent (deterministic), to run in one launch."""
-    cases = []
-
-    @settings(max_examples=n, deadline=None, database=None, derandomize=True)
-    @given(strategy)
-    def collect(case):
-        cases.append(case)
-
-    collect()
-    return cases
 
 
 def _build(impl, case):
@@ -72,6 +61,6 @@ def _compare(rank, world_size, cases):
 
 
 def test_core_layers_equal_the_library_layers():
-    cases = _draw(CASES, 24)
+    cases = drawn(CASES, 24)
     for rank, mismatches in enumerate(minidist.run(_compare, W, cases, timeout=120)):
         assert not mismatches, f"rank {rank}: {[(cases[m[0]], *m[1:]) for m in mismatches]}"

@@ -11,10 +11,11 @@ AdamW's moments): the same layout, not only the same result. Each rank trains on
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import strategies as st
 from torch import nn
 
 import minidist
+from _drawn import drawn
 from minidist import sharding as lib
 from minidist.core import zero as core
 
@@ -31,18 +32,6 @@ CASES = st.fixed_dictionaries({
     "seed": st.integers(0, 2**16),
 })
 
-
-def _draw(strategy, n):
-    """``n`` cases drawn in the parent (deterministic), to run in one launch."""
-    cases = []
-
-    @settings(max_examples=n, deadline=None, database=None, derandomize=True)
-    @given(strategy)
-    def collect(case):
-        cases.append(case)
-
-    collect()
-    return cases
 
 
 def _model(case):
@@ -111,7 +100,7 @@ def _compare(rank, world_size, cases):
 
 
 def test_core_zero_equals_the_library_sharded_optimizer():
-    cases = _draw(CASES, 24)
+    cases = drawn(CASES, 24)
     assert any(_trainable_numel(c) % W for c in cases)   # padding is exercised
     assert {c["optimizer"] for c in cases} == set(OPTIMIZERS)
     assert any(not p.requires_grad for c in cases for p in _model(c).parameters())
