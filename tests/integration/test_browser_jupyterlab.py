@@ -258,8 +258,22 @@ def _open(lab, name: str) -> None:
     d.get(f"{lab['base']}/lab/tree/{name}?reset&token={lab['token']}")  # reset: only this tab
     _wait(lambda: _js(d, f"const nb = {_CURRENT}; return nb !== null && "
                          "nb.querySelectorAll('.jp-Cell').length > 0"), 120, f"{name} to open", d)
-    _wait(lambda: _kernel_idle(d), 120, "the kernel to start", d)
+    try:
+        _wait(lambda: _kernel_idle(d), 240, "the kernel to start", d)
+    except pytest.fail.Exception as e:   # what the server said: the kernel's own start-up errors are there
+        log = (lab["tmp"] / "lab.log").read_text(errors="replace")[-3000:]
+        raise AssertionError(f"{e}\nkernels (REST): {_kernels(lab)}\nlab.log (end):\n{log}") from e
     _dismiss_popups(d)
+
+
+def _kernels(lab) -> str:
+    """The server's own list of kernels and their states (``/api/kernels``), for a failure."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"{lab['base']}/api/kernels?token={lab['token']}", timeout=10) as r:
+            return r.read().decode()[:1000]
+    except OSError as e:
+        return f"(not read: {e})"
 
 
 def _kernel_idle(driver) -> bool:
