@@ -5,7 +5,8 @@
 #
 # Each part is what a test would otherwise build on first use, in the same place and by the same
 # script, so a test finds it done (or, if a part failed here, builds it itself and reports why):
-#   apt      Debian's podman set (tools/podman-setup.sh install), Slurm + munge, chromium + driver,
+#   apt      Debian's podman set (tools/podman-setup.sh install), Slurm + munge, chromium + driver
+#            + a CJK font (the site's Chinese pages),
 #            in one apt transaction (apt holds one lock: several installs would only queue)
 #   envs     the five framework venvs (tools/framework-envs.sh), built side by side: most of a cold
 #            build is downloading wheels, and Horovod's compile gets the cores the downloads leave
@@ -40,7 +41,7 @@ part() {  # NAME CMD...: run CMD niced into $LOG/NAME.log, write $LOG/NAME.statu
 apt_packages() {
     [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null || { echo "no root or no apt-get: skipped"; return 0; }
     local want=(podman buildah podman-compose debootstrap runc netavark aardvark-dns iptables uidmap
-                slurmctld slurmd slurm-client munge chromium chromium-driver) need=() p
+                slurmctld slurmd slurm-client munge chromium chromium-driver fonts-wqy-microhei) need=() p
     for p in "${want[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
     [[ ${#need[@]} == 0 ]] && { echo "all installed"; return 0; }
     export DEBIAN_FRONTEND=noninteractive

@@ -76,13 +76,21 @@ def _why_not() -> str | None:
     return None
 
 
+def _has_cjk_font() -> bool:
+    if not shutil.which("fc-list"):   # fontconfig comes with chromium
+        return False
+    r = subprocess.run(["fc-list", ":lang=zh"], capture_output=True, text=True)
+    return r.returncode == 0 and bool(r.stdout.strip())
+
+
 def _install_browser() -> None:
     """apt-get install Debian's chromium and chromium-driver (update the lists only if needed)."""
-    if _which(CHROMIUM) and shutil.which(DRIVER):
+    if _which(CHROMIUM) and shutil.which(DRIVER) and _has_cjk_font():
         return
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     cmd = ["apt-get", "-o", "DPkg::Lock::Timeout=300", "install", "-y", "-q",
-           "--no-install-recommends", "chromium", "chromium-driver"]
+           "--no-install-recommends", "chromium", "chromium-driver",
+           "fonts-wqy-microhei"]   # CJK glyphs: the site's Chinese pages are read in screenshots
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:  # a fresh machine has no package lists yet
         subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=300", "update", "-q"], env=env,
