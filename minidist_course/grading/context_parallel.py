@@ -224,7 +224,17 @@ def _which_chunks(got, seq_len, world):
 def _zigzag_check(fn, seq_len, world):
     got_all = []
     for rank in range(world):
-        got = fn(seq_len, world, rank)
+        try:
+            got = fn(seq_len, world, rank)
+        except IndexError as e:   # an index past the chunks: torch.chunk's fewer pieces, or 2W - r
+            where = f"rank {rank}, S = {seq_len}, W = {world}: IndexError ({e})"
+            if len(torch.arange(seq_len).chunk(2 * world)) < 2 * world:
+                return "uneven", (f"{where} — if you cut with torch.chunk: it returns fewer than "
+                                  f"{2 * world} pieces here (torch.chunk returns fewer pieces when "
+                                  "S does not divide evenly); cut with torch.arange(seq_len)"
+                                  ".tensor_split(2 * world), always 2W pieces")
+            return "pairing", (f"{where} — an index past the last of the {2 * world} chunks "
+                               f"(0 … {2 * world - 1}): rank r holds chunks r and 2W-1-r")
         if not isinstance(got, torch.Tensor):
             return "order", f"rank {rank}: expected a tensor of positions, got {type(got).__name__}"
         got_all.append(got.reshape(-1).long())

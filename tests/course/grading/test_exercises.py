@@ -747,6 +747,11 @@ def merge(out_a, lse_a, out_b, lse_b):
     lse = torch.logaddexp(lse_a, lse_b)
     return {body}, lse
 '''}, "[weights]", needle)
+    _rejects("14_context_parallel.ipynb", "zigzag_positions_grade", {"zigzag_positions": '''
+def zigzag_positions(seq_len, world, rank):
+    chunks = torch.arange(seq_len).chunk(2 * world)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]])
+'''}, "[uneven]", "torch.chunk returns fewer pieces")
     _rejects("14_context_parallel.ipynb", "ring_grade", {"zigzag_positions": '''
 def zigzag_positions(seq_len, world, rank):
     chunks = torch.arange(seq_len).split(max(1, seq_len // (2 * world)))
