@@ -1,11 +1,15 @@
 """Per-rank timelines: named intervals for overlap pictures (DDP) and pipeline Gantt charts.
 
     tl = Timeline()
-    with tl.record("backward"):
+    with tl.record("backward"):          # a span the caller times
         loss.backward()
+    with tl.observe():                   # and the library's own spans, from every thread
+        ddp(x).sum().backward()          # "all-reduce b0" ... on the comm lane, "wait" on main
 
-Times: seconds since the Timeline was created, per process; ``lane``: the plot row (default the
-thread's name). Bubble fraction: ``1 - (Σ_r busy_r) / (P · span)`` (Huang et al. 2019, §2.3).
+The library marks what it does with :func:`span` (a bucket's all-reduce, a ring step's compute
+and wait, a pipeline send): nothing is timed unless a Timeline observes. Times: seconds since the
+Timeline was created, per process; ``lane``: the plot row (default the thread's name). Bubble
+fraction: ``1 - (Σ_r busy_r) / (P · span)`` (Huang et al. 2019, §2.3).
 
 Design notes: docs/design/ground.md"""
 
@@ -16,7 +20,7 @@ import threading
 import time
 from typing import NamedTuple
 
-__all__ = ["Event", "Timeline", "COMPUTE", "align", "as_events", "busy_time", "bubble_fraction",
+__all__ = ["Event", "Timeline", "span", "mark", "COMPUTE", "align", "as_events", "busy_time", "bubble_fraction",
            "plot_timeline"]
 
 COMPUTE = ("F", "B", "W")  # a pipeline's compute ops (W: weight gradients); everything else is bubble
@@ -52,12 +56,23 @@ class Timeline:
     def now(self) -> float:
         return time.perf_counter() - self.origin
 
-    def add(self, name: str, start: float, end: float, lane: str | None = None) -> Event:
+    def add(self, name: str, start: float, end: float, lane: str | None = None,
+            **fields) -> Event:
+        """Append an Event (``fields``: its ``rank``, ``mb``, ``stage``)."""
         lane = lane or threading.current_thread().name
-        event = Event(name, start, end, "main" if lane == "MainThread" else lane)
+        event = Event(name, start, end, "main" if lane == "MainThread" else lane, **fields)
         with self._lock:
             self.events.append(event)
         return event
+
+    @contextlib.contextmanager
+    def observe(self):
+        """Inside, every :func:`span` of the library (any thread) is also an Event here."""
+        _OBSERVERS.append(self)
+        try:
+            yield self
+        finally:
+            _OBSERVERS.remove(self)
 
     @contextlib.contextmanager
     def record(self, name: str, lane: str | None = None):
@@ -76,6 +91,31 @@ class Timeline:
         """Summed duration of the events whose name starts with ``prefix`` (and in ``lane``)."""
         return sum(e.duration for e in self.events
                    if e.name.startswith(prefix) and (lane is None or e.lane == lane))
+
+
+_OBSERVERS: list[Timeline] = []   # the timelines inside their observe()
+
+
+@contextlib.contextmanager
+def span(name: str, lane: str | None = None, **fields):
+    """The block as Event ``name`` on every observing :class:`Timeline` (none: untimed)."""
+    if not _OBSERVERS:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        end = time.perf_counter()
+        for tl in list(_OBSERVERS):
+            tl.add(name, start - tl.origin, end - tl.origin, lane, **fields)
+
+
+def mark(name: str, lane: str | None = None, **fields) -> None:
+    """A zero-length Event ``name`` now, on every observing :class:`Timeline`."""
+    for tl in list(_OBSERVERS):
+        t = tl.now()
+        tl.add(name, t, t, lane, **fields)
 
 
 def align(events, t0s=None) -> list[Event]:

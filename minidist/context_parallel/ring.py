@@ -7,18 +7,15 @@ Design notes: docs/design/context_parallel.md
 
 from __future__ import annotations
 
-import contextlib
-import time
-
 import torch
 
 from ..comm import p2p
 from ..comm.p2p import group_rank_world
-from ..trace import Event
+from ..trace import span
 from .blocks import block_backward, block_forward, compute_dtype, merge
 from .sharding import SPLITS, agreed_length, block_kind, chunks
 
-__all__ = ["ring_attention", "RingAttention", "ring_traffic", "recording"]
+__all__ = ["ring_attention", "RingAttention", "ring_traffic"]
 
 _KV, _DKV = 1, 2   # tags: the K/V block and its gradient accumulator are different messages
 
@@ -72,30 +69,6 @@ def _check(q, k, v, split, seq_len, rank, world, group=None):
     return seq_len
 
 
-_RECORD: list | None = None   # set by recording(): where each step's compute and wait go
-
-
-@contextlib.contextmanager
-def recording():
-    r"""``with recording() as events:`` each ring step adds a compute event and a comm "wait"."""
-    global _RECORD
-    previous, _RECORD = _RECORD, []
-    try:
-        yield _RECORD
-    finally:
-        _RECORD = previous
-
-
-def _note(name, lane, start, end, rank, step):
-    if _RECORD is not None:
-        _RECORD.append(Event(name, start, end, lane=lane, rank=rank, stage=step))
-
-
-def _advance(current: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
-    """The block the backward works on next (a test swaps it for the stale-K/V bug)."""
-    return received
-
-
 class RingAttention(torch.autograd.Function):
     """``(out, lse) = RingAttention.apply(q, k, v, group, split, seq_len, causal, scale)``."""
 
@@ -117,16 +90,14 @@ class RingAttention(torch.autograd.Function):
                 if t < world - 1:   # post the next block's transfer before this block's compute
                     incoming = kv.new_empty(2, b, k.shape[1], lay.sizes[(src - 1) % world], d)
                     works = [p2p.irecv(incoming, prv, group, _KV), p2p.isend(kv, nxt, group, _KV)]
-                t0 = time.perf_counter()
-                kc = kv.to(cdt)
-                for qs, qp, ks, kp, kind in lay.pairs(rank, src, q.device):
-                    o, l = block_forward(qc[:, :, qs], kc[0][:, :, ks], kc[1][:, :, ks], qp, kp,
-                                         kind, scale)
-                    out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, l)
-                t1 = time.perf_counter()
-                p2p.wait_all(works)
-                _note(f"fwd {t}", "compute", t0, t1, rank, t)
-                _note("wait", "comm", t1, time.perf_counter(), rank, t)
+                with span(f"fwd {t}", "compute", rank=rank, stage=t):
+                    kc = kv.to(cdt)
+                    for qs, qp, ks, kp, kind in lay.pairs(rank, src, q.device):
+                        o, l = block_forward(qc[:, :, qs], kc[0][:, :, ks], kc[1][:, :, ks], qp,
+                                             kp, kind, scale)
+                        out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, l)
+                with span("wait", "comm", rank=rank, stage=t):
+                    p2p.wait_all(works)
                 if works:
                     kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
@@ -154,30 +125,29 @@ class RingAttention(torch.autograd.Function):
                 if t < world - 1:
                     incoming = kv.new_empty(2, b, h_kv, lay.sizes[(src - 1) % world], d)
                     works = [p2p.irecv(incoming, prv, group, _KV), p2p.isend(kv, nxt, group, _KV)]
-                t0 = time.perf_counter()
-                kc = kv.to(cdt)
-                dkv = torch.zeros(2, b, h_kv, lay.sizes[src], d, dtype=cdt, device=q.device)
-                for qs, qp, ks, kp, kind in lay.pairs(rank, src, q.device):
-                    dq_, dk_, dv_ = block_backward(qc[:, :, qs], kc[0][:, :, ks], kc[1][:, :, ks],
-                                                   do[:, :, qs], lse[:, :, qs], delta[:, :, qs],
-                                                   qp, kp, kind, scale)
-                    dq[:, :, qs] += dq_
-                    dkv[0][:, :, ks] += dk_
-                    dkv[1][:, :, ks] += dv_
-                t1 = time.perf_counter()
-                if t > 0:   # the accumulator of this block, from the ranks that held it before
-                    p2p.wait_all(dkv_works)
-                    dkv += dkv_in
-                p2p.wait_all(works)
-                _note(f"bwd {t}", "compute", t0, t1, rank, t)
-                _note("wait", "comm", t1, time.perf_counter(), rank, t)
+                with span(f"bwd {t}", "compute", rank=rank, stage=t):
+                    kc = kv.to(cdt)
+                    dkv = torch.zeros(2, b, h_kv, lay.sizes[src], d, dtype=cdt, device=q.device)
+                    for qs, qp, ks, kp, kind in lay.pairs(rank, src, q.device):
+                        dq_, dk_, dv_ = block_backward(qc[:, :, qs], kc[0][:, :, ks],
+                                                       kc[1][:, :, ks], do[:, :, qs],
+                                                       lse[:, :, qs], delta[:, :, qs], qp, kp,
+                                                       kind, scale)
+                        dq[:, :, qs] += dq_
+                        dkv[0][:, :, ks] += dk_
+                        dkv[1][:, :, ks] += dv_
+                with span("wait", "comm", rank=rank, stage=t):
+                    if t > 0:   # the accumulator of this block, from the ranks that held it before
+                        p2p.wait_all(dkv_works)
+                        dkv += dkv_in
+                    p2p.wait_all(works)
                 if world > 1:   # pass the accumulator on with its block; the last hop: home
                     dkv_in = dkv.new_empty(2, b, h_kv, lay.sizes[(src - 1) % world], d)
                     sent.append(dkv)
                     dkv_works = [p2p.irecv(dkv_in, prv, group, _DKV),
                                  p2p.isend(dkv, nxt, group, _DKV)]
                 if works:
-                    kv = _advance(kv, incoming)
+                    kv = incoming
             if world > 1:
                 p2p.wait_all(dkv_works)
                 dkv = dkv_in

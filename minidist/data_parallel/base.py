@@ -30,11 +30,14 @@ class SyncDecisionError(RuntimeError):
 class DataParallelBase(nn.Module):
     """Base of the DDP wrappers: ``module`` (same structure on every rank), ``collectives``, ``group``
     (default the world), ``find_unused_parameters``, ``broadcast_buffers``, ``reduce_dtype`` (of the
-    average), ``algorithm`` (``"auto"``: :mod:`minidist.comm.tuner`)."""
+    average), ``algorithm`` (``"auto"``: :mod:`minidist.comm.tuner`), ``ignored_params``:
+    parameters the wrapper neither broadcasts nor averages, because another group replicates
+    them (experts sharded over EP; torch's DDP: ``_set_params_and_buffers_to_ignore_for_model``)."""
 
     def __init__(self, module: nn.Module, collectives: str = "hand-built", group=None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 reduce_dtype: torch.dtype = torch.float32, algorithm: str = "auto"):
+                 reduce_dtype: torch.dtype = torch.float32, algorithm: str = "auto",
+                 ignored_params=()):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__}: the process group is not initialised; run "
@@ -47,8 +50,10 @@ class DataParallelBase(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.reduce_dtype = reduce_dtype
         check_same_structure(module, group, what=f"{type(self).__name__} construction")
-        broadcast_from_rank0(self.communicator, module)
-        self.param_names = {p: n for n, p in module.named_parameters() if p.requires_grad}
+        ignored = set(ignored_params)
+        broadcast_from_rank0(self.communicator, module, skip=ignored)
+        self.param_names = {p: n for n, p in module.named_parameters()
+                            if p.requires_grad and p not in ignored}
         self.params = list(self.param_names)  # registration order
         self._sync_enabled = True         # False inside no_sync()
         self._sync_this_backward = None   # the decision taken by the last forward

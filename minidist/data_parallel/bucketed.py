@@ -6,7 +6,6 @@ Design notes: docs/design/data_parallel.md
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
@@ -16,22 +15,11 @@ from ..backward import in_nested_backward, sink
 from .usage import gradient_users
 from ..comm import bucket_size, tuner
 from ..communicator import CommThread, Communicator
-from ..trace import Timeline
+from ..trace import mark, span
 from .base import DataParallelBase
 from .buckets import Bucket, build_buckets, check_bucket_cap, pack_by_size  # noqa: F401  (re-exported)
 
 __all__ = ["BucketedDDP", "Bucket", "build_buckets", "pack_by_size", "allreduce_hook"]
-
-
-def _record(timeline: Timeline | None, name: str, lane: str):
-    """``timeline.record(name, lane)``, or nothing without a timeline."""
-    return contextlib.nullcontext() if timeline is None else timeline.record(name, lane=lane)
-
-
-def _mark(timeline: Timeline | None, name: str) -> None:
-    if timeline is not None:
-        t = timeline.now()
-        timeline.add(name, t, t, lane="main")
 
 
 def allreduce_hook(state, bucket: Bucket, comm: Communicator) -> None:
@@ -41,11 +29,12 @@ def allreduce_hook(state, bucket: Bucket, comm: Communicator) -> None:
 
 class BucketedDDP(DataParallelBase):
     """Bucketed DDP, communication overlapped with backward. Besides the base's: ``bucket_cap_mb``
-    (default: :func:`minidist.comm.bucket_size.bucket_cap_bytes`), ``first_bucket_cap_mb`` (bucket 0),
-    ``timeline`` (a :class:`minidist.trace.Timeline`)."""
+    (default: :func:`minidist.comm.bucket_size.bucket_cap_bytes`), ``first_bucket_cap_mb`` (bucket 0).
+    Under a :meth:`minidist.trace.Timeline.observe`: "ready bK" marks, "all-reduce bK" on the comm
+    lane, the end of backward's "wait" on main."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None,
-                 timeline: Timeline | None = None, first_bucket_cap_mb: float | None = None, **kwargs):
+                 first_bucket_cap_mb: float | None = None, **kwargs):
         super().__init__(module, **kwargs)
         if bucket_cap_mb is None:   # the model's size (hand-built auto; torch's 25 MiB otherwise)
             comm = self.communicator
@@ -57,7 +46,6 @@ class BucketedDDP(DataParallelBase):
         check_bucket_cap(f"BucketedDDP (rank {self.rank})", "first_bucket_cap_mb",
                          first_bucket_cap_mb, allow_none=True)
         self.bucket_cap_mb = bucket_cap_mb
-        self.timeline = timeline
         first = None if first_bucket_cap_mb is None else int(first_bucket_cap_mb * 2**20)
         self.buckets = build_buckets(self.params, self.param_names, int(bucket_cap_mb * 2**20),
                                      self.reduce_dtype, first, fill=True)
@@ -136,7 +124,7 @@ class BucketedDDP(DataParallelBase):
         bucket.filled += 1
         self.ready_order.append(bucket.names[i])
         if bucket.ready:
-            _mark(self.timeline, f"ready b{bucket.index}")
+            mark(f"ready b{bucket.index}", "main")
             self._launch_in_order()
 
     def _start_backward(self) -> None:
@@ -162,7 +150,7 @@ class BucketedDDP(DataParallelBase):
     def _run_bucket(self, bucket: Bucket, comm: Communicator) -> None:
         """On the comm thread: apply the hook (default: average) to one bucket."""
         try:
-            with _record(self.timeline, f"all-reduce b{bucket.index}", "comm"):
+            with span(f"all-reduce b{bucket.index}", "comm"):
                 self._hook(self._hook_state, bucket, comm)
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
             bucket.error = e
@@ -185,7 +173,7 @@ class BucketedDDP(DataParallelBase):
             b.slot(i).zero_()
             b.filled += 1
         self._launch_in_order()
-        with _record(self.timeline, "wait", "main"):
+        with span("wait", "main"):
             for b in self.buckets:
                 b.done.wait()
         for b in self.buckets:

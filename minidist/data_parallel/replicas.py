@@ -78,11 +78,13 @@ def broadcast_module(module: nn.Module, collectives: str = "hand-built", group=N
     broadcast_from_rank0(Communicator(collectives, group, algorithm=algorithm), module, buffers_only)
 
 
-def broadcast_from_rank0(comm: Communicator, module: nn.Module, buffers_only: bool = False) -> None:
-    """:func:`broadcast_module` on ``comm`` (what a wrapper that holds one passes down)."""
+def broadcast_from_rank0(comm: Communicator, module: nn.Module, buffers_only: bool = False,
+                         skip=frozenset()) -> None:
+    """:func:`broadcast_module` on ``comm`` (what a wrapper that holds one passes down), but the
+    parameters in ``skip``."""
     if comm.world_size == 1:
         return
-    tensors = [] if buffers_only else [p.data for p in module.parameters()]
+    tensors = [] if buffers_only else [p.data for p in module.parameters() if p not in skip]
     tensors += [b for b in module.buffers()]
     by_device: dict = {}
     for t in tensors:

@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 
 from ..sharding.fsdp import set_requires_gradient_sync
+from ..trace import span
 from .clip import clip_grad_norm_
 from .dp import DP_MODES, SHARDED, PipelineBucketedDDP, refuse_zero2, shard_stages
-from .moe import average_gradients, refuse_expert_dp_mode
+from ..expert_parallel.gpt import is_expert
+from .moe import average_expert_gradients, average_gradients, refuse_expert_dp_mode
 
 __all__ = ["DPMode", "dp_mode_for", "wrap_stages"]
 
@@ -28,8 +30,6 @@ class DPMode:
     """``flat`` (and ``zero1`` without an optimizer): after the last backward the engine averages
     all of a rank's gradients over DP×CP as one flat buffer; with experts, each over its own
     replicas (:func:`~.moe.average_gradients`)."""
-
-    works_after_backward = False   # the step records its after_backward as "dp_sync" if True
 
     def __init__(self, model, optimizer, modules: dict):
         self.model, self.optimizer, self.modules = model, optimizer, modules
@@ -54,12 +54,15 @@ class DPMode:
 
 class Bucketed(DPMode):
     """Each stage's :class:`~.dp.PipelineBucketedDDP` all-reduces its buckets during the stage's
-    last backward."""
+    last backward; experts sharded over EP are left out of its buckets and averaged after the
+    pipeline over their own replicas (torchtitan's dp_shard_mod_ep mesh, as a DDP)."""
 
     def backward_context(self):
         return lambda s, m, last: self.modules[s].backward_sync(last)
 
     def average(self):
+        if self.model.moe_layers and self.model.grid.ep_size > 1:
+            return lambda: average_expert_gradients(self.model.parameters(), self.model.grid)
         return False
 
 
@@ -67,13 +70,12 @@ class ZeRO1(DPMode):
     """The :class:`~.dp.ZeRO1Optimizer` reduce-scatters the local gradients after the pipeline and
     clips from its averaged slices."""
 
-    works_after_backward = True
-
     def average(self):
         return False
 
     def after_backward(self) -> None:
-        self.optimizer.reduce_gradients()
+        with span("dp_sync"):
+            self.optimizer.reduce_gradients()
 
     def clip(self, max_norm: float) -> float:
         return self.optimizer.clip_grad_norm_(max_norm)
@@ -125,7 +127,10 @@ def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> d
         shard_stages(model, dp_mode)
     if dp_mode != "bucketed":
         return dict(model.stages)
-    return {s: PipelineBucketedDDP(m, group=model.grid.dp_cp_group, bucket_cap_mb=bucket_cap_mb)
+    sharded = model.grid.ep_size > 1   # experts: replicated over expert-DP, not over DP×CP
+    return {s: PipelineBucketedDDP(m, group=model.grid.dp_cp_group, bucket_cap_mb=bucket_cap_mb,
+                                   ignored_params=[p for p in m.parameters()
+                                                   if sharded and is_expert(p)])
             for s, m in sorted(model.stages.items())}
 
 

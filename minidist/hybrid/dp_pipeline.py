@@ -23,7 +23,6 @@ may come before or after that average.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -34,7 +33,7 @@ from .. import collectives as C
 from ..communicator import Communicator
 from ..data_parallel.flat import average_flat
 from ..pipeline_parallel.engine import StepResult, pipeline_step, scale_gradients
-from ..trace import Event
+from ..trace import span
 
 __all__ = ["dp_pipeline_step", "sync_gradients", "average_params"]
 
@@ -64,7 +63,7 @@ def average_params(params: list[nn.Parameter], group) -> None:
 
 def dp_pipeline_step(schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
                      pp_group, dp_group, loss_reduction: str = "mean", average: bool | Callable[[], None] = True,
-                     record: bool = False, device=None, prefetch: bool | None = None,
+                     device=None, prefetch: bool | None = None,
                      backward_context=None, autocast_dtype=None) -> StepResult:
     """One pipeline step on this replica's shard ``inputs``/``targets`` (``[N/D, ...]``), composed
     with data parallelism over ``dp_group`` (module docstring).
@@ -74,8 +73,7 @@ def dp_pipeline_step(schedule, modules: dict[int, nn.Module], inputs, targets, l
     a DDP wrapper or ZeRO averages the gradients; a function of no argument to average them
     another way: experts over their own group, :func:`minidist.hybrid.moe.average_gradients`). Returns the engine's :class:`StepResult`; for
     ``"sum"``/``"per_token"`` its ``global_loss`` is the global batch's loss on every rank and
-    ``tokens`` (``"per_token"``) the global count. With ``record``, the average is a
-    ``"dp_sync"`` Event on the timeline.
+    ``tokens`` (``"per_token"``) the global count. The average is a ``"dp_sync"`` span.
 
     Raises ``ValueError`` as the engine does, and when ``loss_reduction="per_token"`` and
     ``loss_fn`` does not return ``(sum, count)``.
@@ -91,21 +89,15 @@ def dp_pipeline_step(schedule, modules: dict[int, nn.Module], inputs, targets, l
                                  f"{type(out).__name__}")
             counts.append(float(out[1]))
             return out[0]
-    result = pipeline_step(schedule, modules, inputs, targets, fn, group=pp_group, record=record,
+    result = pipeline_step(schedule, modules, inputs, targets, fn, group=pp_group,
                            device=device, prefetch=prefetch, backward_context=backward_context,
                            autocast_dtype=autocast_dtype,
                            loss_reduction="sum" if loss_reduction == "per_token" else loss_reduction)
     if loss_reduction != "mean":
         _over_replicas(result, modules, pp_group, dp_group, loss_reduction, sum(counts), device)
     if average:
-        start = time.perf_counter()
-        if callable(average):
-            average()
-        else:
-            sync_gradients(modules, dp_group)
-        if record:
-            result.events.append(Event("dp_sync", start - result.t0, time.perf_counter() - result.t0,
-                                       rank=dist.get_rank(pp_group)))
+        with span("dp_sync"):
+            average() if callable(average) else sync_gradients(modules, dp_group)
     return result
 
 

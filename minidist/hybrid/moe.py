@@ -54,7 +54,7 @@ from ..tensor_parallel.gpt import use_tracker_dropout
 from .dp_pipeline import average_params
 
 __all__ = ["MOE_OPTIONS", "check_moe", "install_experts", "local_full_state", "global_names", "local_names",
-           "aux_weight", "average_gradients", "refuse_expert_dp_mode"]
+           "aux_weight", "average_gradients", "average_expert_gradients", "refuse_expert_dp_mode"]
 
 MOE_OPTIONS = ("num_experts", "top_k", "capacity_factor", "drop_policy", "normalize_topk",
                "aux_loss_coeff", "z_loss_coeff")
@@ -154,7 +154,13 @@ def average_gradients(params: list[nn.Parameter], grid) -> None:
     group, expert ones over the expert-DP group and divided by ``ep`` (module text)."""
     params = [p for p in params if p.requires_grad]
     average_params([p for p in params if not is_expert(p)], grid.dp_cp_group)
-    experts = [p for p in params if is_expert(p)]
+    average_expert_gradients(params, grid)
+
+
+def average_expert_gradients(params: list[nn.Parameter], grid) -> None:
+    """The expert parameters among ``params``: averaged over the expert-DP group (the ranks that
+    hold the same experts) and divided by ``ep`` (module text)."""
+    experts = [p for p in params if p.requires_grad and is_expert(p)]
     average_params(experts, _expert_replicas(grid))
     if grid.ep_size > 1:
         for p in experts:
@@ -171,7 +177,7 @@ def refuse_expert_dp_mode(model, dp_mode: str, who: str) -> None:
     """``ValueError`` (every rank, before any communication) for bucketed DDP, ZeRO-1 or ZeRO-3
     with experts sharded over EP: they average (or shard) every parameter over the DP×CP group,
     whose ranks hold other experts."""
-    if dp_mode != "flat" and model.moe_layers and model.grid.ep_size > 1:
+    if dp_mode not in ("flat", "bucketed") and model.moe_layers and model.grid.ep_size > 1:
         raise ValueError(f"{who} (rank {model.grid.rank}): dp_mode={dp_mode!r} with expert "
                          f"parallelism (ep={model.grid.ep_size}) is not supported: it averages "
                          "every parameter over the DP×CP ranks, which hold other experts (each "

@@ -31,8 +31,9 @@ Context parallelism (a grid with ``cp > 1``): each rank holds ``s/cp`` positions
 cut by the zigzag split (:mod:`minidist.context_parallel.sharding`); stage 0 embeds them at their
 *global* positions, attention is ring attention over the CP group
 (:class:`~minidist.context_parallel.attention.ContextParallelSelfAttention`), everything else is
-per token and unchanged. ``s`` must divide by ``2·cp``; no sequence parallelism or attention
-dropout with CP.
+per token and unchanged. ``s`` must divide by ``2·cp``; no attention dropout with CP. With
+sequence parallelism too, each rank's ``s/cp`` positions are cut again over TP between the
+attention blocks (``s/cp`` must divide by ``tp``), as torchtitan runs TP with SP beside CP.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from ..pipeline_parallel.partition import balanced_bounds
 from ..sharding.recompute import checkpoint
 from ..tensor_parallel.gpt import GPTStage
 from ..tensor_parallel.random import get_rng_tracker
+from ..trace import span
 from ..tensor_parallel.sequence import allreduce_sequence_parallel_grads
 from ..sharding.fsdp_state import full_gradients, full_state_dict
 from ..tensor_parallel.sharding import gather_state_dict, gather_tensors, shard_state_dict
@@ -114,14 +116,12 @@ def check_grid(cfg: GPTConfig, dp: int, pp: int, tp: int, chunks: int = 1,
     with sequence parallelism, a global batch not divisible by ``dp``, fewer samples per replica
     than ``microbatches``, ``microbatches % pp`` with the interleaved schedule (``chunks > 1``,
     ``placement="loop"``), a ``placement`` other than ``"loop"``/``"v"``, ``"v"`` without 2 chunks;
-    with ``cp > 1``: ``seq_len % (2·cp)`` (the zigzag split), sequence parallelism, attention dropout.
+    with ``cp > 1``: ``seq_len % (2·cp)`` (the zigzag split), attention dropout, and with sequence
+    parallelism ``(seq_len / cp) % tp``.
     Every rank raises the same error before any communication, so nothing hangs."""
     who = f"hybrid GPT (rank {rank}, grid dp={dp} pp={pp} tp={tp} chunks={chunks}" + (
         f" cp={cp})" if cp > 1 else ")")
     if cp > 1:
-        if sequence_parallel:
-            raise ValueError(f"{who}: sequence parallelism and context parallelism together are "
-                             "not supported; turn sequence_parallel off")
         if cfg.attn_dropout:
             raise ValueError(f"{who}: attention dropout ({cfg.attn_dropout}) is not supported "
                              "with context parallelism; set attn_dropout=0")
@@ -137,9 +137,11 @@ def check_grid(cfg: GPTConfig, dp: int, pp: int, tp: int, chunks: int = 1,
                          f"among the divisors of {cfg.n_head}")
     if cfg.n_embd % cfg.n_head:
         raise ValueError(f"{who}: n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise ValueError(f"{who}: sequence parallelism needs the sequence length ({seq_len}) "
-                         f"divisible by tp={tp}; change the sequence length or turn it off")
+    if sequence_parallel and seq_len is not None and (seq_len // cp) % tp:
+        held = f"the {seq_len // cp} positions each CP rank holds" if cp > 1 else \
+            f"the sequence length ({seq_len})"
+        raise ValueError(f"{who}: sequence parallelism needs {held} divisible by tp={tp}; "
+                         "change the sequence length or turn it off")
     if batch is not None:
         if batch % dp:
             raise ValueError(f"{who}: the global batch of {batch} samples does not split evenly "
@@ -281,8 +283,9 @@ class HybridGPT:
         et al. 2022 §4.2.2). Call once, after every micro-batch's backward (it commutes with the DP
         average, so before or after it)."""
         if self.sequence_parallel:
-            for s in sorted(self.stages):
-                allreduce_sequence_parallel_grads(self.stages[s], self.grid.tp_group)
+            with span("sp grads"):
+                for s in sorted(self.stages):
+                    allreduce_sequence_parallel_grads(self.stages[s], self.grid.tp_group)
 
     def allreduce_tied_grads(self) -> None:
         """Sum the gradients of the tied embedding's two copies (first and last stage)."""
@@ -298,7 +301,8 @@ class HybridGPT:
         p = (self.first.tok_emb.weight if self.first is not None else
              cast(GPTStage, self.last).head.weight)
         p.grad = _grad(p)
-        C.all_reduce(p.grad, "sum", group=self.grid.embedding_group)
+        with span("tied grads"):
+            C.all_reduce(p.grad, "sum", group=self.grid.embedding_group)
 
     # ------------------------------------------------------------------ inspection
     def gather(self, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -10,15 +10,13 @@ their order does not change the result beyond fp32 rounding. More: docs/design/h
 
 from __future__ import annotations
 
-import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
 
 from ..context_parallel.sharding import shard
 from ..pipeline_parallel.engine import StepResult
-from ..trace import Event
+from ..trace import span
 from .check_step import check_step
 from .dp_modes import dp_mode_for
 from .dp_pipeline import dp_pipeline_step
@@ -45,7 +43,7 @@ class StepOutput:
 def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torch.Tensor,
                microbatches: int, schedule: str | None = None, dp_mode: str = "flat",
                loss_reduction: str | None = None, max_norm: float | None = None,
-               record: bool = False, step: bool = True,
+               step: bool = True,
                autocast_dtype: torch.dtype | None = None) -> StepOutput:
     """One step on the global batch ``ids``/``targets`` ``[B, s]`` (the same on every rank).
 
@@ -56,8 +54,8 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     interleaved with chunks > 1); ``loss_reduction``: ``"mean"``, ``"sum"``, ``"per_token"`` or
     None (per-token when a target is -100); ``autocast_dtype``: forwards under ``torch.autocast``,
     the rest fp32. ``microbatches`` is gradient accumulation: weighted so that their sum is the
-    global batch's loss, averaged over DP once. With ``record`` the step's phases are Events on
-    the engine's timeline. Raises ``ValueError`` on every rank before communicating
+    global batch's loss, averaged over DP once. Under a :meth:`~minidist.trace.Timeline.observe`
+    the step's phases are spans ("send", "recv", "dp_sync", "clip", ...). Raises ``ValueError`` on every rank before communicating
     (:func:`~.check_step.check_step` lists what).
     """
     sched, loss_reduction = check_step(model, optimizer, modules, ids, targets, microbatches,
@@ -76,37 +74,19 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     with AuxMeter(model, x.shape[0]) as aux:
         result = dp_pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),
                                   grid.pp_group, grid.dp_cp_group, loss_reduction=loss_reduction,
-                                  average=mode.average(), record=record,
+                                  average=mode.average(),
                                   backward_context=mode.backward_context(),
                                   device=device_of(model), autocast_dtype=autocast_dtype)
-    timed = _Timed(result, record, grid.pp_rank)
-    with timed("sp grads", model.sequence_parallel):
-        model.finish_sequence_parallel_grads()
-    with timed("tied grads", grid.embedding_group is not None and model.tied):
-        model.allreduce_tied_grads()
-    with timed("dp_sync", mode.works_after_backward):
-        mode.after_backward()
-    with timed("clip", max_norm is not None):
-        norm = mode.clip(max_norm) if max_norm is not None else None
-    with timed("optimizer", step):
-        if step:
+    model.finish_sequence_parallel_grads()
+    model.allreduce_tied_grads()
+    mode.after_backward()
+    norm = None
+    if max_norm is not None:
+        with span("clip"):
+            norm = mode.clip(max_norm)
+    if step:
+        with span("optimizer"):
             optimizer.step()
     aux_loss = aux.global_value() if model.moe_layers else None
     return StepOutput(global_loss(model, result) + (aux_loss or 0.0), norm, result, aux_loss)
 
-
-class _Timed:
-    """``with timed(name, applies)``: with ``record``, the block becomes an Event ``name`` on the
-    step's timeline (times from ``result.t0``, as the engine's; on pipeline rank ``rank``)."""
-
-    def __init__(self, result: StepResult, record: bool, rank: int):
-        self.result, self.record, self.rank = result, record, rank
-
-    @contextlib.contextmanager
-    def __call__(self, name: str, applies: bool = True):
-        start = time.perf_counter()
-        yield
-        if self.record and applies:
-            t0 = self.result.t0
-            self.result.events.append(Event(name, start - t0, time.perf_counter() - t0,
-                                            rank=self.rank))

@@ -28,8 +28,10 @@ __all__ = ["pipeline_step", "StepResult", "local_stages", "recv_plan"]
 
 @dataclass
 class StepResult:
-    """``loss``: full-batch loss on the last stage's rank (None elsewhere); ``events``: timeline if
-    ``record``; ``peak_inflight`` / ``peak_activation_bytes``: {stage: peak}; ``t0``: clock offset."""
+    """``loss``: full-batch loss on the last stage's rank (None elsewhere); ``events``: the F, B
+    and W ops run (the transport's sends and receives are spans: observe a
+    :class:`~minidist.trace.Timeline`); ``peak_inflight`` / ``peak_activation_bytes``: {stage:
+    peak}; ``t0``: clock offset."""
 
     loss: float | None
     events: list = field(default_factory=list)
@@ -159,7 +161,7 @@ def _weight_op(st: _StepState, m: int, s: int) -> None:
 
 
 def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
-                  group=None, record: bool = False, device=None,
+                  group=None, device=None,
                   prefetch: bool | None = None, loss_reduction: str = "mean",
                   backward_context=None, autocast_dtype: torch.dtype | None = None) -> StepResult:
     """Run one step's forwards and backwards of ``schedule`` on this rank.
@@ -193,14 +195,12 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
     mb_inputs = microbatch.split(inputs, M, "input batch") if 0 in modules else None
     mb_targets = microbatch.split(targets, M, "target batch") if last in modules else None
     weights = microbatch.loss_weights(targets.shape[0], M) if last in modules else None
-    if record:
-        dist.barrier(group=group)
     t0 = time.perf_counter()
 
     def clock():
         return time.perf_counter() - t0
 
-    transport = Transport(group, device, clock if record else None)
+    transport = Transport(group, device)
     split = schedule.split(rank)
     st = _StepState(schedule, modules, rank, device, transport, StageActivationMeter(modules), clock,
                     loss_fn, mb_inputs, mb_targets, weights, loss_reduction, backward_context,
@@ -217,15 +217,10 @@ def pipeline_step(schedule: Schedule, modules: dict[int, nn.Module], inputs, tar
     global_loss = tokens = None
     if loss_reduction != "mean":
         global_loss, tokens = _reduce_loss(st, modules, group, loss_reduction)
-    events = []
-    if record:
-        events = st.events + [Event(k, a, b, rank=rank, mb=mb, stage=s)
-                              for k, mb, s, a, b in transport.events]
-        events.sort(key=lambda e: e.start)
     local = None if st.total is None else float(st.total)
     if local is not None and loss_reduction == "per_token":
         local = local / st.count if st.count else float("nan")
-    return StepResult(local, events, dict(st.meter.peak_inflight), dict(st.meter.peak_bytes), t0,
+    return StepResult(local, st.events, dict(st.meter.peak_inflight), dict(st.meter.peak_bytes), t0,
                       global_loss, tokens)
 
 

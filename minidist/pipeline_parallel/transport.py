@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import p2p
+from ..trace import span
 
 __all__ = ["Transport", "HEADER_LEN", "TransportError"]
 
@@ -33,16 +34,15 @@ def _tag(kind: str, mb: int, from_stage: int) -> int:
 
 class Transport:
     """Pipeline messages for one rank of ``group``: ``send`` non-blocking (kept alive until
-    :meth:`finish`), ``recv`` blocking; ``(kind, start, end)`` recorded when ``clock`` is given."""
+    :meth:`finish`), ``recv`` blocking. Under a :meth:`minidist.trace.Timeline.observe`: spans
+    ``"send"`` (posting), ``"recv"`` (waiting for a message) and ``"send wait"`` (the end)."""
 
-    def __init__(self, group=None, device=None, clock=None):
+    def __init__(self, group=None, device=None):
         self.group = group
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.device = device or torch.device("cpu")
         self.pending = []  # (works, tensors) until finish()
         self.mailbox = {}  # local hand-offs
-        self.clock = clock
-        self.events = []  # (kind, mb, stage, start, end)
         self._thread = None
 
     def _label(self, what: str, kind: str, mb: int, a: int, b: int) -> str:
@@ -51,11 +51,14 @@ class Transport:
     def send(self, tensor: torch.Tensor, peer: int, kind: str, mb: int, from_stage: int,
              to_stage: int) -> None:
         """Post ``tensor`` (activation or gradient of micro-batch ``mb``) to group rank ``peer``."""
-        t0 = self.clock() if self.clock else 0.0
         tensor = tensor.detach()
         if peer == self.rank:
             self.mailbox[(kind, mb, from_stage)] = tensor
             return
+        with span("send", rank=self.rank, mb=mb, stage=from_stage):
+            self._post(tensor, peer, kind, mb, from_stage, to_stage)
+
+    def _post(self, tensor, peer: int, kind: str, mb: int, from_stage: int, to_stage: int) -> None:
         if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
             raise TransportError(f"pipeline send (rank {self.rank}, stage {from_stage}->{to_stage}): "
                                  f"cannot send a {tensor.dim()}-d {tensor.dtype} tensor (at most "
@@ -71,12 +74,9 @@ class Transport:
             works = [p2p.isend(header, peer, self.group, tag=tag),
                      p2p.isend(tensor, peer, self.group, tag=tag)]
         self.pending.append((works, (header, tensor)))
-        if self.clock:
-            self.events.append(("send", mb, from_stage, t0, self.clock()))
 
     def recv(self, peer: int, kind: str, mb: int, from_stage: int, to_stage: int) -> torch.Tensor:
         """Block until the ``kind`` message of micro-batch ``mb`` from ``from_stage`` arrives."""
-        t0 = self.clock() if self.clock else 0.0
         if peer == self.rank:
             key = (kind, mb, from_stage)
             if key not in self.mailbox:
@@ -84,17 +84,17 @@ class Transport:
                                      f"micro-batch {mb} from stage {from_stage} (same rank) was "
                                      "never produced: the schedule runs this op too early")
             return self.mailbox.pop(key)
+        with span("recv", rank=self.rank, mb=mb, stage=to_stage):
+            return self._recv_remote(peer, kind, mb, from_stage, to_stage)
+
+    def _recv_remote(self, peer: int, kind: str, mb: int, from_stage: int, to_stage: int):
         if self._thread is not None:
             # say what the main thread waits for (the launcher's timeout report shows it); the
             # receive thread publishes its own op too, whichever speaks last is shown
             p2p.publish(f"{self._label('recv', kind, mb, from_stage, to_stage)}: waiting for the "
                          f"prefetch thread (receiving from rank {peer})")
-            out = self._take((kind, mb, from_stage))
-        else:
-            out = self._recv_now(peer, kind, mb, from_stage, to_stage)
-        if self.clock:
-            self.events.append(("recv", mb, to_stage, t0, self.clock()))
-        return out
+            return self._take((kind, mb, from_stage))
+        return self._recv_now(peer, kind, mb, from_stage, to_stage)
 
     def _recv_now(self, peer: int, kind: str, mb: int, from_stage: int, to_stage: int):
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
@@ -149,8 +149,7 @@ class Transport:
 
     def finish(self) -> None:
         """Wait for every posted send (call at the end of a step)."""
-        t0 = self.clock() if self.clock else 0.0
-        with p2p.collective("pp/finish sends"):
+        with p2p.collective("pp/finish sends"), span("send wait", rank=self.rank):
             p2p.wait_all(w for works, _ in self.pending for w in works)
         self.pending.clear()
         if self._thread is not None:
@@ -159,5 +158,3 @@ class Transport:
         if self.mailbox:
             raise TransportError(f"pipeline (rank {self.rank}): messages never consumed: "
                                  f"{sorted(self.mailbox)}")
-        if self.clock and self.events:
-            self.events.append(("wait", -1, -1, t0, self.clock()))

@@ -52,7 +52,8 @@ def _parallel(rank, world, b, h, s, d, reps):
     import torch.distributed as dist
 
     from minidist.comm import p2p
-    from minidist.context_parallel import ring, ring_attention, shard, ulysses_attention
+    from minidist.context_parallel import ring_attention, shard, ulysses_attention
+    from minidist.trace import Timeline
     out = {"ring": [], "ulysses": [], "fwd_wait": [], "bwd_wait": [], "fwd_alone": [],
            "bwd_alone": []}
     for i in range(reps + 1):
@@ -60,11 +61,13 @@ def _parallel(rank, world, b, h, s, d, reps):
             q, k, v, do = (shard(t, "zigzag", world, rank, dim=2) for t in _data(b, h, s, d))
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             dist.barrier()
-            with ring.recording() as events:
+            tl = Timeline()
+            with tl.observe():
                 t0 = time.perf_counter()
                 o, _ = fn(q, k, v, split="zigzag", seq_len=s)
                 o.backward(do)
                 dt = time.perf_counter() - t0
+            events = tl.events
             if i:
                 out[name].append(dt)
                 if name == "ring":

@@ -23,6 +23,8 @@ is "hidden" behind backward; on idle cores only the wait does.
 
 from __future__ import annotations
 
+import contextlib
+
 import statistics
 import time
 
@@ -66,13 +68,12 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
     variants = {}
     m, shape = _model(model_name)
     variants["minidist"] = BucketedDDP(m, bucket_cap_mb=bucket_cap_mb, collectives=collectives,
-                                       timeline=tls["minidist"],
                                        first_bucket_cap_mb=first_bucket_cap_mb, algorithm=algorithm)
     if profile:
         m, _ = _model(model_name)
         tls["bucketed+torch"] = Timeline()
         variants["bucketed+torch"] = BucketedDDP(m, bucket_cap_mb=bucket_cap_mb,
-                                                 collectives="torch", timeline=tls["bucketed+torch"],
+                                                 collectives="torch",
                                                  first_bucket_cap_mb=first_bucket_cap_mb)
     m, _ = _model(model_name)
     variants["torch"] = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb)
@@ -103,11 +104,12 @@ def _rank_bench(rank, world, model_name, steps, warmup, batch_size, bucket_cap_m
             f0 = _minor_faults()
             c0 = time.process_time()
             t0 = time.perf_counter()
-            opts[name].zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            if hasattr(model, "sync_gradients"):
-                model.sync_gradients()
-            opts[name].step()
+            with tl.observe() if tl is not None else contextlib.nullcontext():
+                opts[name].zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                if hasattr(model, "sync_gradients"):
+                    model.sync_gradients()
+                opts[name].step()
             dt = time.perf_counter() - t0
             dc = time.process_time() - c0
             if step >= warmup:

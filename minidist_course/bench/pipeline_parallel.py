@@ -23,13 +23,14 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from minidist.launch import run
 from minidist.pipeline_parallel.engine import local_stages, pipeline_step
 from minidist.pipeline_parallel.catalog import make_schedule
 from minidist.pipeline_parallel.simulator import bubble_formula, simulate
-from minidist.trace import align, bubble_fraction
+from minidist.trace import Timeline, align, bubble_fraction
 
 from .pipeline_critical_path import critical_path
 
@@ -88,8 +89,14 @@ def _worker(rank, world, name, M, v, t_f, t_b, steps, width, batch, t_w=None):
     for _ in range(steps):
         for m in mods.values():
             m.zero_grad()
-        res = pipeline_step(schedule, mods, x, y, nn.functional.mse_loss, record=True)
-        out.append((res.events, res.peak_inflight, res.peak_activation_bytes, res.loss, res.t0))
+        tl = Timeline()   # the transport's spans: send, recv, send wait
+        dist.barrier()    # every rank starts the step together
+        with tl.observe():
+            res = pipeline_step(schedule, mods, x, y, nn.functional.mse_loss)
+        shift = tl.origin - res.t0   # onto the engine's clock
+        comm = [e._replace(start=e.start + shift, end=e.end + shift) for e in tl.events]
+        out.append((sorted(res.events + comm, key=lambda e: e.start), res.peak_inflight,
+                    res.peak_activation_bytes, res.loss, res.t0))
     return out
 
 

@@ -1,8 +1,8 @@
 """Where one 3-D training step spends its time, rank by rank: a Gantt chart of compute and of the
 three kinds of communication.
 
-:func:`record_step` runs :func:`minidist.hybrid.train_step` with every recorder on and returns this
-rank's :class:`minidist.trace.Event` list:
+:func:`record_step` runs :func:`minidist.hybrid.train_step` under a Timeline that observes every
+span of the library and returns this rank's :class:`minidist.trace.Event` list:
 
 =========  =====================================================================================
 kind       events (``name``), and who records them
@@ -13,7 +13,7 @@ tp         ``"tp all_reduce"`` / ``"tp all_gather"`` / ``"tp reduce_scatter"``: 
            times every collective it files); they run *inside* an F or B bar. ``"sp grads"``: the
            sequence-parallel gradient sum after the pipeline
 pp         ``"send"`` (posting an isend), ``"recv"`` (the main thread waiting for an activation or a
-           gradient), ``"wait"`` (the sends at the end): the engine's transport; ``"tied grads"``:
+           gradient), ``"send wait"`` (the sends at the end): the engine's transport; ``"tied grads"``:
            the tied embedding's gradient sum between the first and last stage
 dp         ``"dp_sync"`` (flat and ZeRO-1 average after the last backward), ``"all-reduce bN"``
            (bucketed DDP, on its communication thread: lane ``"comm"``) and ``"ddp wait"``,
@@ -48,7 +48,7 @@ KINDS = {"compute": ("#4C72B0", "compute (F / B)"), "tp": ("#DD8452", "TP comm")
          "pp": ("#55A868", "PP comm"), "dp": ("#C44E52", "DP comm"),
          "other": ("#8172B2", "clip, optimizer")}
 _SHADE = {"F": ("#7EA6E0", "forward"), "B": ("#2F4F8A", "backward")}
-_NAMES = {"F": "compute", "B": "compute", "sp grads": "tp", "send": "pp", "recv": "pp", "wait": "pp",
+_NAMES = {"F": "compute", "B": "compute", "sp grads": "tp", "send": "pp", "recv": "pp", "send wait": "pp",
           "tied grads": "pp", "dp_sync": "dp", "ddp wait": "dp", "zero1 all-gather": "dp",
           "clip": "other", "optimizer": "other"}
 _PREFIXES = (("tp ", "tp"), ("all-reduce b", "dp"))
@@ -80,37 +80,31 @@ class _TimedComm:
 
 
 def record_step(model, optimizer, modules: dict, ids, targets, microbatches: int, **kw):
-    """One :func:`~minidist.hybrid.train_step` (same arguments; ``record`` is forced on), timed.
+    """One :func:`~minidist.hybrid.train_step` (same arguments), timed: the engine's F/B ops and
+    every span of the library (a :class:`~minidist.trace.Timeline` observes the step).
 
     Collective over the world (a barrier first, so that every rank's step starts together).
     Returns ``(StepOutput, events)``: this rank's Events, kinds as in the module docstring, global
-    rank, absolute ``perf_counter`` seconds. Leaves the wrappers and optimizer as they were.
+    rank, absolute ``perf_counter`` seconds. Leaves the optimizer as it was.
     """
-    kw["record"] = True
     grid = model.grid
     extra: list[Event] = []
-    timelines = {}
-    for s, m in modules.items():          # bucketed DDP: its own recorder, on the absolute clock
-        if hasattr(m, "timeline"):
-            timelines[s] = m.timeline
-            m.timeline = Timeline()
-            m.timeline.origin = 0.0
+    tl = Timeline()
+    tl.origin = 0.0                       # spans on the absolute clock, as the engine's t0
     comm = getattr(optimizer, "comm", None)
     if comm is not None and hasattr(comm, "all_gather"):
         optimizer.comm = _TimedComm(comm, extra)
     dist.barrier()
     try:
-        with accounting.comm_log() as log:
+        with accounting.comm_log() as log, tl.observe():
             out = train_step(model, optimizer, modules, ids, targets, microbatches, **kw)
     finally:
         if comm is not None and hasattr(comm, "all_gather"):
             optimizer.comm = comm
-        for s, old in timelines.items():
-            extra += [e._replace(name="ddp wait") if e.name == "wait" else e
-                      for e in modules[s].timeline.events if not e.name.startswith("ready ")]
-            modules[s].timeline = old
     t0 = out.result.t0
     events = [e._replace(start=e.start + t0, end=e.end + t0) for e in out.result.events]
+    events += [e._replace(name="ddp wait") if e.name == "wait" else e
+               for e in tl.events if not e.name.startswith("ready ")]
     events += [Event(f"tp {c.op}", c.start, c.end) for c in log if c.end > c.start]
     events = [e._replace(rank=grid.rank) for e in events + extra
               if grid.dp_size > 1 or kind_of(e) != "dp"]   # dp = 1: no DP communication

@@ -196,7 +196,7 @@ def train_input_pipeline(rank: int, world_size: int, folder: str, epochs: int = 
     size = data[0][0].shape[-1]
     torch.manual_seed(seed)
     tl = Timeline()
-    ddp = BucketedDDP(MLP(size * size, (hidden, hidden), 10), bucket_cap_mb=0.25, timeline=tl)
+    ddp = BucketedDDP(MLP(size * size, (hidden, hidden), 10), bucket_cap_mb=0.25)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05 * world_size, momentum=0.9)
     g = torch.Generator().manual_seed(seed + rank)
     pinned, warned, steps, loss, worker_pids = [], [], 0, torch.zeros(()), []

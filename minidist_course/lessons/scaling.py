@@ -32,14 +32,15 @@ def recorded_step(ddp, opt, x: torch.Tensor, y: torch.Tensor, tl: Timeline) -> t
     """One DDP training step (cross-entropy) with its phases on ``tl``'s ``main`` lane:
     ``forward``, ``backward`` (the buckets' all-reduces start inside it, on ``comm``), the wait
     for the last bucket (``ddp.sync_gradients``) and ``optimizer``. Returns the loss."""
-    with tl.record("forward"):
-        loss = F.cross_entropy(ddp(x), y)
-    with tl.record("backward"):
-        loss.backward()
-    ddp.sync_gradients()
-    with tl.record("optimizer"):
-        opt.step()
-        opt.zero_grad()
+    with tl.observe():   # and the wrapper's own spans: "all-reduce bK" (comm), "wait" (main)
+        with tl.record("forward"):
+            loss = F.cross_entropy(ddp(x), y)
+        with tl.record("backward"):
+            loss.backward()
+        ddp.sync_gradients()
+        with tl.record("optimizer"):
+            opt.step()
+            opt.zero_grad()
     return loss
 
 def time_dp_steps(rank: int, world_size: int, batch: int, steps: int = 20, warmup: int = 3,
@@ -50,7 +51,7 @@ def time_dp_steps(rank: int, world_size: int, batch: int, steps: int = 20, warmu
     (forward + backward + optimizer, less the wait) and exposed communication (DDP's ``"wait"``) per step."""
     torch.manual_seed(seed + rank)
     tl = Timeline()
-    ddp = BucketedDDP(MLP(256, (hidden, hidden), 10), bucket_cap_mb=1.0, timeline=tl)
+    ddp = BucketedDDP(MLP(256, (hidden, hidden), 10), bucket_cap_mb=1.0)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     x, y = torch.randn(batch, 256), torch.randint(0, 10, (batch,))
     times, compute, exposed = [], [], []

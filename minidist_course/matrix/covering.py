@@ -57,14 +57,11 @@ MAX_WORLD = 8
 # (dimension, value) -> a predicate on the other (dimension, value), and the words the library's
 # ValueError must contain (both features named). None: the value is refused with anything.
 REFUSED: list[tuple[tuple[str, object], tuple[str, object] | None, tuple[str, ...]]] = [
-    (("cp", cp), ("tp", "2+sp"), ("sequence parallelism", "context parallelism"))
-    for cp in ("ring/zigzag", "ring/contiguous", "ring/striped", "ulysses")
-] + [
     (("tp", "2+sp"), ("moe", moe), ("mixture of experts", "sequence parallelism"))
     for moe in EXPERTS
 ] + [
     (("dp_mode", mode), ("moe", moe), (f"'{mode}'", "expert parallelism"))
-    for mode in ("bucketed", "zero1", "zero3", "zero3/keep", "hsdp") for moe in ("ep2", "ep2/drop")
+    for mode in ("zero1", "zero3", "zero3/keep", "hsdp") for moe in ("ep2", "ep2/drop")
 ] + [
     (("schedule", zb), ("dp_mode", mode), (f"'{mode}'", f"'{zb}'", "zero-bubble"))
     for zb in ("zb-h1", "zb-v", "dualpipe-v") for mode in ("zero3", "zero3/keep", "hsdp")

@@ -84,15 +84,15 @@ def test_the_checker_rejects_each_wrong_result_by_name():
         r["grads"].pop("ln_f.weight")
     assert check(config, missing, refs)[0] == "✗"                    # a parameter nobody returned
     # refusals: must happen on every rank, must name the features, must not happen elsewhere
-    sp_cp = _config(cp="ulysses", tp="2+sp")
-    words = "sequence parallelism and context parallelism together are not supported"
-    assert check(sp_cp, [{"refused": words}] * 2, refs)[0] == "refused"
-    assert check(sp_cp, [{"refused": "sequence parallelism is off"}] * 2, refs)[0] == "✗"
-    assert check(sp_cp, _results(ref), refs)[0] == "✗"              # ran: should be refused
-    assert check(sp_cp, [{"refused": words}, _results(ref)[1]], refs)[0] == "✗"   # one rank only
+    zero2 = _config(dp_mode="zero2")
+    words = "dp_mode='zero2' with pipeline micro-batches is not supported"
+    assert check(zero2, [{"refused": words}] * 2, refs)[0] == "refused"
+    assert check(zero2, [{"refused": "dp_mode='zero2' is off"}] * 2, refs)[0] == "✗"
+    assert check(zero2, _results(ref), refs)[0] == "✗"              # ran: should be refused
+    assert check(zero2, [{"refused": words}, _results(ref)[1]], refs)[0] == "✗"   # one rank only
     assert check(config, [{"refused": "no"}] * 2, refs)[0] == "✗"    # refused, should run
     table = format_table([{**config, "world": 4, "status": "✓", "detail": ""},
-                          {**sp_cp, "world": 8, "status": "✗", "detail": "loss 1e-3"}])
+                          {**zero2, "world": 8, "status": "✗", "detail": "loss 1e-3"}])
     assert "✗ schedule=1f1b" in table and "loss 1e-3" in table
 
 
@@ -135,3 +135,25 @@ def test_every_configuration_resumes_bitwise(tmp_path):
     rows = run_resume(covering_array(0), str(tmp_path), timeout=600)
     bad = [r for r in rows if r["status"] != "✓"]
     assert len(rows) > 30 and not bad, bad
+
+
+@pytest.mark.timeout(240)
+def test_pairs_that_were_refused_now_equal_one_process():
+    """Regression for the pairs the matrix used to refuse, one launch of eight ranks: sequence
+    parallelism beside context parallelism (torchtitan runs TP with SP beside CP): ring (zigzag,
+    under a zero-bubble schedule with ZeRO-1), Ulysses (per-token loss, tied embeddings) and the
+    contiguous split in bf16 with torch's recomputation, each equal to one process."""
+    sp = _config(tp="2+sp", dp=1, loss="mean")
+    configs = [{**sp, "cp": "ring/zigzag", "schedule": "zb-v", "dp_mode": "zero1"},
+               {**sp, "cp": "ulysses", "loss": "per_token", "tie": True},
+               {**sp, "cp": "ring/contiguous", "precision": "bf16", "recompute": "torch"}]
+    rows = run_matrix(configs, timeout=200)
+    assert [r["status"] for r in rows] == ["✓"] * len(configs), format_table(rows)
+
+
+def test_sequence_parallelism_with_context_parallelism_needs_each_cp_share_divisible_by_tp():
+    from minidist.hybrid.stages import check_grid
+    cfg = GPTConfig(**vars(ref_hybrid.CFG))
+    check_grid(cfg, 1, 2, 4, sequence_parallel=True, rank=0, seq_len=16, cp=2)   # 8 per CP rank
+    with pytest.raises(ValueError, match="the 6 positions each CP rank holds divisible by tp=4"):
+        check_grid(cfg, 1, 2, 4, sequence_parallel=True, rank=0, seq_len=12, cp=2)

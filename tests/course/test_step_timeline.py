@@ -88,7 +88,7 @@ def test_align_kinds_and_plot():
     by = T.time_by_kind(per_rank)
     assert by[0]["compute"] == pytest.approx(0.5) and by[0]["tp"] == pytest.approx(0.1)
     assert by[1]["dp"] == pytest.approx(0.1) and by[1]["pp"] == pytest.approx(0.1)
-    assert [T.kind_of(n) for n in ("F", "sp grads", "wait", "ddp wait", "clip", "zero1 all-gather")] \
+    assert [T.kind_of(n) for n in ("F", "sp grads", "send wait", "ddp wait", "clip", "zero1 all-gather")] \
         == ["compute", "tp", "pp", "dp", "other", "dp"]
     ax = T.plot_step_timeline(per_rank, title="t")
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 1", "rank 0"]

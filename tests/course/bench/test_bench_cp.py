@@ -6,8 +6,12 @@ import sys
 
 import pytest
 
+import torch
+
+import minidist
 from minidist_course.bench.context_parallel import bench_cp, format_cp
-from minidist.context_parallel import ring
+from minidist.context_parallel import ring_attention
+from minidist.trace import Timeline
 
 
 @pytest.mark.timeout(120)
@@ -24,11 +28,19 @@ def test_bench_cp_figures():
         bench_cp(world=2, seq_len=8, heads=3)
 
 
-def test_recording_is_off_by_default_and_restored():
-    assert ring._RECORD is None
-    with ring.recording() as events:
-        assert ring._RECORD is events
-    assert ring._RECORD is None
+def test_spans_are_recorded_only_while_a_timeline_observes():
+    """Ring attention's spans reach an observing Timeline, and nothing outside observe()."""
+    def fn(rank, world):
+        q = torch.randn(1, 2, 4, 8, requires_grad=True)
+        tl = Timeline()
+        ring_attention(q, q, q, split="zigzag", seq_len=4)[0].sum().backward()
+        with tl.observe():
+            ring_attention(q, q, q, split="zigzag", seq_len=4)[0].sum().backward()
+        after = len(tl.events)
+        ring_attention(q, q, q, split="zigzag", seq_len=4)[0].sum().backward()
+        return [e.name for e in tl.events], after
+    names, after = minidist.run(fn, 1, timeout=60)[0]
+    assert names == ["fwd 0", "wait", "bwd 0", "wait"] and after == len(names)
 
 
 @pytest.mark.timeout(200)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import minidist
+from minidist.trace import Timeline
 from minidist.comm import p2p
 from minidist.context_parallel import (SPLITS, attention_reference, block_kind, block_table,
                                        causal_work, chunks, computed_work, log_add_exp, merge,
@@ -209,17 +210,36 @@ def _run_case(rank, world, method, split, dtype, causal, seq_len, kv, scale=1.0)
 
 
 def _stale_kv_backward(rank, world):
-    """The bug: the backward never rotates K/V (each step reuses the block it started with)."""
-    original = ring._advance
+    """The bug: the backward never rotates K/V (each step reuses the block it started with): every
+    K/V block the backward receives is overwritten with the one this rank sent first, its own."""
     q, k, v, do = _data(6 * world, torch.float64, H)
     q, k, v, do = (shard(t, "zigzag", world, rank, dim=2) for t in (q, k, v, do))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, _ = ring_attention(q, k, v, split="zigzag")
-    ring._advance = lambda old, new: old
+    real_isend, real_irecv, own = p2p.isend, p2p.irecv, []
+
+    class Stale:
+        def __init__(self, work, buf):
+            self.work, self.buf = work, buf
+
+        def wait(self):
+            self.work.wait()
+            self.buf.copy_(own[0])
+
+    def isend(t, dst, group=None, tag=0, **kw):
+        if tag == ring._KV and not own:
+            own.append(t.clone())
+        return real_isend(t, dst, group, tag, **kw)
+
+    def irecv(t, src, group=None, tag=0, **kw):
+        work = real_irecv(t, src, group, tag, **kw)
+        return Stale(work, t) if tag == ring._KV else work
+
+    p2p.isend, p2p.irecv = isend, irecv
     try:
         out.backward(do)
     finally:
-        ring._advance = original
+        p2p.isend, p2p.irecv = real_isend, real_irecv
     return q.grad, k.grad, v.grad
 
 
@@ -449,12 +469,13 @@ def _posting_order(rank, world):
     ring.block_forward = spy
     try:
         p2p.reset_traffic()
-        with ring.recording() as events:
+        tl = Timeline()
+        with tl.observe():
             out, _ = ring_attention(q, k, v, split="contiguous", causal=False)
             out.backward(do)
     finally:
         ring.block_forward = original
-    return seen, [(e.name, e.lane, e.stage) for e in events]
+    return seen, [(e.name, e.lane, e.stage) for e in tl.events]
 
 
 @pytest.mark.timeout(60)

@@ -90,10 +90,11 @@ def _timeline(rank, world):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
     tl = Timeline()
-    ddp = BucketedDDP(model, bucket_cap_mb=0.25, timeline=tl)  # one layer per bucket
+    ddp = BucketedDDP(model, bucket_cap_mb=0.25)  # one layer per bucket
     x = torch.randn(64, 256)
+    ddp(x).pow(2).mean().backward()   # not observed: nothing recorded
     for _ in range(2):
-        with tl.record("backward", lane="compute"):
+        with tl.observe(), tl.record("backward", lane="compute"):
             ddp(x).pow(2).mean().backward()
     ddp.close()
     return tl.events

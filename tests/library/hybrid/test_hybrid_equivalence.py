@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import minidist
+from minidist.trace import Timeline
 from minidist.grid import ProcessGrid
 from minidist.hybrid import HybridGPT, make_optimizer, train_step, wrap_stages
 from minidist.models.gpt import GPT, GPTConfig
@@ -217,19 +218,22 @@ def test_bucketed_ddp_really_syncs_once_per_chunk():
 
 @pytest.mark.timeout(120)
 def test_timeline_is_recorded_and_changes_nothing():
-    """record=True (the per-rank Gantt chart's input) on a 3-D grid: every F and B op of the rank's
-    stages appears once, the DP sync too, and the gradients are bitwise those of an unrecorded step."""
+    """An observed step (the per-rank Gantt chart's input) on a 3-D grid: every F and B op of the
+    rank's stages appears once, the transport's and the DP sync's spans too, and the gradients are
+    bitwise those of an unobserved step."""
     def fn(rank, world):
         grid = ProcessGrid(1, 2, 2)
         model = HybridGPT(cfg_of(False), grid, chunks=2, seed=0)
         modules = wrap_stages(model, "flat")
         ids, targets = batch(False)
-        out = train_step(model, None, modules, ids, targets, 2, step=False, record=True)
+        tl = Timeline()
+        with tl.observe():
+            out = train_step(model, None, modules, ids, targets, 2, step=False)
         recorded = model.gather(grads=True)
         train_step(model, None, modules, ids, targets, 2, step=False)
         plain = model.gather(grads=True)
         ops = sorted((e.kind, e.mb, e.stage) for e in out.result.events if e.kind in "FB")
-        kinds = {e.kind for e in out.result.events}
+        kinds = {e.kind for e in out.result.events + tl.events}
         return sorted(model.stages), ops, kinds, all(torch.equal(recorded[k], plain[k])
                                                      for k in plain)
     for stages, ops, kinds, same in minidist.run(fn, 4, timeout=90):

@@ -112,7 +112,7 @@ def _ddp_steps(rank, world):
 
     torch.manual_seed(0)
     tl = Timeline()
-    ddp = BucketedDDP(MLP(64, (128, 128), 10), bucket_cap_mb=0.004, timeline=tl)  # 3 buckets
+    ddp = BucketedDDP(MLP(64, (128, 128), 10), bucket_cap_mb=0.004)  # 3 buckets
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
     for _ in range(2):
