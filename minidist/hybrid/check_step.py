@@ -49,13 +49,6 @@ def check_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
                          f"{sched.placement!r}, but the model was built with chunks={model.chunks}, "
                          f"placement={model.placement!r}; build HybridGPT(..., chunks={sched.v}, "
                          f"placement={sched.placement!r}) or pick a schedule for the model")
-    if dp_mode in SHARDED and sched.split(grid.pp_rank):
-        kind = "HSDP" if dp_mode == "hsdp" else "ZeRO-3"
-        raise ValueError(f"{who}: dp_mode={dp_mode!r} ({kind}, fully_shard per stage) with the "
-                         f"zero-bubble schedule {schedule!r} is not supported: its weight pass W "
-                         "runs as a backward of its own, outside the backward whose hooks FSDP's "
-                         "reduce-scatter follows; use '1f1b', 'gpipe' or 'interleaved', or "
-                         "dp_mode='zero1'")
     return sched, reduction
 
 

@@ -28,8 +28,10 @@ again for its backward (``reshard_after_forward``; ``"zero3/keep"`` keeps them u
 the gradients are accumulated unsharded over the micro-batches and reduce-scattered during the
 stage's last backward (:func:`~minidist.sharding.fsdp.set_requires_gradient_sync`, as torchtitan
 runs FSDP under a pipeline). The tied embedding's two copies are sharded alike (dim 0), so their
-slices sum elementwise; the optimizer steps the shards. Zero-bubble schedules are refused: their
-weight pass W runs as a backward of its own, outside the one FSDP's hooks track.
+slices sum elementwise; the optimizer steps the shards. Under a zero-bubble schedule the weight
+pass W is a backward of its own: the unit is gathered before it and its reduce-scatter finished
+after it (:mod:`.dp_modes`), as torch's pipelining runs FSDP2's post-backward after W
+(pytorch#134052).
 
 ``"hsdp"``: hybrid sharding (:mod:`minidist.sharding.hsdp`) with torchtitan's mesh: each stage is
 one ``fully_shard`` unit sharded over the grid's CP group and replicated across its DP group.
@@ -48,10 +50,10 @@ nothing to shard, falls back to DDP (``apply_ddp`` when only ``dp_replicate`` is
 is supported, not refused (one process's numbers, as ``"flat"``'s, reduced by the units'
 hooks). With ``dp == 1`` it is ZeRO-3 over CP. ``reshard_after_forward`` is torchtitan's default policy: on
 with ``pp == 1``, off under a pipeline (no all-gather per micro-batch). Gradient accumulation,
-the tied embedding, the optimizer on the shards and the refusal of zero-bubble schedules are
-ZeRO-3's; clipping sums the shards' squares over the CP group only (each piece once: the DP
+the tied embedding, the optimizer on the shards and the zero-bubble weight pass are ZeRO-3's; clipping sums the shards' squares over the CP group only (each piece once: the DP
 replicas hold the same piece, so summing over DP×CP would count it dp times). Experts sharded
-over EP are refused, as with every mode but ``"flat"`` (:func:`~.moe.refuse_expert_dp_mode`).
+over EP are refused, as with ZeRO-1 and ZeRO-3 (:func:`~.moe.refuse_expert_dp_mode`); ``"flat"``
+and ``"bucketed"`` average them over their own replicas.
 
 ``"zero2"`` is refused: ZeRO-2 keeps only a slice of the gradient, but the pipeline's
 micro-batches accumulate gradients over several backwards — each would need a reduce-scatter of

@@ -137,9 +137,15 @@ def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> d
 @contextlib.contextmanager
 def _gradient_sync(stage, sync: bool):
     """The backward inside reduce-scatters the accumulated gradient iff ``sync`` (the stage's last
-    micro-batch), else keeps accumulating it unsharded."""
+    micro-batch), else keeps accumulating it unsharded. A zero-bubble schedule's weight pass W is
+    a backward of its own, after the one whose hooks gathered the unit and finished its reduction:
+    the unit is gathered before (the saved views are views of its buffer) and its reduction
+    finished after, as torch's pipelining calls FSDP2's post-backward after W (pytorch#134052)."""
+    unit = stage._fsdp
     set_requires_gradient_sync(stage, sync)
     try:
+        unit.start_backward()
         yield
     finally:
         set_requires_gradient_sync(stage, True)
+    unit.finish_backward()

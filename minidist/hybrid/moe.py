@@ -34,8 +34,11 @@ What composing with the other axes takes, each decided here:
 * **Gradients** — non-expert parameters are averaged over the DP×CP group; expert parameters over
   the expert-DP group and divided by ``ep``, because backward's all-to-all already summed the
   ``ep`` ranks' contributions (:func:`average_gradients`; :mod:`minidist.expert_parallel.gpt`).
-  Bucketed DDP, ZeRO-1 and ZeRO-3 average (or shard) every parameter over DP×CP, where ranks hold
-  other experts: refused with ``ep > 1`` (with ``ep = 1`` the experts are replicated and they run).
+  Bucketed DDP leaves the experts out of its buckets (and its first broadcast) and they are
+  averaged after the pipeline, as with ``"flat"``. ZeRO-1, ZeRO-3 and HSDP shard every parameter
+  over DP×CP, where ranks hold other experts: refused with ``ep > 1`` (torchtitan shards experts
+  over a mesh of their own, ``dp_shard_mod_ep``, which minidist does not build; with ``ep = 1``
+  the experts are replicated and they run).
 """
 
 from __future__ import annotations
@@ -76,8 +79,10 @@ def check_moe(moe: dict | None, grid, sequence_parallel: bool, who: str) -> None
     if sequence_parallel:
         raise ValueError(f"{who}: mixture of experts (moe=...) and sequence parallelism together "
                          "are not supported: each TP rank would route other tokens and the "
-                         "experts' gradients would need summing over TP; turn sequence_parallel "
-                         "off (the experts are then replicated over the TP group)")
+                         "experts' gradients would need summing over TP (Megatron-LM routes "
+                         "each shard's tokens with expert-tensor parallelism, which minidist "
+                         "does not build); turn sequence_parallel off (the experts are then "
+                         "replicated over the TP group)")
     if moe.get("capacity_factor") is not None and grid.cp_size > 1:
         raise ValueError(f"{who}: an expert capacity (capacity_factor="
                          f"{moe['capacity_factor']}, token drops) with context parallelism "
@@ -174,12 +179,13 @@ def _expert_replicas(grid):
 
 
 def refuse_expert_dp_mode(model, dp_mode: str, who: str) -> None:
-    """``ValueError`` (every rank, before any communication) for bucketed DDP, ZeRO-1 or ZeRO-3
-    with experts sharded over EP: they average (or shard) every parameter over the DP×CP group,
-    whose ranks hold other experts."""
+    """``ValueError`` (every rank, before any communication) for ZeRO-1, ZeRO-3 or HSDP with
+    experts sharded over EP: they shard every parameter over the DP×CP group, whose ranks hold
+    other experts."""
     if dp_mode not in ("flat", "bucketed") and model.moe_layers and model.grid.ep_size > 1:
         raise ValueError(f"{who} (rank {model.grid.rank}): dp_mode={dp_mode!r} with expert "
-                         f"parallelism (ep={model.grid.ep_size}) is not supported: it averages "
+                         f"parallelism (ep={model.grid.ep_size}) is not supported: it shards "
                          "every parameter over the DP×CP ranks, which hold other experts (each "
-                         "expert is replicated over its expert-DP group only); use "
-                         "dp_mode='flat', or ep=1")
+                         "expert is replicated over its expert-DP group only; torchtitan shards "
+                         "experts over a mesh of their own, dp_shard_mod_ep, which minidist "
+                         "does not build); use dp_mode='flat' or 'bucketed', or ep=1")

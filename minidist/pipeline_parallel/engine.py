@@ -124,6 +124,15 @@ def _micro_loss(st: _StepState, out, m: int) -> torch.Tensor:
     return total
 
 
+def _weight_leaves(module: nn.Module) -> list:
+    """Where W's weight gradients accumulate: the parameters, and a ``fully_shard`` unit's gathered
+    buffer (the forward used views of it; its hook reduce-scatters), as torch's pipelining runs W
+    on whatever parameters FSDP2 has registered while unsharded."""
+    unit = getattr(module, "_fsdp", None)
+    full = [unit.full] if unit is not None and getattr(unit, "layout", None) is not None else []
+    return list(module.parameters()) + full
+
+
 def _backward_op(st: _StepState, m: int, s: int) -> None:
     """B(m, s): receive dL/dy (or start from the loss), backpropagate, send dL/dx."""
     x, y = st.saved.pop((m, s))
@@ -131,7 +140,7 @@ def _backward_op(st: _StepState, m: int, s: int) -> None:
     grad = None if s == last else st.transport.recv(st.schedule.owner(s + 1), "grad", m, s + 1, s)
     start = st.clock()
     if (m, s) in st.split:  # B of a split backward: the input gradient only, W comes later
-        gx, st.pending_w[(m, s)] = backward_input(y, grad, x, st.modules[s].parameters())
+        gx, st.pending_w[(m, s)] = backward_input(y, grad, x, _weight_leaves(st.modules[s]))
         st.events.append(Event("B", start, st.clock(), rank=st.rank, mb=m, stage=s))
         if s > 0:
             gx = gx if gx is not None else torch.zeros_like(x)

@@ -185,7 +185,7 @@ class ShardUnit:
         ctx = self.ctx
         if not ctx.in_backward:
             ctx.in_backward, ctx.recording = True, False
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
         self.wait_gathered()
         if self.prefetch and self in ctx.order:   # next in backward: the previous unit in forward
             i = ctx.order.index(self)
@@ -249,7 +249,20 @@ class ShardUnit:
             self._got_grad.add(i)
         return hook
 
-    def _finish_backward(self) -> None:
+    def start_backward(self) -> None:
+        """Gathered and bound under grad mode before a backward its hooks may not start: a split
+        backward's weight pass, a backward of its own that may run a recomputed forward (which
+        must see the gathered parameters and keep them). :meth:`finish_backward` after it."""
+        self.ctx.in_backward = True
+        self.wait_gathered()
+        if self.layout is not None:
+            with torch.enable_grad():
+                self.layout.bind(self)
+
+    def finish_backward(self) -> None:
+        """Wait for this backward's reduce-scatters, keep the shards' gradients, free every unit
+        under the root (autograd calls it at the end of a backward; a split backward's weight
+        pass, a backward of its own, is finished by its caller)."""
         ctx = self.ctx
         ctx.in_backward = False
         pending, ctx.pending = ctx.pending, []

@@ -62,9 +62,6 @@ REFUSED: list[tuple[tuple[str, object], tuple[str, object] | None, tuple[str, ..
 ] + [
     (("dp_mode", mode), ("moe", moe), (f"'{mode}'", "expert parallelism"))
     for mode in ("zero1", "zero3", "zero3/keep", "hsdp") for moe in ("ep2", "ep2/drop")
-] + [
-    (("schedule", zb), ("dp_mode", mode), (f"'{mode}'", f"'{zb}'", "zero-bubble"))
-    for zb in ("zb-h1", "zb-v", "dualpipe-v") for mode in ("zero3", "zero3/keep", "hsdp")
 ] + [(("dp_mode", "zero2"), None, ("'zero2'", "pipeline"))] + [
     (("cp", cp), ("moe", "ep2/drop"), ("capacity", "context parallelism"))
     for cp in ("ring/zigzag", "ring/contiguous", "ring/striped", "ulysses")

@@ -136,7 +136,7 @@ class _FreesBeforeBackward(fsdp_unit.ShardUnit):
         ctx = self.ctx
         if not ctx.in_backward:
             ctx.in_backward, ctx.recording = True, False
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
 
 def _broken(rank, world):
