@@ -37,8 +37,10 @@ class AuxLossAutoScaler(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """Top-k mixture of MLP experts, expert-parallel over ``ep_group``. ``ValueError``: bad ``top_k``,
-    ``capacity_factor`` <= 0, unknown ``drop_policy``, input not 3-D."""
+    """Top-k mixture of MLP experts, expert-parallel over ``ep_group``; the routing statistics of
+    the aux loss summed over ``stats_group`` (a group, or a tuple of groups: over their product).
+    ``ValueError``: bad ``top_k``, ``capacity_factor`` <= 0, unknown ``drop_policy``, input not
+    3-D."""
 
     def __init__(self, cfg: GPTConfig, num_experts: int, top_k: int = 1,
                  capacity_factor: float | None = None, drop_policy: str = "position",
@@ -112,9 +114,12 @@ class MoE(nn.Module):
         routed = torch.bincount(experts.reshape(-1), minlength=E)
         local_routed = routed.clone()
         total = torch.tensor([T * k], device=flat.device)
-        if group_rank_world(self.stats_group)[1] > 1:
+        groups = self.stats_group if isinstance(self.stats_group, tuple) else (self.stats_group,)
+        if any(group_rank_world(g)[1] > 1 for g in groups):
             both = torch.cat([routed, total])
-            all_reduce(both, op="sum", group=self.stats_group)
+            for g in groups:   # over their product: the ranks whose tokens share the statistics
+                if group_rank_world(g)[1] > 1:
+                    all_reduce(both, op="sum", group=g)
             routed, total = both[:E], both[E:]
         aux = logits.new_zeros(())
         if self.aux_loss_coeff:

@@ -40,14 +40,16 @@ def device_of(model):
     return params[0].device if params else None
 
 
-def _report(model, value: float) -> float:
-    """``value`` summed over the pipeline, averaged over DP×CP."""
+def _report(model, value: float, over_tp: bool = False) -> float:
+    """``value`` summed over the pipeline, averaged over DP×CP (and over TP: ``over_tp``)."""
     grid = model.grid
     t = torch.tensor([value], dtype=torch.float64, device=device_of(model))
     if grid.pp_size > 1:
         C.all_reduce(t, "sum", group=grid.pp_group)
     if len(grid.dp_cp_ranks) > 1:
         C.all_reduce(t, "avg", group=grid.dp_cp_group)
+    if over_tp and grid.tp_size > 1:
+        C.all_reduce(t, "avg", group=grid.tp_group)
     return float(t)
 
 
@@ -82,4 +84,6 @@ class AuxMeter:
             h.remove()
 
     def global_value(self) -> float:
-        return _report(self.model, self.total)
+        """Reported as the loss is; with sequence parallelism each TP rank's aux loss is over its
+        own positions (equal shares): averaged over TP too."""
+        return _report(self.model, self.total, over_tp=self.model.sequence_parallel)

@@ -14,9 +14,11 @@ What composing with the other axes takes, each decided here:
   same tokens and runs the same experts; its parameters count once, on TP rank 0, in the norm).
   Their dropout draws from the tensor-parallel tracker's replicated generator, so the TP ranks'
   copies draw the same masks. Experts sharded by TP as well (Megatron's expert-tensor-parallelism)
-  are not built. Sequence
-  parallelism is refused: each TP rank would hold other tokens and the experts' gradients would
-  need summing over TP.
+  are not built. With sequence parallelism each TP rank routes its own ``s/tp`` positions (the
+  layer sits in the sequence-parallel region, as Megatron-LM's MoE layer does): the routing
+  statistics are summed over TP too, the router's and experts' gradients are summed over TP
+  after the pipeline (they are marked sequence-parallel, as a LayerNorm), and each TP rank's aux
+  loss weighs ``1/tp`` (its tokens are a ``1/tp`` share of the rank's).
 * **The aux loss in a pipeline** — the load-balancing and z losses arise on every stage, the loss
   on the last one. Each layer attaches its aux loss to its output
   (:class:`~minidist.expert_parallel.layer.AuxLossAutoScaler`) with the weight :func:`aux_weight`
@@ -30,7 +32,8 @@ What composing with the other axes takes, each decided here:
 * **Capacity (token drops)** — each rank applies the capacity rule to its own tokens of each
   micro-batch: one process applies it to the ``dp`` replicas' slices of micro-batch ``m`` in turn
   (``drop_chunks=dp``). With context parallelism a rank's tokens are scattered positions of the
-  samples, so the drops differ from any one-process rule: refused.
+  samples, so the drops differ from any one-process rule: refused; with sequence parallelism
+  likewise (a TP rank's positions are a piece of every sample).
 * **Gradients** — non-expert parameters are averaged over the DP×CP group; expert parameters over
   the expert-DP group and divided by ``ep``, because backward's all-to-all already summed the
   ``ep`` ranks' contributions (:func:`average_gradients`; :mod:`minidist.expert_parallel.gpt`).
@@ -54,6 +57,7 @@ from ..expert_parallel.gpt import MoEGPT, is_expert
 from ..expert_parallel.layer import MoE
 from ..models.gpt import GPTConfig
 from ..tensor_parallel.gpt import use_tracker_dropout
+from ..tensor_parallel.sequence import mark_sequence_parallel
 from .dp_pipeline import average_params
 
 __all__ = ["MOE_OPTIONS", "check_moe", "install_experts", "local_full_state", "global_names", "local_names",
@@ -66,7 +70,7 @@ _EXPERT = re.compile(r"^(blocks\.\d+\.mlp\.experts\.)(\d+)(\..*)$")
 
 def check_moe(moe: dict | None, grid, sequence_parallel: bool, who: str) -> None:
     """Raise ``ValueError`` (every rank, before any communication) for an unknown option, EP
-    without experts, sequence parallelism with experts, capacity with context parallelism."""
+    without experts, a capacity with context or sequence parallelism."""
     if moe is None:
         if grid.ep_size > 1:
             raise ValueError(f"{who}: the grid has ep={grid.ep_size}, but the GPT's MLPs are dense "
@@ -76,13 +80,12 @@ def check_moe(moe: dict | None, grid, sequence_parallel: bool, who: str) -> None
     if unknown or "num_experts" not in moe:
         raise ValueError(f"{who}: moe takes {MOE_OPTIONS} (num_experts required), got "
                          f"{sorted(moe)}")
-    if sequence_parallel:
-        raise ValueError(f"{who}: mixture of experts (moe=...) and sequence parallelism together "
-                         "are not supported: each TP rank would route other tokens and the "
-                         "experts' gradients would need summing over TP (Megatron-LM routes "
-                         "each shard's tokens with expert-tensor parallelism, which minidist "
-                         "does not build); turn sequence_parallel off (the experts are then "
-                         "replicated over the TP group)")
+    if moe.get("capacity_factor") is not None and sequence_parallel:
+        raise ValueError(f"{who}: an expert capacity (capacity_factor="
+                         f"{moe['capacity_factor']}, token drops) with sequence parallelism is "
+                         "not supported: each TP rank would drop among its own positions of every "
+                         "sample, which no one-process rule reproduces; use capacity_factor=None "
+                         "(dropless) or sequence_parallel=False")
     if moe.get("capacity_factor") is not None and grid.cp_size > 1:
         raise ValueError(f"{who}: an expert capacity (capacity_factor="
                          f"{moe['capacity_factor']}, token drops) with context parallelism "
@@ -91,16 +94,20 @@ def check_moe(moe: dict | None, grid, sequence_parallel: bool, who: str) -> None
                          "capacity_factor=None (dropless) or cp=1")
 
 
-def install_experts(stage: nn.Module, moe: dict, grid) -> list[MoE]:
+def install_experts(stage: nn.Module, moe: dict, grid, sequence_parallel: bool = False) -> list[MoE]:
     """Replace the MLP of every block of ``stage`` by an EP-sharded :class:`MoE` (in place);
     return the layers. Their weights come from :func:`local_full_state` afterwards."""
     dp_cp = grid.dp_cp_group if len(grid.dp_cp_ranks) > 1 else LOCAL
+    sp = sequence_parallel and grid.tp_size > 1     # each TP rank routes its own positions
+    stats = (dp_cp, grid.tp_group) if sp else dp_cp
     layers = []
     blocks, cfg = cast(nn.ModuleList, stage.blocks), cast(GPTConfig, stage.cfg)
     for block in blocks:
         block.mlp = MoE(cfg, ep_group=grid.ep_group,   # LOCAL at ep == 1 (the grid says so)
-                        stats_group=dp_cp, **moe)
+                        stats_group=stats, **moe)
         use_tracker_dropout(block.mlp)   # the TP ranks' copies of an expert draw the same masks
+        if sp:
+            mark_sequence_parallel(block.mlp)   # gradients summed over TP after the pipeline
         layers.append(block.mlp)
     return layers
 
@@ -144,14 +151,16 @@ def local_names(state: dict, expert_ids: list[int]) -> dict:
     return out
 
 
-def aux_weight(loss_reduction: str, replica_samples: int, dp_cp: int, tokens: int):
+def aux_weight(loss_reduction: str, replica_samples: int, dp_cp: int, tokens: int,
+               sp_shards: int = 1):
     """``f(b)``: the weight of a micro-batch of ``b`` samples' aux loss on one rank, such that after
     the step's reduction (module text) the aux part of the gradient is ``Σ_m w_m·∇aux(m)``,
     ``w_m = b / replica_samples``. ``"mean"``: the DP×CP average divides by ``dp_cp`` already;
     ``"sum"``: the gradients are summed over the ``dp_cp`` ranks; ``"per_token"``: summed and
-    divided by the ``tokens`` counted in the global batch."""
+    divided by the ``tokens`` counted in the global batch. ``sp_shards``: the TP ranks whose
+    sequence shards' gradients are summed (sequence parallelism), each a ``1/sp_shards`` share."""
     factor = {"mean": 1.0, "sum": 1.0 / dp_cp, "per_token": tokens / dp_cp}[loss_reduction]
-    return lambda b: b / replica_samples * factor
+    return lambda b: b / replica_samples * factor / sp_shards
 
 
 def average_gradients(params: list[nn.Parameter], grid) -> None:

@@ -240,7 +240,7 @@ class HybridGPT:
                                 grid.cp_group, cp_split, cp_attention) if cp > 1 else
                      GPTStage(cfg, s, self.n_stages, layers, grid.tp_group, sequence_parallel))
             if moe is not None:
-                self.moe_layers += install_experts(stage, moe, grid)
+                self.moe_layers += install_experts(stage, moe, grid, sequence_parallel)
             stage.load_state_dict(shard_state_dict(full, stage, grid.tp_group))
             stage.run_block = RECOMPUTE[recompute]
             self.stages[s] = stage

@@ -70,7 +70,8 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
         x, y = (shard(t, model.cp_split, grid.cp_size, grid.cp_rank, dim=1) for t in (x, y))
     for layer in model.moe_layers:                         # the experts' aux losses' weight
         layer.aux_scale = aux_weight(loss_reduction, x.shape[0], len(grid.dp_cp_ranks),
-                                     int((targets != -100).sum()))
+                                     int((targets != -100).sum()),
+                                     grid.tp_size if model.sequence_parallel else 1)
     with AuxMeter(model, x.shape[0]) as aux:
         result = dp_pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),
                                   grid.pp_group, grid.dp_cp_group, loss_reduction=loss_reduction,

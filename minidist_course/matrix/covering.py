@@ -57,8 +57,7 @@ MAX_WORLD = 8
 # (dimension, value) -> a predicate on the other (dimension, value), and the words the library's
 # ValueError must contain (both features named). None: the value is refused with anything.
 REFUSED: list[tuple[tuple[str, object], tuple[str, object] | None, tuple[str, ...]]] = [
-    (("tp", "2+sp"), ("moe", moe), ("mixture of experts", "sequence parallelism"))
-    for moe in EXPERTS
+    (("tp", "2+sp"), ("moe", "ep2/drop"), ("capacity", "sequence parallelism")),
 ] + [
     (("dp_mode", mode), ("moe", moe), (f"'{mode}'", "expert parallelism"))
     for mode in ("zero1", "zero3", "zero3/keep", "hsdp") for moe in ("ep2", "ep2/drop")

@@ -66,6 +66,8 @@ CASES_4 = {   # name: (dp, pp, tp, cp, ep), options
         schedule="dualpipe-v", recompute="torch", loss="sum")),
     "dp2 tp2 ep2 (EP with TP: experts replicated over TP), mean": ((2, 1, 2, 1, 2),
                                                                    dict(loss="mean")),
+    "dp2 tp2+sp ep2 (each TP rank routes its own positions), mean": ((2, 1, 2, 1, 2), dict(
+        loss="mean", sequence_parallel=True)),
     "cp2 (ring), ep2 folded over CP, zb-h1": ((1, 2, 1, 2, 2), dict(schedule="zb-h1")),
     "ep1, bucketed": ((2, 2, 1, 1, 1), dict(dp_mode="bucketed")),
     "ep2, bucketed (experts out of the buckets)": ((2, 2, 1, 1, 2), dict(dp_mode="bucketed")),
@@ -73,8 +75,9 @@ CASES_4 = {   # name: (dp, pp, tp, cp, ep), options
 }
 REFUSALS_4 = {   # name: (grid, options, words every rank's ValueError must hold)
     "ep without experts": ((2, 2, 1, 1, 2), dict(moe=None), ("ep=2", "dense")),
-    "experts x sequence parallelism": ((2, 1, 2, 1, 2), dict(sequence_parallel=True),
-                                       ("mixture of experts", "sequence parallelism")),
+    "capacity x sequence parallelism": ((2, 1, 2, 1, 2), dict(
+        sequence_parallel=True, moe={**MOE, "capacity_factor": 1.0}),
+        ("capacity", "sequence parallelism")),
     "capacity x context parallelism": ((1, 2, 1, 2, 2), dict(moe={**MOE, "capacity_factor": 1.0}),
                                        ("capacity", "context parallelism")),
     "zero1 x ep2": ((2, 2, 1, 1, 2), dict(dp_mode="zero1"), ("'zero1'", "expert")),
