@@ -47,6 +47,7 @@ from ..data_parallel.checkpoint import rank_state, restore_rank_state
 from ..sharding.zero import ShardedOptimizer
 from ..state import collect, require, restore
 from ..tensor_parallel.random import RNGTracker, get_rng_tracker
+from .dp import sharded_parts
 
 __all__ = ["save_hybrid_checkpoint", "load_hybrid_checkpoint", "rank_file", "rank_name", "FORMAT"]
 
@@ -125,8 +126,10 @@ def _optimizer_state(optimizer):
     if optimizer is None:
         return None
     if isinstance(optimizer, ShardedOptimizer):   # this replica's slices only (ZeRO-1/2)
-        return {"kind": "zero", "shard_numels": optimizer.shard_numels(),
-                "state": optimizer.optim.state_dict()}
+        parts = sharded_parts(optimizer)                   # with experts apart: theirs too
+        return {"kind": "zero", "shard_numels": [n for p in parts for n in p.shard_numels()],
+                "state": optimizer.optim.state_dict(),
+                "experts": [p.optim.state_dict() for p in parts[1:]]}
     return {"kind": "plain", "state": optimizer.state_dict()}
 
 
@@ -221,9 +224,10 @@ def _check_optimizer(where: str, optimizer, saved) -> None:
     if saved["kind"] != ("zero" if zero else "plain"):
         raise ValueError(f"{where}: the checkpoint holds a {saved['kind']!r} optimizer state, this "
                          f"run uses {type(optimizer).__name__}")
-    if zero and list(saved["shard_numels"]) != optimizer.shard_numels():
+    mine = [n for p in sharded_parts(optimizer) for n in p.shard_numels()] if zero else None
+    if zero and list(saved["shard_numels"]) != mine:
         raise ValueError(f"{where}: saved ZeRO shards of {saved['shard_numels']} elements, this "
-                         f"optimizer's are {optimizer.shard_numels()}")
+                         f"optimizer's are {mine}")
 
 
 def _load_optimizer(optimizer, saved) -> None:
@@ -231,5 +235,7 @@ def _load_optimizer(optimizer, saved) -> None:
         return
     if isinstance(optimizer, ShardedOptimizer):
         optimizer.optim.load_state_dict(saved["state"])
+        for part, state in zip(sharded_parts(optimizer)[1:], saved.get("experts", [])):
+            part.optim.load_state_dict(state)
     else:
         optimizer.load_state_dict(saved["state"])

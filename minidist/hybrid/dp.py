@@ -52,8 +52,8 @@ hooks). With ``dp == 1`` it is ZeRO-3 over CP. ``reshard_after_forward`` is torc
 with ``pp == 1``, off under a pipeline (no all-gather per micro-batch). Gradient accumulation,
 the tied embedding, the optimizer on the shards and the zero-bubble weight pass are ZeRO-3's; clipping sums the shards' squares over the CP group only (each piece once: the DP
 replicas hold the same piece, so summing over DP×CP would count it dp times). Experts sharded
-over EP are refused, as with ZeRO-1 and ZeRO-3 (:func:`~.moe.refuse_expert_dp_mode`); ``"flat"``
-and ``"bucketed"`` average them over their own replicas.
+over EP are refused, as with ZeRO-3 (:func:`~.moe.refuse_expert_dp_mode`); ``"flat"`` and
+``"bucketed"`` average them over their own replicas, ``"zero1"`` shards them over it.
 
 ``"zero2"`` is refused: ZeRO-2 keeps only a slice of the gradient, but the pipeline's
 micro-batches accumulate gradients over several backwards — each would need a reduce-scatter of
@@ -74,9 +74,10 @@ from ..data_parallel.clip import clip_by_global_norm_
 from ..sharding.fsdp import fully_shard
 from ..sharding.zero import ShardedOptimizer
 from .clip import _reduce_tp_pp
+from ..expert_parallel.gpt import is_expert
 from .moe import refuse_expert_dp_mode
 
-__all__ = ["DP_MODES", "ZERO3", "SHARDED", "PipelineBucketedDDP", "ZeRO1Optimizer",
+__all__ = ["DP_MODES", "ZERO3", "SHARDED", "PipelineBucketedDDP", "ZeRO1Optimizer", "ExpertSlices", "sharded_parts",
            "make_optimizer", "shard_stages", "check_sharding", "self_group", "refuse_zero2"]
 
 DP_MODES = ("flat", "bucketed", "zero1", "zero2", "zero3", "zero3/keep", "hsdp")
@@ -107,6 +108,9 @@ class ZeRO1Optimizer(ShardedOptimizer):
     :meth:`clip_grad_norm_` (the global norm from the slices: each element counted once, TP-
     replicated parameters on TP rank 0 only, the tied copy not at all; summed over DP, TP and PP),
     :meth:`step` (reduces first if not done yet; steps the slices; all-gathers the parameters).
+    With experts sharded over EP (``ep > 1``) the experts are sharded apart, over their expert-DP
+    group (``experts``: :class:`ExpertSlices`), as Megatron-Core's distributed optimizer shards
+    expert parameters over the expert-data-parallel group.
     """
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, **defaults):
@@ -116,32 +120,33 @@ class ZeRO1Optimizer(ShardedOptimizer):
         tied = [] if not model.tied else [p for p in (
             model.first.tok_emb.weight if model.first is not None else None,
             model.last.head.weight if model.last is not None else None) if p is not None]
-        rest = [p for p in model.parameters() if all(p is not t for t in tied)]
+        apart = [p for p in model.parameters() if model.grid.ep_size > 1 and is_expert(p)]
+        rest = [p for p in model.parameters()
+                if all(p is not t for t in tied) and all(p is not e for e in apart)]
         groups = [{"params": [t]} for t in tied] + ([{"params": rest}] if rest else [])
         super().__init__(groups, optimizer_class, group=model.grid.dp_cp_group, stage=1,
                          grads="local", **defaults)
         self.model, self._reduced = model, False
-        tp_rank = model.grid.tp_rank
-        self._counted = []   # per buffer, this rank's slice of a 1/0 mask: counts for the norm
-        for b in self.buckets:
-            flags = [float(not model.is_tied_copy(p) and
-                           (getattr(p, "tensor_model_parallel", False) or tp_rank == 0))
-                     for p in b.params]
-            mask = b.layout.pack([torch.full(p.shape, f, device=p.device)
-                                  for p, f in zip(b.params, flags)])
-            self._counted.append(b.layout.shard(mask).double())
+        self.experts = ExpertSlices(apart, optimizer_class, model, **defaults) if apart else None
+        self._counted = _norm_masks(self, model)   # per buffer: counts for the norm (1/0)
+
+    def parts(self) -> list[ShardedOptimizer]:
+        """The sharded optimizers: this one (dense, over DP×CP) and the experts' (if any)."""
+        return [self] + ([self.experts] if self.experts is not None else [])
 
     def reduce_gradients(self) -> None:
         """Reduce-scatter every buffer's gradients: this rank's slice of the DP average.
         ``RuntimeError`` naming the parameters whose ``requires_grad`` changed since
         construction (the norm masks are per buffer: rebuild the optimizer after a change)."""
-        changed = [f"parameter {i} {tuple(p.shape)}" for i, p in enumerate(self.all_params)
-                   if p.requires_grad != (p in self._where)]
-        if changed:
-            raise RuntimeError(f"ZeRO1Optimizer (rank {self.rank}): requires_grad changed since "
-                               f"it was built for {', '.join(changed)}; build a new optimizer "
-                               "(state_dict()/load_state_dict() carry the state)")
-        self._stage1_grads()
+        for part in self.parts():
+            changed = [f"parameter {i} {tuple(p.shape)}" for i, p in enumerate(part.all_params)
+                       if p.requires_grad != (p in part._where)]
+            if changed:
+                raise RuntimeError(f"ZeRO1Optimizer (rank {self.rank}): requires_grad changed "
+                                   f"since it was built for {', '.join(changed)}; build a new "
+                                   "optimizer (state_dict()/load_state_dict() carry the state)")
+        for part in self.parts():
+            part._stage1_grads()
         self._reduced = True
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -150,10 +155,12 @@ class ZeRO1Optimizer(ShardedOptimizer):
         if not self._reduced:
             self.reduce_gradients()
         total = torch.zeros(1, dtype=torch.float64, device=self._counted[0].device)
-        for b, mask in zip(self.buckets, self._counted):
-            if b.shard.grad is not None:
-                total += (b.shard.grad.double().pow(2) * mask).sum()
-        grads = [b.shard.grad for b in self.buckets if b.shard.grad is not None]
+        grads = []
+        for part in self.parts():   # expert slices: disjoint over DP×CP too (EP × expert-DP)
+            for b, mask in zip(part.buckets, part._counted):
+                if b.shard.grad is not None:
+                    total += (b.shard.grad.double().pow(2) * mask).sum()
+                    grads.append(b.shard.grad)
         return float(clip_by_global_norm_(total, grads, max_norm,
                                           _reduce_tp_pp(self.model.grid, dp=True)))
 
@@ -163,11 +170,12 @@ class ZeRO1Optimizer(ShardedOptimizer):
         buffer. For checks and inspection only (ZeRO-1 never needs the full gradient)."""
         if not self._reduced:
             self.reduce_gradients()
-        for b in self.buckets:
-            flat = b.layout.empty()
-            self.comm.all_gather(flat, b.shard.grad.contiguous())
-            for p, v in zip(b.params, b.layout.views(flat)):
-                p.grad = v.clone()
+        for part in self.parts():
+            for b in part.buckets:
+                flat = b.layout.empty()
+                part.comm.all_gather(flat, b.shard.grad.contiguous())
+                for p, v in zip(b.params, b.layout.views(flat)):
+                    p.grad = v.clone()
 
     def step(self, closure=None):
         if closure is not None:
@@ -175,15 +183,53 @@ class ZeRO1Optimizer(ShardedOptimizer):
         if not self._reduced:
             self.reduce_gradients()
         self._reduced = False
-        self.optim.step()
-        with torch.no_grad():
-            for b in self.buckets:
-                self.comm.all_gather(b.flat, b.shard)
-                b.shard.grad = None
+        for part in self.parts():
+            part.optim.step()
+            with torch.no_grad():
+                for b in part.buckets:
+                    part.comm.all_gather(b.flat, b.shard)
+                    b.shard.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
+        if self.experts is not None:
+            self.experts.zero_grad(set_to_none)
         self._reduced = False
+
+
+class ExpertSlices(ShardedOptimizer):
+    """ZeRO-1 of the experts of ``model`` over their expert-DP group (the ranks that hold the same
+    experts). The reduce-scatter sums the local gradients and divides by DP×CP, not by the group's
+    size: backward's all-to-all already summed the EP ranks' contributions (the average over
+    expert-DP, then ``/ep``, of :func:`~.moe.average_gradients`)."""
+
+    def __init__(self, params, optimizer_class, model, **defaults):
+        super().__init__([{"params": params}], optimizer_class, group=model.grid.expert_dp_group,
+                         stage=1, grads="local", **defaults)
+        self._divisor = len(model.grid.dp_cp_ranks)
+        self._counted = _norm_masks(self, model)
+
+    def gradient_divisor(self) -> float:
+        return self._divisor
+
+
+def sharded_parts(optimizer) -> list[ShardedOptimizer]:
+    """A ZeRO optimizer's sharded parts (a :class:`ZeRO1Optimizer` with experts apart: two)."""
+    return optimizer.parts() if isinstance(optimizer, ZeRO1Optimizer) else [optimizer]
+
+
+def _norm_masks(opt: ShardedOptimizer, model) -> list:
+    """Per flat buffer of ``opt``, this rank's slice of a 1/0 mask: the elements the norm counts
+    (TP-replicated parameters on TP rank 0 only, the tied copy not at all)."""
+    tp_rank, masks = model.grid.tp_rank, []
+    for b in opt.buckets:
+        flags = [float(not model.is_tied_copy(p) and
+                       (getattr(p, "tensor_model_parallel", False) or tp_rank == 0))
+                 for p in b.params]
+        mask = b.layout.pack([torch.full(p.shape, f, device=p.device)
+                              for p, f in zip(b.params, flags)])
+        masks.append(b.layout.shard(mask).double())
+    return masks
 
 
 def refuse_zero2(model, dp_mode: str, who: str) -> None:

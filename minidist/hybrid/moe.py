@@ -38,10 +38,12 @@ What composing with the other axes takes, each decided here:
   the expert-DP group and divided by ``ep``, because backward's all-to-all already summed the
   ``ep`` ranks' contributions (:func:`average_gradients`; :mod:`minidist.expert_parallel.gpt`).
   Bucketed DDP leaves the experts out of its buckets (and its first broadcast) and they are
-  averaged after the pipeline, as with ``"flat"``. ZeRO-1, ZeRO-3 and HSDP shard every parameter
-  over DP×CP, where ranks hold other experts: refused with ``ep > 1`` (torchtitan shards experts
-  over a mesh of their own, ``dp_shard_mod_ep``, which minidist does not build; with ``ep = 1``
-  the experts are replicated and they run).
+  averaged after the pipeline, as with ``"flat"``; ZeRO-1 shards them apart, over the expert-DP
+  group (:class:`~.dp.ExpertSlices`, as Megatron-Core's distributed optimizer). ZeRO-3 and HSDP
+  shard every parameter of a stage over DP×CP (HSDP: CP), where ranks hold other experts:
+  refused with ``ep > 1`` (torchtitan shards experts over a mesh of their own,
+  ``dp_shard_mod_ep``, which minidist's units do not build; with ``ep = 1`` the experts are
+  replicated and they run).
 """
 
 from __future__ import annotations
@@ -188,13 +190,13 @@ def _expert_replicas(grid):
 
 
 def refuse_expert_dp_mode(model, dp_mode: str, who: str) -> None:
-    """``ValueError`` (every rank, before any communication) for ZeRO-1, ZeRO-3 or HSDP with
-    experts sharded over EP: they shard every parameter over the DP×CP group, whose ranks hold
-    other experts."""
-    if dp_mode not in ("flat", "bucketed") and model.moe_layers and model.grid.ep_size > 1:
+    """``ValueError`` (every rank, before any communication) for ZeRO-3 or HSDP with experts
+    sharded over EP: their units shard every parameter of a stage over the DP×CP group, whose
+    ranks hold other experts."""
+    if dp_mode not in ("flat", "bucketed", "zero1") and model.moe_layers and model.grid.ep_size > 1:
         raise ValueError(f"{who} (rank {model.grid.rank}): dp_mode={dp_mode!r} with expert "
                          f"parallelism (ep={model.grid.ep_size}) is not supported: it shards "
                          "every parameter over the DP×CP ranks, which hold other experts (each "
                          "expert is replicated over its expert-DP group only; torchtitan shards "
                          "experts over a mesh of their own, dp_shard_mod_ep, which minidist "
-                         "does not build); use dp_mode='flat' or 'bucketed', or ep=1")
+                         "does not build); use dp_mode='flat', 'bucketed' or 'zero1', or ep=1")

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..checkpoint_io import agree, open_generation, read_part, save_generation
 from ..sharding import fsdp_state
+from .dp import sharded_parts
 from .moe import global_names, local_names
 from ..sharding.zero import ShardedOptimizer
 from ..tensor_parallel.sharding import gather_tensor, gather_tensors, shard_state_dict, shard_tensor
@@ -99,10 +100,13 @@ def _optimizer_states(model, optimizer, shapes: dict) -> tuple[dict, dict]:
         per = {name: per.get(name, {}) for name, _, _ in _named(model)}
         groups = optimizer.state_dict()["param_groups"]
     elif isinstance(optimizer, ShardedOptimizer):
-        full = optimizer.state_dict()                       # consolidated over DP, by index
-        index = {id(p): i for i, p in enumerate(optimizer.all_params)}
-        per = {name: full["state"].get(index[id(p)], {}) for name, p, _ in _named(model)}
-        groups = full["param_groups"]
+        per, groups = {}, None
+        for part in sharded_parts(optimizer):   # ZeRO-1's dense slices over DP×CP; experts' over expert-DP
+            full = part.state_dict()                        # consolidated over its group, by index
+            index = {id(p): i for i, p in enumerate(part.all_params)}
+            per.update({name: full["state"].get(index[id(p)], {}) for name, p, _ in _named(model)
+                        if id(p) in index})
+            groups = groups or full["param_groups"]
     else:
         per = {name: optimizer.state.get(p, {}) for name, p, _ in _named(model)}
         groups = optimizer.state_dict()["param_groups"]
@@ -237,10 +241,11 @@ def _load_optimizer(optimizer, model, blob, tp) -> None:
     for name, p, _ in _named(model):
         names.setdefault(id(p), name)
     if isinstance(optimizer, ShardedOptimizer):
-        state = {i: _shard_state(saved.get(names[id(p)], {}), p, tp)
-                 for i, p in enumerate(optimizer.all_params)}
-        groups = [{**blob["hyper"], "params": []} for _ in optimizer.param_groups]
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        for part in sharded_parts(optimizer):
+            state = {i: _shard_state(saved.get(names[id(p)], {}), p, tp)
+                     for i, p in enumerate(part.all_params)}
+            groups = [{**blob["hyper"], "params": []} for _ in part.param_groups]
+            part.load_state_dict({"state": state, "param_groups": groups})
         return
     for g in optimizer.param_groups:
         g.update(blob["hyper"])

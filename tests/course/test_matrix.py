@@ -137,18 +137,36 @@ def test_every_configuration_resumes_bitwise(tmp_path):
     assert len(rows) > 30 and not bad, bad
 
 
-@pytest.mark.timeout(240)
-def test_pairs_that_were_refused_now_equal_one_process():
-    """Regression for the pairs the matrix used to refuse, one launch of eight ranks: sequence
-    parallelism beside context parallelism (torchtitan runs TP with SP beside CP): ring (zigzag,
-    under a zero-bubble schedule with ZeRO-1), Ulysses (per-token loss, tied embeddings) and the
-    contiguous split in bf16 with torch's recomputation, each equal to one process."""
-    sp = _config(tp="2+sp", dp=1, loss="mean")
-    configs = [{**sp, "cp": "ring/zigzag", "schedule": "zb-v", "dp_mode": "zero1"},
-               {**sp, "cp": "ulysses", "loss": "per_token", "tie": True},
-               {**sp, "cp": "ring/contiguous", "precision": "bf16", "recompute": "torch"}]
-    rows = run_matrix(configs, timeout=200)
-    assert [r["status"] for r in rows] == ["✓"] * len(configs), format_table(rows)
+# pairs the matrix used to refuse (name: configuration), each now equal to one process
+WERE_REFUSED = {
+    # torchtitan runs TP with SP beside CP
+    "sp x ring/zigzag": _config(tp="2+sp", dp=1, loss="mean", cp="ring/zigzag", schedule="zb-v",
+                                dp_mode="zero1"),
+    "sp x ulysses": _config(tp="2+sp", dp=1, loss="per_token", cp="ulysses", tie=True),
+    "sp x ring/contiguous": _config(tp="2+sp", dp=1, loss="mean", cp="ring/contiguous",
+                                    precision="bf16", recompute="torch"),
+    # experts left out of the buckets / sharded over their own expert-DP group
+    "bucketed x ep2": _config(dp_mode="bucketed", moe="ep2", schedule="interleaved", tie=True),
+    "zero1 x ep2/drop": _config(dp_mode="zero1", moe="ep2/drop", loss="per_token", tie=True),
+    # the weight pass W gathers the unit before it and reduce-scatters after it (pytorch#134052)
+    "zero3 x zb-h1": _config(dp_mode="zero3", schedule="zb-h1", tie=True),
+    "zero3/keep x zb-v": _config(dp_mode="zero3/keep", schedule="zb-v", recompute="minidist"),
+    "hsdp x dualpipe-v": _config(dp_mode="hsdp", schedule="dualpipe-v", dp=1, cp="ring/zigzag",
+                                 recompute="torch"),
+    # experts under SP: each TP rank routes its own positions
+    "sp x ep2": _config(tp="2+sp", moe="ep2", dp=2, loss="mean", schedule="zb-h1"),
+}
+
+
+@pytest.mark.timeout(300)
+def test_pairs_that_were_refused_now_equal_one_process_and_resume_bitwise(tmp_path):
+    """Regression for the pairs the matrix used to refuse: each equal to one process (two
+    launches, 4 and 8 ranks); the 4-rank ones also stopped after step 2 and resumed bitwise."""
+    rows = run_matrix(list(WERE_REFUSED.values()), timeout=240)
+    assert [r["status"] for r in rows] == ["✓"] * len(rows), format_table(rows)
+    four = [c for c in WERE_REFUSED.values() if world_size(c) == 4]
+    resumed = run_resume(four, str(tmp_path), timeout=240)
+    assert len(resumed) == len(four) and all(r["status"] == "✓" for r in resumed), resumed
 
 
 def test_sequence_parallelism_with_context_parallelism_needs_each_cp_share_divisible_by_tp():
