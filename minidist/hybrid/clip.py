@@ -45,11 +45,12 @@ def global_grad_norm(model, norm_type: float = 2.0) -> float:
     return float(total.sqrt())
 
 
-def _local_sum_sq(model) -> torch.Tensor:
+def _local_sum_sq(model, experts_over_ep: bool = True) -> torch.Tensor:
     """This rank's share of the squared norm: each parameter once (the tied copy and a replicated
     parameter's copies on TP ranks > 0 skipped), in fp64. Experts (sharded over the EP group,
     each on one rank of it) are summed over the EP group here: a collective over it when
-    ``ep > 1``."""
+    ``ep > 1`` — unless the caller sums over DP×CP (ZeRO-3's expert shards: disjoint over
+    EP × expert-DP, which is DP×CP)."""
     grid, params = model.grid, model.parameters()
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=device)
@@ -61,7 +62,7 @@ def _local_sum_sq(model) -> torch.Tensor:
             continue
         (experts if getattr(p, "expert_parallel", False) else total).add_(
             p.grad.detach().double().pow(2).sum())
-    if grid.ep_size > 1:
+    if grid.ep_size > 1 and experts_over_ep:
         C.all_reduce(experts, "sum", group=grid.ep_group)
     return total + experts
 
@@ -96,5 +97,6 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
         raise ValueError(f"clip_grad_norm_ (rank {model.grid.rank}): dp_sharded (ZeRO-3) and "
                          "cp_sharded (HSDP) are two layouts; pass the one the stages have")
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return float(clip_by_global_norm_(_local_sum_sq(model), grads, max_norm,
+    total = _local_sum_sq(model, experts_over_ep=not dp_sharded)
+    return float(clip_by_global_norm_(total, grads, max_norm,
                                       _reduce_tp_pp(model.grid, dp=dp_sharded, cp=cp_sharded)))

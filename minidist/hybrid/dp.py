@@ -52,8 +52,8 @@ hooks). With ``dp == 1`` it is ZeRO-3 over CP. ``reshard_after_forward`` is torc
 with ``pp == 1``, off under a pipeline (no all-gather per micro-batch). Gradient accumulation,
 the tied embedding, the optimizer on the shards and the zero-bubble weight pass are ZeRO-3's; clipping sums the shards' squares over the CP group only (each piece once: the DP
 replicas hold the same piece, so summing over DP×CP would count it dp times). Experts sharded
-over EP are refused, as with ZeRO-3 (:func:`~.moe.refuse_expert_dp_mode`); ``"flat"`` and
-``"bucketed"`` average them over their own replicas, ``"zero1"`` shards them over it.
+over EP are refused (:func:`~.moe.refuse_expert_dp_mode`); ``"flat"`` and ``"bucketed"`` average
+them over their own replicas, ``"zero1"`` and ``"zero3"`` shard them over it (:mod:`.moe`).
 
 ``"zero2"`` is refused: ZeRO-2 keeps only a slice of the gradient, but the pipeline's
 micro-batches accumulate gradients over several backwards — each would need a reduce-scatter of
@@ -71,7 +71,7 @@ import torch.distributed as dist
 
 from ..data_parallel.bucketed import BucketedDDP
 from ..data_parallel.clip import clip_by_global_norm_
-from ..sharding.fsdp import fully_shard
+from ..sharding.fsdp import fully_shard, set_gradient_divide_factor
 from ..sharding.zero import ShardedOptimizer
 from .clip import _reduce_tp_pp
 from ..expert_parallel.gpt import is_expert
@@ -278,9 +278,19 @@ def shard_stages(model, dp_mode: str) -> None:
     sync from their rank 0; HSDP checks the layout with one all-gather over DP)."""
     shard, rep, _, _ = _groups(model, dp_mode)
     reshard = dp_mode == "zero3" or (dp_mode == "hsdp" and model.grid.pp_size == 1)
+    grid = model.grid
     for s in sorted(model.stages):
+        if grid.ep_size > 1:   # each expert a unit over its expert-DP group, summed over DP×CP
+            for layer in model.moe_layers:
+                for expert in (layer.experts if _within(layer, model.stages[s]) else ()):
+                    fully_shard(expert, group=grid.expert_dp_group, reshard_after_forward=reshard)
+                    set_gradient_divide_factor(expert, len(grid.dp_cp_ranks))
         fully_shard(model.stages[s], group=shard, replicate_group=rep,
                     reshard_after_forward=reshard)
+
+
+def _within(module, stage) -> bool:
+    return any(m is module for m in stage.modules())
 
 
 def check_sharding(model, dp_mode: str, who: str) -> None:

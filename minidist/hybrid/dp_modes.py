@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..sharding.fsdp import set_requires_gradient_sync
+from ..sharding.fsdp import set_requires_gradient_sync, units
 from ..trace import span
 from .clip import clip_grad_norm_
 from .dp import DP_MODES, SHARDED, PipelineBucketedDDP, refuse_zero2, shard_stages
@@ -141,11 +141,11 @@ def _gradient_sync(stage, sync: bool):
     a backward of its own, after the one whose hooks gathered the unit and finished its reduction:
     the unit is gathered before (the saved views are views of its buffer) and its reduction
     finished after, as torch's pipelining calls FSDP2's post-backward after W (pytorch#134052)."""
-    unit = stage._fsdp
     set_requires_gradient_sync(stage, sync)
     try:
-        unit.start_backward()
+        for unit in units(stage):   # the stage and the units below it (experts over expert-DP)
+            unit.start_backward()
         yield
     finally:
         set_requires_gradient_sync(stage, True)
-    unit.finish_backward()
+    stage._fsdp.finish_backward()

@@ -39,10 +39,11 @@ What composing with the other axes takes, each decided here:
   ``ep`` ranks' contributions (:func:`average_gradients`; :mod:`minidist.expert_parallel.gpt`).
   Bucketed DDP leaves the experts out of its buckets (and its first broadcast) and they are
   averaged after the pipeline, as with ``"flat"``; ZeRO-1 shards them apart, over the expert-DP
-  group (:class:`~.dp.ExpertSlices`, as Megatron-Core's distributed optimizer). ZeRO-3 and HSDP
-  shard every parameter of a stage over DP×CP (HSDP: CP), where ranks hold other experts:
-  refused with ``ep > 1`` (torchtitan shards experts over a mesh of their own,
-  ``dp_shard_mod_ep``, which minidist's units do not build; with ``ep = 1`` the experts are
+  group (:class:`~.dp.ExpertSlices`, as Megatron-Core's distributed optimizer); ZeRO-3 makes each
+  expert a ``fully_shard`` unit of its own over that group, under the stage's unit, dividing the
+  reduce-scattered sum by DP×CP (torchtitan's experts over ``dp_shard_mod_ep`` with
+  ``set_gradient_divide_factor``). HSDP with ``ep > 1`` is refused: its units under one root
+  share one replicate group, which the experts' does not match (with ``ep = 1`` the experts are
   replicated and they run).
 """
 
@@ -190,13 +191,13 @@ def _expert_replicas(grid):
 
 
 def refuse_expert_dp_mode(model, dp_mode: str, who: str) -> None:
-    """``ValueError`` (every rank, before any communication) for ZeRO-3 or HSDP with experts
-    sharded over EP: their units shard every parameter of a stage over the DP×CP group, whose
-    ranks hold other experts."""
-    if dp_mode not in ("flat", "bucketed", "zero1") and model.moe_layers and model.grid.ep_size > 1:
+    """``ValueError`` (every rank, before any communication) for HSDP with experts sharded over
+    EP: the stage's unit replicates over DP, the experts' replicas are another group."""
+    if dp_mode == "hsdp" and model.moe_layers and model.grid.ep_size > 1:
         raise ValueError(f"{who} (rank {model.grid.rank}): dp_mode={dp_mode!r} with expert "
-                         f"parallelism (ep={model.grid.ep_size}) is not supported: it shards "
-                         "every parameter over the DP×CP ranks, which hold other experts (each "
-                         "expert is replicated over its expert-DP group only; torchtitan shards "
-                         "experts over a mesh of their own, dp_shard_mod_ep, which minidist "
-                         "does not build); use dp_mode='flat', 'bucketed' or 'zero1', or ep=1")
+                         f"parallelism (ep={model.grid.ep_size}) is not supported: HSDP shards "
+                         "each stage over CP and replicates it over DP, but an expert is "
+                         "replicated over its expert-DP group only, and the units under one "
+                         "root share one replicate group (torchtitan builds a mesh of its own "
+                         "for the experts, dp_shard_mod_ep, which minidist's HSDP does not); "
+                         "use dp_mode='zero3', 'zero1', 'bucketed' or 'flat', or ep=1")

@@ -125,12 +125,12 @@ def _micro_loss(st: _StepState, out, m: int) -> torch.Tensor:
 
 
 def _weight_leaves(module: nn.Module) -> list:
-    """Where W's weight gradients accumulate: the parameters, and a ``fully_shard`` unit's gathered
-    buffer (the forward used views of it; its hook reduce-scatters), as torch's pipelining runs W
-    on whatever parameters FSDP2 has registered while unsharded."""
-    unit = getattr(module, "_fsdp", None)
-    full = [unit.full] if unit is not None and getattr(unit, "layout", None) is not None else []
-    return list(module.parameters()) + full
+    """Where W's weight gradients accumulate: the parameters, and each ``fully_shard`` unit's
+    gathered buffer (the forward used views of it; its hook reduce-scatters), as torch's pipelining
+    runs W on whatever parameters FSDP2 has registered while unsharded."""
+    units = [getattr(m, "_fsdp", None) for m in module.modules()]
+    return list(module.parameters()) + [u.full for u in units
+                                        if u is not None and getattr(u, "layout", None) is not None]
 
 
 def _backward_op(st: _StepState, m: int, s: int) -> None:

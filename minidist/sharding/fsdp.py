@@ -21,7 +21,7 @@ from .mixed_precision import MixedPrecisionPolicy
 from .replicate import replicated_units
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "ShardUnit", "units", "close_units",
-           "set_requires_gradient_sync", "set_requires_all_reduce"]
+           "set_requires_gradient_sync", "set_requires_all_reduce", "set_gradient_divide_factor"]
 
 
 def units(module: nn.Module) -> list[ShardUnit]:
@@ -42,6 +42,14 @@ def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
     backward with ``True`` reduces the sum."""
     for u in units(module) + replicated_units(module):
         u.sync = sync
+
+
+def set_gradient_divide_factor(module: nn.Module, factor: float) -> None:
+    """The units of ``module`` divide their reduce-scattered gradient sum by ``factor`` instead of
+    their group's size (FSDP2's ``set_gradient_divide_factor``; torchtitan sets it on experts
+    sharded over their expert-DP mesh, whose all-to-all already summed the EP ranks')."""
+    for u in units(module):
+        u.divide_factor = float(factor)
 
 
 def set_requires_all_reduce(module: nn.Module, flag: bool) -> None:
@@ -106,6 +114,7 @@ def fully_shard(module: nn.Module, *, group=None, collectives: str = "hand-built
     module.register_forward_hook(unit.post_forward)
     below = [unit] + below
     ctx = _Context(unit.comm, rep)   # the newest outer unit's context is the shared one
+    ctx.other_comms = [u.comm for u in below if u.comm.group is not unit.comm.group]
     for u in below:
         if u.ctx is not None:
             u.ctx.close()

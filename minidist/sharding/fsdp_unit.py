@@ -27,6 +27,8 @@ class _Context:
         self.rep = rep                   # HSDP: the root's replicate group (main thread), or None
         self.rep_thread: Communicator | None = None   # ... its copy for the comm thread
         self._worker: CommThread | None = None
+        self._others: dict = {}          # id(group) -> (group, CommThread): units on other groups
+        self.other_comms: list = []      # those units' communicators, set by fully_shard
         self.order: list = []            # units in forward order (recorded in step 1)
         self.recording = True
         self.pending: list = []          # (unit, handle, reduced shard) of this backward
@@ -35,14 +37,31 @@ class _Context:
 
     @property
     def worker(self) -> CommThread:
-        """Created at first use (the first forward, on every rank): only the root's is ever made."""
+        """Created at first use (the first forward, on every rank): only the root's is ever made,
+        with those of the units below on other groups (:meth:`worker_for`) at the same point."""
         if self._worker is None:
             self._worker = CommThread(self.comm, name="fsdp-comm")
             if self.rep is not None:
                 self.rep_thread = thread_copy(self.rep)
+            for comm in self.other_comms:   # every rank at once, in unit order: a group made
+                self.worker_for(comm)       # by some ranks only would shift torch's group count
         return self._worker
 
+    def worker_for(self, comm: Communicator) -> CommThread:
+        """The comm thread for a unit on ``comm``: the root's, or, for a unit below on another
+        group (experts over their expert-DP group), that group's."""
+        root = self.worker   # makes every thread, in the same order on every rank
+        if comm.group is self.comm.group:
+            return root
+        hit = self._others.get(id(comm.group))
+        if hit is None:
+            hit = self._others[id(comm.group)] = (comm.group, CommThread(comm, name="fsdp-comm"))
+        return hit[1]
+
     def close(self) -> None:
+        for _, worker in self._others.values():
+            worker.close()
+        self._others.clear()
         if self._worker is not None:
             self._worker.close()
         if self.rep_thread is not None:
@@ -67,6 +86,7 @@ class ShardUnit:
         self.sync, self.state = True, "sharded"
         self.handle: Handle | None = None   # a prefetch in flight on the comm thread
         self.requires_all_reduce = True     # HSDP: False keeps pieces uncrossed (see _reduce)
+        self.divide_factor: float | None = None   # the reduce-scatter's divisor (None: W)
         self.full: Any = None               # the gathered [W·S] buffer (None: nothing to shard)
         self.unsharded_grad: torch.Tensor | None = None
         self.slots: list = []               # set by the layout's wrap
@@ -106,7 +126,7 @@ class ShardUnit:
         self._alloc()
         self._gathered_from = self._versions()
         if comm_thread and self.ctx is not None:
-            self.handle = self.ctx.worker.submit(f"all-gather of unit {self.unit_name()} "
+            self.handle = self.ctx.worker_for(self.comm).submit(f"all-gather of unit {self.unit_name()} "
                                                  f"(rank {self.rank})", self.layout.gather_into,
                                                  self)
         else:
@@ -211,7 +231,7 @@ class ShardUnit:
             # comm thread must not read a set the main thread is refilling
             got, self._got_grad = self._got_grad, set()
             agreed: set[int] = set()
-            h = self.ctx.worker.submit(f"reduce-scatter of unit {self.unit_name()} (rank "
+            h = self.ctx.worker_for(self.comm).submit(f"reduce-scatter of unit {self.unit_name()} (rank "
                                        f"{self.rank})", self._reduce, out,
                                        self.layout.to_rank_major(grad), got, agreed)
             self.ctx.pending.append((self, h, out, agreed))
@@ -221,11 +241,11 @@ class ShardUnit:
                 agreed: set[int]) -> None:
         """Comm thread: ``out`` ← this rank's slice of the average of ``grad``; ``agreed`` ← used anywhere."""
         if not self.layout.per_parameter:               # flat: one shard, every element kept
-            _reduce_scatter(comm, out, grad)
+            comm.reduce_scatter(out, grad, "avg", divisor=self.divide_factor)
             return
         used = torch.tensor([float(i in got) for i in range(len(self.params))],
                             device=out.device)
-        _reduce_scatter(comm, out, grad)
+        comm.reduce_scatter(out, grad, "avg", divisor=self.divide_factor)
         comm.all_reduce(used, "max")
         if self.rep is not None:
             rep = getattr(self.ctx, "rep_thread", None)
@@ -275,10 +295,6 @@ class ShardUnit:
                 unit.wait_gathered()
             if unit.layout is not None and unit.state != "sharded":
                 unit._free()
-
-
-def _reduce_scatter(comm, out, grad) -> None:
-    comm.reduce_scatter(out, grad, "avg")
 
 
 def _tensors(obj):

@@ -60,7 +60,7 @@ REFUSED: list[tuple[tuple[str, object], tuple[str, object] | None, tuple[str, ..
     (("tp", "2+sp"), ("moe", "ep2/drop"), ("capacity", "sequence parallelism")),
 ] + [
     (("dp_mode", mode), ("moe", moe), (f"'{mode}'", "expert parallelism"))
-    for mode in ("zero3", "zero3/keep", "hsdp") for moe in ("ep2", "ep2/drop")
+    for mode in ("hsdp",) for moe in ("ep2", "ep2/drop")
 ] + [(("dp_mode", "zero2"), None, ("'zero2'", "pipeline"))] + [
     (("cp", cp), ("moe", "ep2/drop"), ("capacity", "context parallelism"))
     for cp in ("ring/zigzag", "ring/contiguous", "ring/striped", "ulysses")

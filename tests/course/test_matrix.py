@@ -148,6 +148,9 @@ WERE_REFUSED = {
     # experts left out of the buckets / sharded over their own expert-DP group
     "bucketed x ep2": _config(dp_mode="bucketed", moe="ep2", schedule="interleaved", tie=True),
     "zero1 x ep2/drop": _config(dp_mode="zero1", moe="ep2/drop", loss="per_token", tie=True),
+    # each expert a fully_shard unit over its expert-DP group, under the stage's (torchtitan)
+    "zero3 x ep2": _config(dp_mode="zero3", moe="ep2", schedule="zb-h1", recompute="minidist"),
+    "zero3/keep x ep2/drop": _config(dp_mode="zero3/keep", moe="ep2/drop", schedule="interleaved"),
     # the weight pass W gathers the unit before it and reduce-scatters after it (pytorch#134052)
     "zero3 x zb-h1": _config(dp_mode="zero3", schedule="zb-h1", tie=True),
     "zero3/keep x zb-v": _config(dp_mode="zero3/keep", schedule="zb-v", recompute="minidist"),

@@ -72,6 +72,7 @@ CASES_4 = {   # name: (dp, pp, tp, cp, ep), options
     "ep1, bucketed": ((2, 2, 1, 1, 1), dict(dp_mode="bucketed")),
     "ep2, bucketed (experts out of the buckets)": ((2, 2, 1, 1, 2), dict(dp_mode="bucketed")),
     "ep2, zero1 (experts' slices over expert-DP)": ((2, 2, 1, 1, 2), dict(dp_mode="zero1")),
+    "ep2, zero3 (each expert a unit over expert-DP)": ((2, 2, 1, 1, 2), dict(dp_mode="zero3")),
     "ep1, zero1, interleaved": ((2, 2, 1, 1, 1), dict(dp_mode="zero1", schedule="interleaved")),
 }
 REFUSALS_4 = {   # name: (grid, options, words every rank's ValueError must hold)
@@ -81,7 +82,7 @@ REFUSALS_4 = {   # name: (grid, options, words every rank's ValueError must hold
         ("capacity", "sequence parallelism")),
     "capacity x context parallelism": ((1, 2, 1, 2, 2), dict(moe={**MOE, "capacity_factor": 1.0}),
                                        ("capacity", "context parallelism")),
-    "zero3 x ep2": ((2, 2, 1, 1, 2), dict(dp_mode="zero3"), ("'zero3'", "expert")),
+    "hsdp x ep2": ((2, 2, 1, 1, 2), dict(dp_mode="hsdp"), ("'hsdp'", "expert")),
 }
 
 
