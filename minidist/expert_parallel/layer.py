@@ -39,14 +39,17 @@ class AuxLossAutoScaler(torch.autograd.Function):
 class MoE(nn.Module):
     """Top-k mixture of MLP experts, expert-parallel over ``ep_group``; the routing statistics of
     the aux loss summed over ``stats_group`` (a group, or a tuple of groups: over their product).
-    ``ValueError``: bad ``top_k``, ``capacity_factor`` <= 0, unknown ``drop_policy``, input not
-    3-D."""
+    The capacity applies to each of ``drop_chunks`` equal contiguous chunks of the ``b·s`` tokens,
+    or to each group ``drop_groups(b, s)`` gives (index tensors into the flattened tokens, in the
+    order a rank holding them sees them: a one-process model standing for ranks that each hold
+    scattered positions). ``ValueError``: bad ``top_k``, ``capacity_factor`` <= 0, unknown
+    ``drop_policy``, input not 3-D, groups of unequal size."""
 
     def __init__(self, cfg: GPTConfig, num_experts: int, top_k: int = 1,
                  capacity_factor: float | None = None, drop_policy: str = "position",
                  normalize_topk: bool = False, aux_loss_coeff: float = 0.0,
                  z_loss_coeff: float = 0.0, ep_group=LOCAL, ep_size: int | None = None,
-                 stats_group=LOCAL, capacity_group="ep", drop_chunks: int = 1):
+                 stats_group=LOCAL, capacity_group="ep", drop_chunks: int = 1, drop_groups=None):
         super().__init__()
         if not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"MoE: num_experts must be an int >= 1, got {num_experts!r}")
@@ -63,7 +66,7 @@ class MoE(nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         if not isinstance(drop_chunks, int) or drop_chunks < 1:
             raise ValueError(f"MoE: drop_chunks must be an int >= 1, got {drop_chunks!r}")
-        self.drop_chunks = drop_chunks
+        self.drop_chunks, self.drop_groups = drop_chunks, drop_groups
         self.ep_group, self.stats_group = ep_group, stats_group
         self.capacity_group = ep_group if capacity_group == "ep" else capacity_group
         self.ep_rank, self.ep_size = group_rank_world(ep_group)
@@ -86,6 +89,20 @@ class MoE(nn.Module):
         state["aux_loss"] = None
         return state
 
+    def _groups(self, b: int, s: int, device) -> list[torch.Tensor]:
+        """The token groups the capacity applies to, each in the order its rank holds them."""
+        T, n = b * s, self.drop_chunks
+        if self.drop_groups is not None:
+            groups = [g.to(device) for g in self.drop_groups(b, s)]
+            if len({len(g) for g in groups}) != 1 or sum(len(g) for g in groups) != T:
+                raise ValueError(f"MoE (rank {self.ep_rank}): drop_groups must cut the {T} tokens "
+                                 f"into groups of one size, got {[len(g) for g in groups]}")
+            return groups
+        if T % n:
+            raise ValueError(f"MoE (rank {self.ep_rank}): {T} tokens do not split into "
+                             f"drop_chunks={n} equal chunks")
+        return list(torch.arange(T, device=device).view(n, T // n))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3:
             raise ValueError(f"MoE (rank {self.ep_rank}): expected x [batch, seq, width], got "
@@ -96,19 +113,16 @@ class MoE(nn.Module):
         with torch.autocast(x.device.type, enabled=False):   # fp32 also under mixed precision
             logits = nn.functional.linear(flat.float(), self.router.weight.float())  # fp32 router
         probs, experts, weights = route(logits, k, self.normalize_topk)
-        capacity, n = None, self.drop_chunks
-        if T % n:
-            raise ValueError(f"MoE (rank {self.ep_rank}): {T} tokens do not split into "
-                             f"drop_chunks={n} equal chunks")
+        capacity, groups = None, self._groups(b, s, flat.device)
         if self.capacity_factor is not None:
-            local = torch.tensor([expert_capacity(T // n, E, k, self.capacity_factor)],
+            local = torch.tensor([expert_capacity(len(groups[0]), E, k, self.capacity_factor)],
                                  device=flat.device)
             if group_rank_world(self.capacity_group)[1] > 1:
                 all_reduce(local, op="max", group=self.capacity_group)
             capacity = int(local)
-        kept = torch.cat([keep_mask(experts[c * (T // n):(c + 1) * (T // n)],
-                                    weights[c * (T // n):(c + 1) * (T // n)], E, capacity,
-                                    self.drop_policy) for c in range(n)])
+        kept = torch.empty_like(experts, dtype=torch.bool)
+        for g in groups:
+            kept[g] = keep_mask(experts[g], weights[g], E, capacity, self.drop_policy)
         out, moved = dispatch_combine(flat, experts, weights.to(flat.dtype), kept, E,
                                       list(self.experts), self.ep_group, self.ep_rank, self.ep_size)
         routed = torch.bincount(experts.reshape(-1), minlength=E)

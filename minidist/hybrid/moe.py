@@ -31,9 +31,11 @@ What composing with the other axes takes, each decided here:
   per-micro-batch aux loss follows.
 * **Capacity (token drops)** — each rank applies the capacity rule to its own tokens of each
   micro-batch: one process applies it to the ``dp`` replicas' slices of micro-batch ``m`` in turn
-  (``drop_chunks=dp``). With context parallelism a rank's tokens are scattered positions of the
-  samples, so the drops differ from any one-process rule: refused; with sequence parallelism
-  likewise (a TP rank's positions are a piece of every sample).
+  (``drop_chunks=dp``). With context or sequence parallelism a rank's tokens are its positions of
+  each of its samples (its CP split, then its TP piece), and the one process applies the rule to
+  each rank's tokens in the order the rank holds them (``drop_groups``,
+  :func:`minidist_course.references.hybrid.token_groups`): the capacity is per rank, as
+  Megatron-LM applies it to each rank's local tokens.
 * **Gradients** — non-expert parameters are averaged over the DP×CP group; expert parameters over
   the expert-DP group and divided by ``ep``, because backward's all-to-all already summed the
   ``ep`` ranks' contributions (:func:`average_gradients`; :mod:`minidist.expert_parallel.gpt`).
@@ -73,7 +75,7 @@ _EXPERT = re.compile(r"^(blocks\.\d+\.mlp\.experts\.)(\d+)(\..*)$")
 
 def check_moe(moe: dict | None, grid, sequence_parallel: bool, who: str) -> None:
     """Raise ``ValueError`` (every rank, before any communication) for an unknown option, EP
-    without experts, a capacity with context or sequence parallelism."""
+    without experts."""
     if moe is None:
         if grid.ep_size > 1:
             raise ValueError(f"{who}: the grid has ep={grid.ep_size}, but the GPT's MLPs are dense "
@@ -83,18 +85,6 @@ def check_moe(moe: dict | None, grid, sequence_parallel: bool, who: str) -> None
     if unknown or "num_experts" not in moe:
         raise ValueError(f"{who}: moe takes {MOE_OPTIONS} (num_experts required), got "
                          f"{sorted(moe)}")
-    if moe.get("capacity_factor") is not None and sequence_parallel:
-        raise ValueError(f"{who}: an expert capacity (capacity_factor="
-                         f"{moe['capacity_factor']}, token drops) with sequence parallelism is "
-                         "not supported: each TP rank would drop among its own positions of every "
-                         "sample, which no one-process rule reproduces; use capacity_factor=None "
-                         "(dropless) or sequence_parallel=False")
-    if moe.get("capacity_factor") is not None and grid.cp_size > 1:
-        raise ValueError(f"{who}: an expert capacity (capacity_factor="
-                         f"{moe['capacity_factor']}, token drops) with context parallelism "
-                         f"(cp={grid.cp_size}) is not supported: each rank would drop among its "
-                         "own scattered positions, which no one-process rule reproduces; use "
-                         "capacity_factor=None (dropless) or cp=1")
 
 
 def install_experts(stage: nn.Module, moe: dict, grid, sequence_parallel: bool = False) -> list[MoE]:

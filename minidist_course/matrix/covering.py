@@ -57,17 +57,11 @@ MAX_WORLD = 8
 # (dimension, value) -> a predicate on the other (dimension, value), and the words the library's
 # ValueError must contain (both features named). None: the value is refused with anything.
 REFUSED: list[tuple[tuple[str, object], tuple[str, object] | None, tuple[str, ...]]] = [
-    (("tp", "2+sp"), ("moe", "ep2/drop"), ("capacity", "sequence parallelism")),
-] + [
-    (("dp_mode", mode), ("moe", moe), (f"'{mode}'", "expert parallelism"))
-    for mode in ("hsdp",) for moe in ("ep2", "ep2/drop")
-] + [(("dp_mode", "zero2"), None, ("'zero2'", "pipeline"))] + [
-    (("cp", cp), ("moe", "ep2/drop"), ("capacity", "context parallelism"))
-    for cp in ("ring/zigzag", "ring/contiguous", "ring/striped", "ulysses")
-]
-# pairs no configuration within the hard limits can hold without a refused pair: EP needs two
-# DP×CP ranks, with dp=1 those are CP ranks, and a capacity with CP is refused
-UNREACHABLE = {(("dp", 1), ("moe", "ep2/drop"))}
+    (("dp_mode", "hsdp"), ("moe", moe), ("'hsdp'", "expert parallelism"))
+    for moe in ("ep2", "ep2/drop")
+] + [(("dp_mode", "zero2"), None, ("'zero2'", "pipeline"))]
+# pairs no configuration within the hard limits can hold without a refused pair (none left)
+UNREACHABLE: set = set()
 # the value a dimension takes to leave a refused pair (the covering array's repair)
 SAFE = {"moe": "none", "tp": "2", "cp": "1", "dp_mode": "flat", "schedule": "1f1b"}
 
@@ -148,8 +142,8 @@ def _candidate(rng: random.Random, seed_pair, want_refused: bool) -> dict | None
     if ep_size(config) > 1 and config["dp"] * cp_size(config) % 2:   # EP folded over DP x CP
         if "dp" not in fixed:
             config["dp"] = 2
-        elif "cp" not in fixed and config["tp"] != "2+sp":
-            config["cp"] = "ring/zigzag" if config["moe"] != "ep2/drop" else "1"
+        elif "cp" not in fixed:
+            config["cp"] = "ring/zigzag"
     if world_size(config) > MAX_WORLD and "tp" not in fixed:
         config["tp"] = "1"
     held = {reason(p) for p in pairs_of(config)} - {None}

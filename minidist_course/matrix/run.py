@@ -51,6 +51,13 @@ def moe_options(config) -> dict | None:
     return {**MOE, "capacity_factor": 1.0} if config["moe"] == "ep2/drop" else dict(MOE)
 
 
+def _token_groups(config):
+    """The ranks' token groups a capacity applies to (:func:`~..references.hybrid.token_groups`)."""
+    _, _, split = config["cp"].partition("/")
+    return ref_hybrid.token_groups(config["dp"], cp_size(config), split or "zigzag",
+                                   2 if config["tp"] == "2+sp" else 1)
+
+
 def _cfg(config) -> GPTConfig:
     return GPTConfig(**{**vars(ref_hybrid.CFG), "tie_embeddings": config["tie"]})
 
@@ -115,8 +122,10 @@ def check(config: dict, results: list[dict], refs: dict) -> tuple[str, str]:
     if refused:
         return "✗", f"refused, but should run: {refused[0]}"
     moe = moe_options(config)
+    groups = _token_groups(config) if moe is not None and "capacity_factor" in moe else None
     key = (config["tie"], config["loss"], config["precision"]) + (
-        (config["moe"], config["dp"], config["microbatches"]) if moe else ())
+        (config["moe"], config["dp"], config["microbatches"]) if moe else ()) + (
+        (config["cp"], config["tp"]) if groups is not None else ())
     if key not in refs:
         reduction = "sum" if config["loss"] == "sum" else "mean"
         dtype = _autocast_dtype(config)
@@ -124,7 +133,7 @@ def check(config: dict, results: list[dict], refs: dict) -> tuple[str, str]:
                                           _ignore(config), reduction, dtype) if moe is None else
                      ref_hybrid.moe_reference(moe, config["dp"], config["microbatches"],
                                               ref_hybrid.MAX_NORM, _cfg(config), BATCH,
-                                              _ignore(config), reduction, dtype))
+                                              _ignore(config), reduction, dtype, groups))
     err = ref_hybrid.compare(results, refs[key])
     worst = max(err["loss"], err["grad_norm"], err["grads"])
     detail = f"loss {err['loss']:.1e}, norm {err['grad_norm']:.1e}, grads {err['grads']:.1e}"

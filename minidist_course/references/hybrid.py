@@ -15,6 +15,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from minidist.context_parallel.sharding import positions
 from minidist.expert_parallel.gpt import MoEGPT
 from minidist.models.gpt import GPT, GPTConfig
 
@@ -66,17 +67,37 @@ def reference(max_norm: float | None = MAX_NORM, cfg: GPTConfig = CFG, n: int = 
             "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
 
 
+def token_groups(dp: int, cp: int = 1, split: str = "zigzag", sp: int = 1):
+    """``(b, s) -> [index tensor, ...]``: the tokens of a micro-batch of ``b`` samples (the ``dp``
+    replicas' slices, in order) that each rank of a grid holds, in the order it holds them: the
+    replica's samples, each at the positions its CP rank holds (``split``; increasing), cut again
+    into ``sp`` contiguous pieces with sequence parallelism. The capacity rule of one process
+    applied to each group is the grid's, where each rank drops among its own tokens."""
+    def groups(b: int, s: int) -> list[torch.Tensor]:
+        out, per = [], b // dp
+        for d in range(dp):
+            rows = torch.arange(d * per, (d + 1) * per)
+            for c in range(cp):
+                for piece in positions(split, s, cp, c).tensor_split(sp):
+                    out.append((rows[:, None] * s + piece[None, :]).reshape(-1))
+        return out
+    return groups
+
+
 def moe_reference(moe: dict, dp: int, microbatches: int, max_norm: float | None = MAX_NORM,
                   cfg: GPTConfig = CFG, n: int = BATCH, ignore: float = 0.3,
-                  reduction: str = "mean", autocast_dtype: torch.dtype | None = None) -> dict:
+                  reduction: str = "mean", autocast_dtype: torch.dtype | None = None,
+                  groups=None) -> dict:
     """One process with mixture-of-experts blocks (:class:`MoEGPT`, options ``moe``), as
     :func:`reference`, with the aux losses of :mod:`minidist.hybrid.moe`: micro-batch ``m`` is the
     ``m``-th micro-batch of each of the ``dp`` replicas' slices together (the capacity rule applied
-    to each replica's part: ``drop_chunks=dp``); the loss is the cross-entropy over the whole batch
-    plus ``Σ_m (n_m / n)·aux(m)``, one backward. Returns what :func:`reference` returns, plus
-    ``"aux_loss"``."""
+    to each replica's part: ``drop_chunks=dp``, or to each group of ``groups``, a
+    :func:`token_groups`, with context or sequence parallelism); the loss is the cross-entropy over
+    the whole batch plus ``Σ_m (n_m / n)·aux(m)``, one backward. Returns what :func:`reference`
+    returns, plus ``"aux_loss"``."""
     torch.manual_seed(0)
-    model = MoEGPT(cfg, **moe, drop_chunks=dp)
+    model = (MoEGPT(cfg, **moe, drop_chunks=dp) if groups is None else
+             MoEGPT(cfg, **moe, drop_groups=groups))
     ids, targets = batch(n, cfg, ignore)
     parts = [t.tensor_split(dp) for t in (ids, targets)]
     logits, labels, aux = [], [], 0.0

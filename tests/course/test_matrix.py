@@ -158,6 +158,9 @@ WERE_REFUSED = {
                                  recompute="torch"),
     # experts under SP: each TP rank routes its own positions
     "sp x ep2": _config(tp="2+sp", moe="ep2", dp=2, loss="mean", schedule="zb-h1"),
+    # a capacity with CP or SP: one process drops among each rank's tokens, in the rank's order
+    "ring/striped x ep2/drop": _config(cp="ring/striped", moe="ep2/drop", dp=1, loss="mean"),
+    "sp x ep2/drop": _config(tp="2+sp", moe="ep2/drop", dp=2, loss="per_token"),
 }
 
 

@@ -162,6 +162,27 @@ def test_bad_arguments_are_named():
         MoE(CFG, 4, 1, capacity_factor=-1.0)
     with pytest.raises(ValueError, match="expected x \\[batch, seq, width\\]"):
         MoE(CFG, 4, 1)(torch.randn(3, 8))
+    uneven = MoE(CFG, 4, 1, capacity_factor=1.0,
+                 drop_groups=lambda b, s: [torch.arange(3), torch.arange(3, b * s)])
+    with pytest.raises(ValueError, match="groups of one size, got \\[3, 13\\]"):
+        uneven(torch.randn(2, 8, CFG.n_embd))
+
+
+def test_drop_groups_apply_the_capacity_to_each_group_in_its_order():
+    """Groups that are contiguous chunks drop what drop_chunks drops; reversed tokens in each
+    group drop others (the rule follows the order a rank holds them)."""
+    x = torch.randn(2, 8, CFG.n_embd)
+    torch.manual_seed(0)
+    chunks = MoE(CFG, 4, 2, capacity_factor=0.5, drop_chunks=2)
+    torch.manual_seed(0)
+    same = MoE(CFG, 4, 2, capacity_factor=0.5,
+               drop_groups=lambda b, s: list(torch.arange(b * s).view(2, -1)))
+    torch.manual_seed(0)
+    backwards = MoE(CFG, 4, 2, capacity_factor=0.5,
+                    drop_groups=lambda b, s: list(torch.arange(b * s).view(2, -1).flip(1)))
+    a, b, c = (m(x) for m in (chunks, same, backwards))
+    assert torch.equal(a, b) and not torch.allclose(a, c)
+    assert chunks.stats.dropped_fraction > 0
 
 
 # ------------------------------------------------------------------------------ multi-process

@@ -73,15 +73,15 @@ CASES_4 = {   # name: (dp, pp, tp, cp, ep), options
     "ep2, bucketed (experts out of the buckets)": ((2, 2, 1, 1, 2), dict(dp_mode="bucketed")),
     "ep2, zero1 (experts' slices over expert-DP)": ((2, 2, 1, 1, 2), dict(dp_mode="zero1")),
     "ep2, zero3 (each expert a unit over expert-DP)": ((2, 2, 1, 1, 2), dict(dp_mode="zero3")),
+    # a capacity where each rank holds scattered positions: one process drops among each rank's
+    "cp2 ep2, capacity (each rank drops among its own positions)": ((1, 2, 1, 2, 2), dict(
+        moe={**MOE, "capacity_factor": 1.0})),
+    "dp2 tp2+sp ep2, capacity": ((2, 1, 2, 1, 2), dict(
+        sequence_parallel=True, moe={**MOE, "capacity_factor": 1.0}, loss="mean")),
     "ep1, zero1, interleaved": ((2, 2, 1, 1, 1), dict(dp_mode="zero1", schedule="interleaved")),
 }
 REFUSALS_4 = {   # name: (grid, options, words every rank's ValueError must hold)
     "ep without experts": ((2, 2, 1, 1, 2), dict(moe=None), ("ep=2", "dense")),
-    "capacity x sequence parallelism": ((2, 1, 2, 1, 2), dict(
-        sequence_parallel=True, moe={**MOE, "capacity_factor": 1.0}),
-        ("capacity", "sequence parallelism")),
-    "capacity x context parallelism": ((1, 2, 1, 2, 2), dict(moe={**MOE, "capacity_factor": 1.0}),
-                                       ("capacity", "context parallelism")),
     "hsdp x ep2": ((2, 2, 1, 1, 2), dict(dp_mode="hsdp"), ("'hsdp'", "expert")),
 }
 
@@ -92,10 +92,10 @@ def _rank_4(rank, world):
     return out
 
 
-def _check(name, results, moe, dp, loss):
+def _check(name, results, moe, dp, loss, groups=None):
     reduction = "sum" if loss == "sum" else "mean"
     ref = R.moe_reference(moe, dp, M, R.MAX_NORM, R.CFG, B, 0.3 if loss == "per_token" else 0.0,
-                          reduction)
+                          reduction, groups=groups)
     err = R.compare(results, ref)
     assert not err["missing"], (name, err["missing"])
     worst = max(err["loss"], err["grad_norm"], err["grads"])
@@ -113,7 +113,10 @@ def test_experts_in_pipeline_stages_equal_one_process_with_every_other_axis():
     results = minidist.run(_rank_4, 4, timeout=200)
     for name, (g, kw) in CASES_4.items():
         moe = kw.get("moe", MOE)
-        _check(name, [r[name] for r in results], moe, g[0], kw.get("loss", "per_token"))
+        sp = g[2] if kw.get("sequence_parallel") else 1
+        groups = (R.token_groups(g[0], g[3], "zigzag", sp)
+                  if moe.get("capacity_factor") and g[3] * sp > 1 else None)
+        _check(name, [r[name] for r in results], moe, g[0], kw.get("loss", "per_token"), groups)
         if moe.get("capacity_factor"):
             assert all(r[name]["dropped"] > 0 for r in results), name   # the rule was exercised
     for name, (_, _, words) in REFUSALS_4.items():
