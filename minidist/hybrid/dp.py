@@ -128,7 +128,8 @@ class ZeRO1Optimizer(ShardedOptimizer):
                          grads="local", **defaults)
         self.model, self._reduced = model, False
         self.experts = ExpertSlices(apart, optimizer_class, model, **defaults) if apart else None
-        self._counted = _norm_masks(self, model)   # per buffer: counts for the norm (1/0)
+        # per part, per buffer: which elements the norm counts (1/0)
+        self._counted = [_norm_masks(part, model) for part in self.parts()]
 
     def parts(self) -> list[ShardedOptimizer]:
         """The sharded optimizers: this one (dense, over DP×CP) and the experts' (if any)."""
@@ -154,10 +155,10 @@ class ZeRO1Optimizer(ShardedOptimizer):
         ``min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_``."""
         if not self._reduced:
             self.reduce_gradients()
-        total = torch.zeros(1, dtype=torch.float64, device=self._counted[0].device)
+        total = torch.zeros(1, dtype=torch.float64, device=self._counted[0][0].device)
         grads = []
-        for part in self.parts():   # expert slices: disjoint over DP×CP too (EP × expert-DP)
-            for b, mask in zip(part.buckets, part._counted):
+        for part, masks in zip(self.parts(), self._counted):   # expert slices: disjoint over
+            for b, mask in zip(part.buckets, masks):           # DP×CP too (EP × expert-DP)
                 if b.shard.grad is not None:
                     total += (b.shard.grad.double().pow(2) * mask).sum()
                     grads.append(b.shard.grad)
@@ -207,7 +208,6 @@ class ExpertSlices(ShardedOptimizer):
         super().__init__([{"params": params}], optimizer_class, group=model.grid.expert_dp_group,
                          stage=1, grads="local", **defaults)
         self._divisor = len(model.grid.dp_cp_ranks)
-        self._counted = _norm_masks(self, model)
 
     def gradient_divisor(self) -> float:
         return self._divisor

@@ -73,7 +73,7 @@ MOE_OPTIONS = ("num_experts", "top_k", "capacity_factor", "drop_policy", "normal
 _EXPERT = re.compile(r"^(blocks\.\d+\.mlp\.experts\.)(\d+)(\..*)$")
 
 
-def check_moe(moe: dict | None, grid, sequence_parallel: bool, who: str) -> None:
+def check_moe(moe: dict | None, grid, who: str) -> None:
     """Raise ``ValueError`` (every rank, before any communication) for an unknown option, EP
     without experts."""
     if moe is None:

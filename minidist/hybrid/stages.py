@@ -210,7 +210,7 @@ class HybridGPT:
                  seed: int = 0, placement: str = "loop", recompute: str = "none",
                  cp_attention: str = "ring", cp_split: str = "zigzag", moe: dict | None = None):
         cp = grid.cp_size
-        check_moe(moe, grid, sequence_parallel, f"HybridGPT (rank {grid.rank})")
+        check_moe(moe, grid, f"HybridGPT (rank {grid.rank})")
         if cp_attention not in ("ring", "ulysses") or cp_split not in CP_SPLITS:
             raise ValueError(f"HybridGPT (rank {grid.rank}): cp_attention must be 'ring' or "
                              f"'ulysses' and cp_split one of {CP_SPLITS}, got {cp_attention!r}, "
