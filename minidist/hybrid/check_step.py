@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..pipeline_parallel.catalog import make_schedule
-from .dp import SHARDED, PipelineBucketedDDP, check_sharding, refuse_zero2
+from .dp import SHARDED, PipelineBucketedDDP, check_sharding
 from .moe import refuse_expert_dp_mode
 from .stages import check_grid
 
@@ -22,14 +22,14 @@ def check_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     """``(schedule object, loss reduction)`` for one step of ``model`` (arguments as
     :func:`~.step.train_step`), or ``ValueError`` on every rank."""
     grid, cfg, who = model.grid, model.cfg, f"train_step (rank {model.grid.rank})"
-    if dp_mode == "zero1" and optimizer is not None and not hasattr(optimizer, "reduce_gradients"):
-        raise ValueError(f"{who}: dp_mode='zero1' needs the ZeRO1Optimizer of "
-                         "make_optimizer(model, 'zero1', ...) (it averages the gradients)")
+    if dp_mode in ("zero1", "zero2") and optimizer is not None and \
+            not hasattr(optimizer, "reduce_gradients"):
+        raise ValueError(f"{who}: dp_mode={dp_mode!r} needs the ZeRO1Optimizer of "
+                         f"make_optimizer(model, {dp_mode!r}, ...) (it averages the gradients)")
     wrapped = [isinstance(m, PipelineBucketedDDP) for m in modules.values()]
     if any(wrapped) != (dp_mode == "bucketed") or len(set(wrapped)) > 1:
         raise ValueError(f"{who}: modules do not match dp_mode={dp_mode!r}; build them with "
                          f"wrap_stages(model, {dp_mode!r})")
-    refuse_zero2(model, dp_mode, "train_step")
     refuse_expert_dp_mode(model, dp_mode, "train_step")
     sharded = [hasattr(m, "_fsdp") for m in model.stages.values()]
     if any(sharded) != (dp_mode in SHARDED):

@@ -55,11 +55,13 @@ replicas hold the same piece, so summing over DP×CP would count it dp times). E
 over EP are refused (:func:`~.moe.refuse_expert_dp_mode`); ``"flat"`` and ``"bucketed"`` average
 them over their own replicas, ``"zero1"`` and ``"zero3"`` shard them over it (:mod:`.moe`).
 
-``"zero2"`` is refused: ZeRO-2 keeps only a slice of the gradient, but the pipeline's
-micro-batches accumulate gradients over several backwards — each would need a reduce-scatter of
-its own (M times ZeRO-1's traffic) — which is why DeepSpeed's pipeline engine refuses ZeRO-2 and 3
-(deepspeedai/DeepSpeed#823); ZeRO-1 reduces once after the last micro-batch (Megatron-LM's
-distributed optimizer does the same).
+``"zero2"``: ZeRO-2 keeps only a slice of the gradient, but the pipeline's micro-batches
+accumulate gradients over several backwards: each backward's gradients are reduce-scattered into
+the slices and freed (:meth:`ZeRO1Optimizer.reduce_backward`; sequence-parallel ones summed over
+TP first, the tied copies summed on the slices after the pipeline) — M times ZeRO-1's traffic,
+which is why DeepSpeed's pipeline engine refuses ZeRO-2 and 3 (deepspeedai/DeepSpeed#823);
+ZeRO-1 reduces once after the last micro-batch (Megatron-LM's distributed optimizer does the
+same). The slices are ZeRO-1's optimizer; a parameter no rank used gets a zero gradient.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+
+from .. import collectives as C
 
 from ..data_parallel.bucketed import BucketedDDP
 from ..data_parallel.clip import clip_by_global_norm_
@@ -78,7 +82,7 @@ from ..expert_parallel.gpt import is_expert
 from .moe import refuse_expert_dp_mode
 
 __all__ = ["DP_MODES", "ZERO3", "SHARDED", "PipelineBucketedDDP", "ZeRO1Optimizer", "ExpertSlices", "sharded_parts",
-           "make_optimizer", "shard_stages", "check_sharding", "self_group", "refuse_zero2"]
+           "make_optimizer", "shard_stages", "check_sharding", "self_group"]
 
 DP_MODES = ("flat", "bucketed", "zero1", "zero2", "zero3", "zero3/keep", "hsdp")
 ZERO3 = ("zero3", "zero3/keep")
@@ -197,6 +201,43 @@ class ZeRO1Optimizer(ShardedOptimizer):
             self.experts.zero_grad(set_to_none)
         self._reduced = False
 
+    @torch.no_grad()
+    def reduce_backward(self) -> None:
+        """ZeRO-2: the gradients one backward left in ``p.grad`` (sequence-parallel ones summed
+        over TP first) reduce-scattered into the slices, added to what earlier backwards left
+        there, and freed. Every rank of the DP group after the same backward."""
+        self.model.finish_sequence_parallel_grads()     # linear: per backward or once, alike
+        for part in self.parts():
+            for b in part.buckets:
+                flat = b.layout.pack([p.grad if p.grad is not None else torch.zeros_like(p)
+                                      for p in b.params])
+                shard = b.layout.shard(flat)
+                part.comm.reduce_scatter(shard, flat, divisor=part.gradient_divisor())
+                b.shard.grad = shard.clone() if b.shard.grad is None else b.shard.grad + shard
+                for p in b.params:
+                    p.grad = None
+        self._reduced = True
+
+    @torch.no_grad()
+    def scale_slices(self, factor: float) -> None:
+        """ZeRO-2: multiply the gradients its slices hold by ``factor``."""
+        for part in self.parts():
+            for b in part.buckets:
+                if b.shard.grad is not None:
+                    b.shard.grad.mul_(factor)
+
+    @torch.no_grad()
+    def sum_tied_slices(self) -> None:
+        """ZeRO-2: the tied embedding's two copies' slices summed (their buffers have one layout):
+        on this rank when it holds both, else over the grid's embedding group."""
+        model, n = self.model, int(model_tied_count(self.model))
+        if n == 2:
+            a, b = self.buckets[0].shard, self.buckets[1].shard
+            a.grad = a.grad + b.grad
+            b.grad = a.grad.clone()
+        elif n == 1 and model.grid.embedding_group is not None:
+            C.all_reduce(self.buckets[0].shard.grad, "sum", group=model.grid.embedding_group)
+
 
 class ExpertSlices(ShardedOptimizer):
     """ZeRO-1 of the experts of ``model`` over their expert-DP group (the ranks that hold the same
@@ -211,6 +252,14 @@ class ExpertSlices(ShardedOptimizer):
 
     def gradient_divisor(self) -> float:
         return self._divisor
+
+
+def model_tied_count(model) -> int:
+    """How many copies of a tied embedding this rank holds (0, 1 or 2: the first groups of a
+    :class:`ZeRO1Optimizer`)."""
+    if not model.tied:
+        return 0
+    return (model.first is not None) + (model.last is not None)
 
 
 def sharded_parts(optimizer) -> list[ShardedOptimizer]:
@@ -230,17 +279,6 @@ def _norm_masks(opt: ShardedOptimizer, model) -> list:
                               for p, f in zip(b.params, flags)])
         masks.append(b.layout.shard(mask).double())
     return masks
-
-
-def refuse_zero2(model, dp_mode: str, who: str) -> None:
-    """``ValueError`` for ``dp_mode="zero2"`` (module docstring), every rank, before anything."""
-    if dp_mode == "zero2":
-        raise ValueError(f"{who} (rank {model.grid.rank}): dp_mode='zero2' with pipeline "
-                         "micro-batches is not supported: ZeRO-2 keeps a slice of the gradient, "
-                         "but the micro-batches accumulate gradients over several backwards (one "
-                         "reduce-scatter each: M times ZeRO-1's traffic; DeepSpeed refuses "
-                         "ZeRO-2 with pipelines for this reason); use dp_mode='zero1' (the same "
-                         "reduce-scatter, once) or 'zero3'")
 
 
 _SELF: dict = {}   # "group" -> (the world it was made in, this rank alone as a group)
@@ -321,8 +359,7 @@ def make_optimizer(model, dp_mode: str, optimizer_class=torch.optim.AdamW, **def
     if dp_mode not in DP_MODES:
         raise ValueError(f"make_optimizer (rank {model.grid.rank}): dp_mode must be one of "
                          f"{DP_MODES}, got {dp_mode!r}")
-    refuse_zero2(model, dp_mode, "make_optimizer")
     refuse_expert_dp_mode(model, dp_mode, "make_optimizer")
-    if dp_mode == "zero1":
+    if dp_mode in ("zero1", "zero2"):
         return ZeRO1Optimizer(model, optimizer_class, **defaults)
     return optimizer_class(model.parameters(), **defaults)

@@ -8,6 +8,8 @@ mode                      around a backward    after the last backward     the c
 ``flat``                  nothing              one flat all-reduce         replicated grads
 ``bucketed``              the wrapper's sync   (its buckets already ran)   replicated grads
 ``zero1``                 nothing              ZeRO-1's reduce-scatter     from the slices
+``zero2``                 a reduce-scatter     the tied copies' slices     from the slices
+                          after it
 ``zero3``, ``hsdp``       the units' sync      (their hooks already ran)   from the shards
 ========================  ===================  ==========================  =====================
 """
@@ -19,7 +21,7 @@ import contextlib
 from ..sharding.fsdp import set_requires_gradient_sync, units
 from ..trace import span
 from .clip import clip_grad_norm_
-from .dp import DP_MODES, SHARDED, PipelineBucketedDDP, refuse_zero2, shard_stages
+from .dp import DP_MODES, SHARDED, PipelineBucketedDDP, shard_stages
 from ..expert_parallel.gpt import is_expert
 from .moe import average_expert_gradients, average_gradients, refuse_expert_dp_mode
 
@@ -44,6 +46,11 @@ class DPMode:
         if self.model.moe_layers:
             return lambda: average_gradients(self.model.parameters(), self.model.grid)
         return True
+
+    def scale(self):
+        """``factor -> None`` multiplying the gradients (``"sum"``, ``"per_token"``), or None: every
+        ``.grad`` of the stages."""
+        return None
 
     def after_backward(self) -> None:
         """Work after the pipeline, before clipping."""
@@ -81,6 +88,25 @@ class ZeRO1(DPMode):
         return self.optimizer.clip_grad_norm_(max_norm)
 
 
+class ZeRO2(ZeRO1):
+    """ZeRO-2 under a pipeline: after every backward (each micro-batch of each stage; under a
+    zero-bubble split, after W) the :class:`~.dp.ZeRO1Optimizer` reduce-scatters the gradients
+    into its slices and frees them: M reduce-scatters a step where ZeRO-1 runs one — why
+    DeepSpeed's pipeline engine refuses ZeRO-2 (deepspeedai/DeepSpeed#823); FSDP2 under torch's
+    pipelining does the same when gradient sync is left on for every micro-batch. The tied
+    embedding's copies are summed on the slices."""
+
+    def backward_context(self):
+        return lambda s, m, last: _then(self.optimizer.reduce_backward)
+
+    def scale(self):
+        return self.optimizer.scale_slices
+
+    def after_backward(self) -> None:
+        with span("dp_sync"):
+            self.optimizer.sum_tied_slices()
+
+
 class Sharded(DPMode):
     """ZeRO-3 and HSDP: each stage's ``fully_shard`` unit reduce-scatters (HSDP: then all-reduces
     over DP) the accumulated gradient during the stage's last backward; the norm sums each shard
@@ -106,6 +132,8 @@ def dp_mode_for(dp_mode: str, model, optimizer, modules: dict) -> DPMode:
         return Bucketed(model, optimizer, modules)
     if dp_mode == "zero1" and optimizer is not None:
         return ZeRO1(model, optimizer, modules)
+    if dp_mode == "zero2" and optimizer is not None:
+        return ZeRO2(model, optimizer, modules)
     if dp_mode in SHARDED:
         return Sharded(model, optimizer, modules, hsdp=dp_mode == "hsdp")
     return DPMode(model, optimizer, modules)
@@ -121,7 +149,6 @@ def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> d
     if dp_mode not in DP_MODES:
         raise ValueError(f"wrap_stages (rank {model.grid.rank}): dp_mode must be one of "
                          f"{DP_MODES}, got {dp_mode!r}")
-    refuse_zero2(model, dp_mode, "wrap_stages")
     refuse_expert_dp_mode(model, dp_mode, "wrap_stages")
     if dp_mode in SHARDED:
         shard_stages(model, dp_mode)
@@ -132,6 +159,13 @@ def wrap_stages(model, dp_mode: str = "flat", bucket_cap_mb: float = 0.004) -> d
                                    ignored_params=[p for p in m.parameters()
                                                    if sharded and is_expert(p)])
             for s, m in sorted(model.stages.items())}
+
+
+@contextlib.contextmanager
+def _then(work):
+    """Run ``work()`` after the block (the backward inside)."""
+    yield
+    work()
 
 
 @contextlib.contextmanager

@@ -64,14 +64,16 @@ def average_params(params: list[nn.Parameter], group) -> None:
 def dp_pipeline_step(schedule, modules: dict[int, nn.Module], inputs, targets, loss_fn,
                      pp_group, dp_group, loss_reduction: str = "mean", average: bool | Callable[[], None] = True,
                      device=None, prefetch: bool | None = None,
-                     backward_context=None, autocast_dtype=None) -> StepResult:
+                     backward_context=None, autocast_dtype=None, scale=None) -> StepResult:
     """One pipeline step on this replica's shard ``inputs``/``targets`` (``[N/D, ...]``), composed
     with data parallelism over ``dp_group`` (module docstring).
 
     Arguments as :func:`~minidist.pipeline_parallel.engine.pipeline_step` (``pp_group`` is its
     ``group``), plus ``dp_group`` (the replicas of this pipeline rank) and ``average`` (False when
     a DDP wrapper or ZeRO averages the gradients; a function of no argument to average them
-    another way: experts over their own group, :func:`minidist.hybrid.moe.average_gradients`). Returns the engine's :class:`StepResult`; for
+    another way: experts over their own group, :func:`minidist.hybrid.moe.average_gradients`) and
+    ``scale`` (``scale(factor)`` multiplies the gradients, default every ``.grad`` of ``modules``:
+    a ZeRO-2 holds them in its slices). Returns the engine's :class:`StepResult`; for
     ``"sum"``/``"per_token"`` its ``global_loss`` is the global batch's loss on every rank and
     ``tokens`` (``"per_token"``) the global count. The average is a ``"dp_sync"`` span.
 
@@ -94,7 +96,8 @@ def dp_pipeline_step(schedule, modules: dict[int, nn.Module], inputs, targets, l
                            autocast_dtype=autocast_dtype,
                            loss_reduction="sum" if loss_reduction == "per_token" else loss_reduction)
     if loss_reduction != "mean":
-        _over_replicas(result, modules, pp_group, dp_group, loss_reduction, sum(counts), device)
+        _over_replicas(result, modules, pp_group, dp_group, loss_reduction, sum(counts), device,
+                       scale or (lambda factor: scale_gradients(modules, factor)))
     if average:
         with span("dp_sync"):
             average() if callable(average) else sync_gradients(modules, dp_group)
@@ -102,9 +105,10 @@ def dp_pipeline_step(schedule, modules: dict[int, nn.Module], inputs, targets, l
 
 
 def _over_replicas(result: StepResult, modules, pp_group, dp_group, reduction: str, count: float,
-                   device) -> None:
+                   device, scale_by) -> None:
     """Sum the loss (and the count: over the pipeline first, only the last stage counts) over the
-    replicas; scale the gradients by D ("sum") or D / N ("per_token") for the average that follows."""
+    replicas; scale the gradients by D ("sum") or D / N ("per_token") for the average that follows
+    (``scale_by(factor)``: the stages' ``.grad``, or the slices a ZeRO-2 keeps them in)."""
     dp = dist.get_world_size(dp_group)
     if device is None:
         params = [p for m in modules.values() for p in m.parameters()]
@@ -126,7 +130,7 @@ def _over_replicas(result: StepResult, modules, pp_group, dp_group, reduction: s
         if local is not None:   # the last stage: this replica's own token mean
             result.loss = local / count if count else float("nan")
     if scale != 1.0:
-        scale_gradients(modules, scale)
+        scale_by(scale)
 
 
 def _sum_over(group, loss, count, device) -> list[float]:

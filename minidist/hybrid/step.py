@@ -75,7 +75,7 @@ def train_step(model, optimizer, modules: dict, ids: torch.Tensor, targets: torc
     with AuxMeter(model, x.shape[0]) as aux:
         result = dp_pipeline_step(sched, modules, x, y, make_loss_fn(model, loss_reduction),
                                   grid.pp_group, grid.dp_cp_group, loss_reduction=loss_reduction,
-                                  average=mode.average(),
+                                  average=mode.average(), scale=mode.scale(),
                                   backward_context=mode.backward_context(),
                                   device=device_of(model), autocast_dtype=autocast_dtype)
     model.finish_sequence_parallel_grads()

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
                                 "forward / backward / gradients, rank, error against its budget) "
                                 "and what its error looks like. Exit 1 when something diverges.")
     defaults = {"schedule": "1f1b", "dp_mode": "flat", "recompute": "none", "cp": "1", "tp": "1",
-                "loss": "per_token", "dp": 2, "tie": False, "precision": "fp32", "microbatches": 4}
+                "loss": "per_token", "dp": 2, "tie": False, "moe": "none", "precision": "fp32",
+                "microbatches": 4}
     for dim, default in defaults.items():
         kind = int if dim in ("dp", "microbatches") else str
         p.add_argument("--" + dim.replace("_", "-"), default=default, type=kind,
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     p.add_argument("--bug", choices=sorted(zoo.BUGS), help="switch on a bug of the zoo")
     p.add_argument("--top", type=int, default=5, help="divergences shown (default 5)")
     a = p.parse_args(argv)
-    config = {dim: getattr(a, dim) for dim in defaults} | {"moe": "none"}
+    config = {dim: getattr(a, dim) for dim in defaults}
     config["tie"] = str(config["tie"]).lower() in ("true", "1", "yes")
     words = refusal(config)
     if words is not None:

@@ -59,7 +59,7 @@ MAX_WORLD = 8
 REFUSED: list[tuple[tuple[str, object], tuple[str, object] | None, tuple[str, ...]]] = [
     (("dp_mode", "hsdp"), ("moe", moe), ("'hsdp'", "expert parallelism"))
     for moe in ("ep2", "ep2/drop")
-] + [(("dp_mode", "zero2"), None, ("'zero2'", "pipeline"))]
+]
 # pairs no configuration within the hard limits can hold without a refused pair (none left)
 UNREACHABLE: set = set()
 # the value a dimension takes to leave a refused pair (the covering array's repair)

@@ -91,8 +91,8 @@ def _one(config) -> dict:
         model = build(config)
         grid = model.grid
         modules = wrap_stages(model, config["dp_mode"])
-        opt = (make_optimizer(model, "zero1", torch.optim.SGD, lr=0.0)
-               if config["dp_mode"] == "zero1" else None)
+        opt = (make_optimizer(model, config["dp_mode"], torch.optim.SGD, lr=0.0)
+               if config["dp_mode"] in ("zero1", "zero2") else None)
         ids, targets = ref_hybrid.batch(BATCH, _cfg(config), _ignore(config))
         out = train_step(model, opt, modules, ids, targets, config["microbatches"],
                          schedule=config["schedule"], dp_mode=config["dp_mode"],

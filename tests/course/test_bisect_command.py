@@ -17,7 +17,7 @@ def test_the_command_names_a_zoo_bug_and_exits_1(capsys):
 
 
 def test_the_command_refuses_what_the_library_refuses(capsys):
-    assert main(["bisect", "--dp-mode", "zero2"]) == 2
+    assert main(["bisect", "--dp-mode", "hsdp", "--moe", "ep2"]) == 2
     assert "refuses" in capsys.readouterr().err
 
 

@@ -84,15 +84,15 @@ def test_the_checker_rejects_each_wrong_result_by_name():
         r["grads"].pop("ln_f.weight")
     assert check(config, missing, refs)[0] == "✗"                    # a parameter nobody returned
     # refusals: must happen on every rank, must name the features, must not happen elsewhere
-    zero2 = _config(dp_mode="zero2")
-    words = "dp_mode='zero2' with pipeline micro-batches is not supported"
-    assert check(zero2, [{"refused": words}] * 2, refs)[0] == "refused"
-    assert check(zero2, [{"refused": "dp_mode='zero2' is off"}] * 2, refs)[0] == "✗"
-    assert check(zero2, _results(ref), refs)[0] == "✗"              # ran: should be refused
-    assert check(zero2, [{"refused": words}, _results(ref)[1]], refs)[0] == "✗"   # one rank only
+    hsdp_ep = _config(dp_mode="hsdp", moe="ep2")
+    words = "dp_mode='hsdp' with expert parallelism (ep=2) is not supported"
+    assert check(hsdp_ep, [{"refused": words}] * 2, refs)[0] == "refused"
+    assert check(hsdp_ep, [{"refused": "dp_mode='hsdp' is off"}] * 2, refs)[0] == "✗"
+    assert check(hsdp_ep, _results(ref), refs)[0] == "✗"            # ran: should be refused
+    assert check(hsdp_ep, [{"refused": words}, _results(ref)[1]], refs)[0] == "✗"   # one rank only
     assert check(config, [{"refused": "no"}] * 2, refs)[0] == "✗"    # refused, should run
     table = format_table([{**config, "world": 4, "status": "✓", "detail": ""},
-                          {**zero2, "world": 8, "status": "✗", "detail": "loss 1e-3"}])
+                          {**hsdp_ep, "world": 8, "status": "✗", "detail": "loss 1e-3"}])
     assert "✗ schedule=1f1b" in table and "loss 1e-3" in table
 
 
@@ -158,6 +158,11 @@ WERE_REFUSED = {
                                  recompute="torch"),
     # experts under SP: each TP rank routes its own positions
     "sp x ep2": _config(tp="2+sp", moe="ep2", dp=2, loss="mean", schedule="zb-h1"),
+    # ZeRO-2 under a pipeline: a reduce-scatter after every backward into the slices
+    "zero2 x zb-v x sp": _config(dp_mode="zero2", schedule="zb-v", tp="2+sp", tie=True,
+                                 loss="per_token"),
+    "zero2 x interleaved x ep2": _config(dp_mode="zero2", schedule="interleaved", moe="ep2",
+                                         tie=True, loss="sum"),
     # a capacity with CP or SP: one process drops among each rank's tokens, in the rank's order
     "ring/striped x ep2/drop": _config(cp="ring/striped", moe="ep2/drop", dp=1, loss="mean"),
     "sp x ep2/drop": _config(tp="2+sp", moe="ep2/drop", dp=2, loss="per_token"),
