@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from .covering import DIMENSIONS, covering_array, strength_one
+from .covering import DIMENSIONS, covering_array, covering_array_3, strength_one
 from .resume import STEPS, SAVE_AT, run_resume
 from .run import run_matrix, summarise
 
@@ -62,6 +62,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="only enough configurations for every "
                    "value to appear once (seconds, not minutes)")
     p.add_argument("--list", action="store_true", help="print the configurations, run nothing")
+    p.add_argument("--strength", type=int, choices=(2, 3), default=2, help="2: every pair of "
+                   "values (default); 3: every triple that holds no refused pair (about 260 "
+                   "configurations, most of 8 ranks: tens of minutes on 2 cores)")
     p.add_argument("--resume", action="store_true", help="the resume matrix instead: each "
                    f"configuration trains {STEPS} steps, saved after step {SAVE_AT}, and is "
                    "resumed in a new launch; it must equal the run that never stopped, bitwise")
@@ -71,7 +74,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.user_loop:
         return _user_loop(a.quick)
-    configs = covering_array(a.seed)
+    configs = covering_array(a.seed) if a.strength == 2 else covering_array_3(a.seed)[0]
     if a.quick:
         configs = strength_one(configs)
     if a.list:

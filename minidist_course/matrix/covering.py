@@ -35,7 +35,8 @@ import itertools
 import random
 
 __all__ = ["DIMENSIONS", "EXPERTS", "REFUSED", "MAX_WORLD", "world_size", "cp_size", "ep_size",
-           "feasible", "UNREACHABLE", "refusal", "reason", "pairs_of", "pair_refused", "covering_array", "strength_one"]
+           "feasible", "UNREACHABLE", "refusal", "reason", "pairs_of", "triples_of", "pair_refused", "covering_array",
+           "covering_array_3", "strength_one"]
 
 DIMENSIONS: dict[str, tuple] = {
     "schedule": ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipe-v"),
@@ -183,6 +184,41 @@ def covering_array(seed: int = 0, candidates: int = 30) -> list[dict]:
         array.append(c)
         checked |= {p for p in pairs_of(c) if pair_refused(p)}
     return array
+
+
+def triples_of(config: dict) -> set:
+    """Every triple of ``(dim, value)`` the configuration holds (dimension order)."""
+    items = [(d, config[d]) for d in DIMENSIONS]
+    return set(itertools.combinations(items, 3))
+
+
+def covering_array_3(seed: int = 0, candidates: int = 30) -> tuple[list[dict], list]:
+    """``(configurations, unreachable)``: configurations that must run and together hold every
+    triple of values (strength 3) that holds no refused pair, and the triples no configuration
+    within the hard limits holds (dp=2 with CP and TP is 16 ranks). The refused pairs are the
+    pairwise array's to check. Greedy as :func:`covering_array`; deterministic."""
+    rng = random.Random(seed)
+    dims = list(DIMENSIONS)
+    todo = sorted((t for d in itertools.combinations(dims, 3)
+                   for t in itertools.product(*[[(x, v) for v in DIMENSIONS[x]] for x in d])
+                   if not any(pair_refused(p) for p in itertools.combinations(t, 2))), key=repr)
+    uncovered, array, unreachable = set(todo), [], []
+    for seed_triple in todo:
+        if seed_triple not in uncovered:
+            continue
+        best, gain = None, -1
+        for _ in range(candidates):
+            c = _candidate(rng, seed_triple, want_refused=False)
+            if c is not None and seed_triple in triples_of(c) and \
+                    len(triples_of(c) & uncovered) > gain:
+                best, gain = c, len(triples_of(c) & uncovered)
+        if best is None:
+            unreachable.append(seed_triple)
+            uncovered.discard(seed_triple)
+            continue
+        array.append(best)
+        uncovered -= triples_of(best)
+    return array, unreachable
 
 
 def strength_one(array: list[dict]) -> list[dict]:

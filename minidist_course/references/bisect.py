@@ -49,6 +49,7 @@ from minidist.launch import run
 from minidist.models.gpt import GPT
 
 from .diagnose import Divergence, compare_all
+from .hybrid import token_groups
 
 __all__ = ["Divergence", "Report", "bisect", "budget"]
 
@@ -158,20 +159,22 @@ def _rank(rank, world, build, ids, targets, steps, microbatches, lr, kwargs, con
     g = model.grid
     return {"coords": dict(dp=g.dp_rank, cp=g.cp_rank, tp=g.tp_rank, pp=g.pp_rank, rank=g.rank),
             "sizes": dict(dp=g.dp_size, cp=g.cp_size, tp=g.tp_size, pp=g.pp_size),
-            "split": model.cp_split, "cfg": model.cfg,
+            "split": model.cp_split, "sp": model.sequence_parallel, "cfg": model.cfg,
             "seed": model.seed, "moe": model.moe, "records": rec.records, "grads": grads,
             "losses": losses}
 
 
 def _one_process(cfg, seed, ids, targets, steps, lr, reduction, autocast_dtype, moe=None,
-                 dp=1, microbatches=1):
+                 dp=1, microbatches=1, groups=None):
     """The same steps in one process: records by (step, phase, name) and gradients per step.
     With ``moe``, :class:`~minidist.expert_parallel.MoEGPT` runs micro-batch by micro-batch — the
-    m-th micro-batch of every replica together, the capacity applied to each replica's part — and
-    adds ``(n_m/N)·aux(m)`` to the cross-entropy, as the pipeline does."""
+    m-th micro-batch of every replica together, the capacity applied to each replica's part (or,
+    ``groups``, to each rank's tokens: :func:`.hybrid.token_groups`) — and adds ``(n_m/N)·aux(m)``
+    to the cross-entropy, as the pipeline does."""
     from minidist.expert_parallel.gpt import MoEGPT
     torch.manual_seed(seed)
-    model = GPT(cfg) if moe is None else MoEGPT(cfg, **moe, drop_chunks=dp)
+    model = (GPT(cfg) if moe is None else MoEGPT(cfg, **moe, drop_chunks=dp) if groups is None
+             else MoEGPT(cfg, **moe, drop_groups=groups))
     acts, grads, losses = {}, [], []
     B = ids.shape[0]
     parts = [torch.arange(B)] if moe is None else [
@@ -244,8 +247,12 @@ def bisect(build, world_size: int, ids: torch.Tensor, targets: torch.Tensor, mic
     cfg = head["cfg"]
     reduction = step_kwargs.get("loss_reduction") or ("per_token" if (targets == -100).any() else "mean")
     dtype = step_kwargs.get("autocast_dtype")
+    sizes, sp = head["sizes"], head["sp"] and head["sizes"]["tp"] > 1
+    groups = (token_groups(sizes["dp"], sizes["cp"], head["split"], sizes["tp"] if sp else 1)
+              if head["moe"] and head["moe"].get("capacity_factor") is not None
+              and (sizes["cp"] > 1 or sp) else None)
     acts, grads, losses = _one_process(cfg, head["seed"], ids, targets, steps, lr, reduction, dtype,
-                                       head["moe"], head["sizes"]["dp"], microbatches)
+                                       head["moe"], sizes["dp"], microbatches, groups)
     layout = dict(B=ids.shape[0], s=ids.shape[1], M=microbatches, V=cfg.vocab_size,
                   reduction=reduction,
                   tokens=int((targets != -100).sum()), ignored=targets == -100)

@@ -102,7 +102,7 @@ def test_every_value_once_runs_as_expected():
     rows = run_matrix(strength_one(covering_array(0)), timeout=240)
     bad = [r for r in rows if r["status"] == "✗"]
     assert not bad, format_table(rows)
-    assert {r["status"] for r in rows} == {"✓", "refused"}
+    assert {r["status"] for r in rows} <= {"✓", "refused"} and "✓" in {r["status"] for r in rows}
 
 
 @pytest.mark.exhaustive
