@@ -29,8 +29,13 @@ def _build(rank, world, config):
 
 
 def run_bisect(config: dict, steps: int = 2, bug: str | None = None, lr: float = 0.1):
-    """The :class:`~minidist_course.references.bisect.Report` of one matrix configuration."""
+    """The :class:`~minidist_course.references.bisect.Report` of one matrix configuration. A
+    ``"sum"`` loss's gradient is the token count times a mean's: the SGD step between the compared
+    steps takes ``lr`` per token then, so that every reduction moves the weights alike (a step
+    hundreds of times larger leaves bf16's rounding budget by the second step)."""
     ids, targets = ref_hybrid.batch(BATCH, _cfg(config), _ignore(config))
+    if config["loss"] == "sum":
+        lr = lr / int((targets != -100).sum())
     return bisect(functools.partial(_build, config=config), world_size(config), ids, targets,
                   config["microbatches"], steps=steps, lr=lr,
                   context=functools.partial(zoo.inject, bug) if bug else None,
