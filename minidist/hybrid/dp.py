@@ -1,67 +1,13 @@
 """Data parallelism across the DP group of a 3-D grid: the ways minidist averages gradients.
 
-``"flat"``: after the rank's last backward, all of its stages' gradients are averaged as one flat
-buffer (:func:`minidist.hybrid.dp_pipeline.sync_gradients`).
-
-``"bucketed"``: each stage (model chunk) is wrapped in :class:`PipelineBucketedDDP`, minidist's
-:class:`~minidist.data_parallel.BucketedDDP` whose sync decision is taken per *backward*: a
-pipeline runs the forwards and backwards of different micro-batches interleaved, so the decision a
-forward takes (torch DDP's rule) belongs to another micro-batch by the time a backward runs. The
-engine enters :meth:`PipelineBucketedDDP.backward_sync` around every backward: no sync except the
-stage's last micro-batch, whose backward fills the buckets and all-reduces them on the
-communication thread while that backward continues (gradient accumulation over micro-batches,
-then overlap with the last one: Narayanan et al. 2021, §3.3; Megatron-LM's ``no_sync`` /
-``enable_grad_sync`` in its pipeline schedules). One wrapper per chunk, as Megatron-LM's one DDP
-per model chunk: a chunk's last backward is not the rank's last.
-
-``"zero1"``: no all-reduce; :class:`ZeRO1Optimizer`, a
-:class:`minidist.sharding.zero.ShardedOptimizer` (stage 1, ``grads="local"``, on the DP group),
-reduce-scatters the local gradients so each replica holds the average of its 1/dp slice, clips
-them by the global norm computed from the slices, steps its slice of the optimizer state and
-all-gathers the parameters (Rajbhandari et al. 2020, §5.1 P_os; reduce-scatter + all-gather move
-what one all-reduce moves, §7.2.1; Megatron-LM's distributed optimizer does the same).
-
-``"zero3"`` / ``"zero3/keep"``: each stage (model chunk) is one :func:`minidist.sharding.fully_shard`
-unit on the DP×CP group (per-parameter dim-0 shards, FSDP2's layout): its parameters are
-all-gathered before each micro-batch's forward and, with ``"zero3"``, freed after it and gathered
-again for its backward (``reshard_after_forward``; ``"zero3/keep"`` keeps them until the backward);
-the gradients are accumulated unsharded over the micro-batches and reduce-scattered during the
-stage's last backward (:func:`~minidist.sharding.fsdp.set_requires_gradient_sync`, as torchtitan
-runs FSDP under a pipeline). The tied embedding's two copies are sharded alike (dim 0), so their
-slices sum elementwise; the optimizer steps the shards. Under a zero-bubble schedule the weight
-pass W is a backward of its own: the unit is gathered before it and its reduce-scatter finished
-after it (:mod:`.dp_modes`), as torch's pipelining runs FSDP2's post-backward after W
-(pytorch#134052).
-
-``"hsdp"``: hybrid sharding (:mod:`minidist.sharding.hsdp`) with torchtitan's mesh: each stage is
-one ``fully_shard`` unit sharded over the grid's CP group and replicated across its DP group.
-torchtitan's ``ParallelDims`` (``torchtitan/distributed/parallel_dims.py``) builds the HSDP mesh
-``("dp_replicate", "dp_shard_cp")``: the shard dimension folds the FSDP ranks ``dp_shard`` with
-the CP ranks (``fsdp_enabled = dp_shard_enabled or cp_enabled``), and ``parallelize_llama``
-(``torchtitan/models/llama3/infra/parallelize.py``) calls ``fully_shard(..., mesh=dp_mesh)``
-on ``["dp_replicate", "fsdp"]``. minidist's grid has no ``dp_shard`` axis (it is 1), so the
-replicate dimension is the DP group and the shard dimension the CP group: each rank keeps 1/cp
-of its stages; the gradients are reduce-scattered (average) over CP during the stage's last
-backward, then the [1/cp] piece is all-reduced (average) over DP — the DP×CP average, as the
-other modes. With ``cp == 1`` the shard group is the rank alone (a one-rank group, made by every
-rank at the same point, once per process: :func:`self_group`): HSDP degenerates to units that
-keep their parameters whole and all-reduce their gradients over DP — where torchtitan, with
-nothing to shard, falls back to DDP (``apply_ddp`` when only ``dp_replicate`` is enabled); it
-is supported, not refused (one process's numbers, as ``"flat"``'s, reduced by the units'
-hooks). With ``dp == 1`` it is ZeRO-3 over CP. ``reshard_after_forward`` is torchtitan's default policy: on
-with ``pp == 1``, off under a pipeline (no all-gather per micro-batch). Gradient accumulation,
-the tied embedding, the optimizer on the shards and the zero-bubble weight pass are ZeRO-3's; clipping sums the shards' squares over the CP group only (each piece once: the DP
-replicas hold the same piece, so summing over DP×CP would count it dp times). Experts sharded
-over EP are refused (:func:`~.moe.refuse_expert_dp_mode`); ``"flat"`` and ``"bucketed"`` average
-them over their own replicas, ``"zero1"`` and ``"zero3"`` shard them over it (:mod:`.moe`).
-
-``"zero2"``: ZeRO-2 keeps only a slice of the gradient, but the pipeline's micro-batches
-accumulate gradients over several backwards: each backward's gradients are reduce-scattered into
-the slices and freed (:meth:`ZeRO1Optimizer.reduce_backward`; sequence-parallel ones summed over
-TP first, the tied copies summed on the slices after the pipeline) — M times ZeRO-1's traffic,
-which is why DeepSpeed's pipeline engine refuses ZeRO-2 and 3 (deepspeedai/DeepSpeed#823);
-ZeRO-1 reduces once after the last micro-batch (Megatron-LM's distributed optimizer does the
-same). The slices are ZeRO-1's optimizer; a parameter no rank used gets a zero gradient.
+``"flat"`` (one flat all-reduce after the rank's last backward), ``"bucketed"``
+(:class:`PipelineBucketedDDP`, buckets overlapped with each stage's last backward),
+``"zero1"`` (:class:`ZeRO1Optimizer`: one reduce-scatter after the pipeline; experts sharded
+apart over their expert-DP group, :class:`ExpertSlices`), ``"zero2"`` (the same optimizer, a
+reduce-scatter after every backward), ``"zero3"``/``"zero3/keep"`` (each stage a
+``fully_shard`` unit over DP×CP, experts units of their own over expert-DP) and ``"hsdp"``
+(sharded over CP, replicated over DP: torchtitan's mesh). Narayanan et al. 2021, §3.3;
+Rajbhandari et al. 2020, §5. What each does and why, with sources: docs/design/hybrid.md.
 """
 
 from __future__ import annotations
@@ -300,7 +246,7 @@ def self_group():
 
 def _groups(model, dp_mode: str) -> tuple:
     """``(shard group, replicate group or None, shard ranks, replicate ranks or None)`` of
-    ``dp_mode``'s units (module docstring)."""
+    ``dp_mode``'s units (docs/design/hybrid.md)."""
     grid = model.grid
     if dp_mode != "hsdp":
         return grid.dp_cp_group, None, list(grid.dp_cp_ranks), None
@@ -312,7 +258,7 @@ def _groups(model, dp_mode: str) -> tuple:
 def shard_stages(model, dp_mode: str) -> None:
     """``"zero3"``/``"zero3/keep"``: make each of ``model``'s stages a ``fully_shard`` unit on the
     DP×CP group; ``"hsdp"``: sharded over the CP group (this rank alone when ``cp == 1``) and
-    replicated over the DP group (module docstring). Collective over those groups (the units
+    replicated over the DP group (docs/design/hybrid.md). Collective over those groups (the units
     sync from their rank 0; HSDP checks the layout with one all-gather over DP)."""
     shard, rep, _, _ = _groups(model, dp_mode)
     reshard = dp_mode == "zero3" or (dp_mode == "hsdp" and model.grid.pp_size == 1)

@@ -2,51 +2,12 @@
 fifth axis of 3-D training.
 
 ``HybridGPT(cfg, grid, moe=dict(num_experts=E, top_k=k, ...))`` replaces every block's MLP by a
-:class:`~minidist.expert_parallel.layer.MoE` whose experts are sharded over ``grid.ep_group`` (EP
-folded over the DP×CP ranks of the same pipeline stage and TP rank, as Megatron-core folds it).
-What composing with the other axes takes, each decided here:
-
-* **Weights** — every rank builds the one-process :class:`~minidist.expert_parallel.gpt.MoEGPT`
-  after the same seed and keeps its experts (:func:`local_full_state`): expert ``g`` of the full
-  model is local expert ``j`` where ``expert_ids[j] == g``; :func:`global_names` maps back, so the
-  gathered gradients carry the one-process names.
-* **Tensor parallelism** — the MoE layer is replicated over the TP group (every TP rank routes the
-  same tokens and runs the same experts; its parameters count once, on TP rank 0, in the norm).
-  Their dropout draws from the tensor-parallel tracker's replicated generator, so the TP ranks'
-  copies draw the same masks. Experts sharded by TP as well (Megatron's expert-tensor-parallelism)
-  are not built. With sequence parallelism each TP rank routes its own ``s/tp`` positions (the
-  layer sits in the sequence-parallel region, as Megatron-LM's MoE layer does): the routing
-  statistics are summed over TP too, the router's and experts' gradients are summed over TP
-  after the pipeline (they are marked sequence-parallel, as a LayerNorm), and each TP rank's aux
-  loss weighs ``1/tp`` (its tokens are a ``1/tp`` share of the rank's).
-* **The aux loss in a pipeline** — the load-balancing and z losses arise on every stage, the loss
-  on the last one. Each layer attaches its aux loss to its output
-  (:class:`~minidist.expert_parallel.layer.AuxLossAutoScaler`) with the weight :func:`aux_weight`
-  gives, so that after the step's DP×CP reduction the gradient is that of one process whose loss
-  is the cross-entropy plus ``Σ_m w_m·aux(m)``: ``aux(m)`` the aux loss on micro-batch ``m`` of
-  every replica together (the statistics ``f_i`` all-reduced over the DP×CP group, the stats
-  group), ``w_m`` its share of the samples (``1/M`` with equal micro-batches). That is the
-  one-process model with gradient accumulation over the same micro-batches
-  (:mod:`minidist_course.references.hybrid`'s MoE reference), the definition Megatron-LM's
-  per-micro-batch aux loss follows.
-* **Capacity (token drops)** — each rank applies the capacity rule to its own tokens of each
-  micro-batch: one process applies it to the ``dp`` replicas' slices of micro-batch ``m`` in turn
-  (``drop_chunks=dp``). With context or sequence parallelism a rank's tokens are its positions of
-  each of its samples (its CP split, then its TP piece), and the one process applies the rule to
-  each rank's tokens in the order the rank holds them (``drop_groups``,
-  :func:`minidist_course.references.hybrid.token_groups`): the capacity is per rank, as
-  Megatron-LM applies it to each rank's local tokens.
-* **Gradients** — non-expert parameters are averaged over the DP×CP group; expert parameters over
-  the expert-DP group and divided by ``ep``, because backward's all-to-all already summed the
-  ``ep`` ranks' contributions (:func:`average_gradients`; :mod:`minidist.expert_parallel.gpt`).
-  Bucketed DDP leaves the experts out of its buckets (and its first broadcast) and they are
-  averaged after the pipeline, as with ``"flat"``; ZeRO-1 shards them apart, over the expert-DP
-  group (:class:`~.dp.ExpertSlices`, as Megatron-Core's distributed optimizer); ZeRO-3 makes each
-  expert a ``fully_shard`` unit of its own over that group, under the stage's unit, dividing the
-  reduce-scattered sum by DP×CP (torchtitan's experts over ``dp_shard_mod_ep`` with
-  ``set_gradient_divide_factor``). HSDP with ``ep > 1`` is refused: its units under one root
-  share one replicate group, which the experts' does not match (with ``ep = 1`` the experts are
-  replicated and they run).
+:class:`~minidist.expert_parallel.layer.MoE` whose experts are sharded over ``grid.ep_group``
+(EP folded over the DP×CP ranks of the same pipeline stage and TP rank, as Megatron-core folds
+it). Here: the weights (every rank builds the one-process model and keeps its experts), the aux
+losses' weights through the pipeline, the capacity per rank, the expert gradients (averaged over
+their expert-DP group, divided by ``ep``) and the DP mode HSDP refuses. What composing with each
+axis takes, and why: docs/design/hybrid.md.
 """
 
 from __future__ import annotations
@@ -147,7 +108,7 @@ def local_names(state: dict, expert_ids: list[int]) -> dict:
 def aux_weight(loss_reduction: str, replica_samples: int, dp_cp: int, tokens: int,
                sp_shards: int = 1):
     """``f(b)``: the weight of a micro-batch of ``b`` samples' aux loss on one rank, such that after
-    the step's reduction (module text) the aux part of the gradient is ``Σ_m w_m·∇aux(m)``,
+    the step's reduction (docs/design/hybrid.md) the aux part of the gradient is ``Σ_m w_m·∇aux(m)``,
     ``w_m = b / replica_samples``. ``"mean"``: the DP×CP average divides by ``dp_cp`` already;
     ``"sum"``: the gradients are summed over the ``dp_cp`` ranks; ``"per_token"``: summed and
     divided by the ``tokens`` counted in the global batch. ``sp_shards``: the TP ranks whose
@@ -158,7 +119,7 @@ def aux_weight(loss_reduction: str, replica_samples: int, dp_cp: int, tokens: in
 
 def average_gradients(params: list[nn.Parameter], grid) -> None:
     """The DP×CP average of a model with experts: non-expert parameters averaged over the DP×CP
-    group, expert ones over the expert-DP group and divided by ``ep`` (module text)."""
+    group, expert ones over the expert-DP group and divided by ``ep`` (docs/design/hybrid.md)."""
     params = [p for p in params if p.requires_grad]
     average_params([p for p in params if not is_expert(p)], grid.dp_cp_group)
     average_expert_gradients(params, grid)
@@ -166,7 +127,7 @@ def average_gradients(params: list[nn.Parameter], grid) -> None:
 
 def average_expert_gradients(params: list[nn.Parameter], grid) -> None:
     """The expert parameters among ``params``: averaged over the expert-DP group (the ranks that
-    hold the same experts) and divided by ``ep`` (module text)."""
+    hold the same experts) and divided by ``ep`` (docs/design/hybrid.md)."""
     experts = [p for p in params if p.requires_grad and is_expert(p)]
     average_params(experts, _expert_replicas(grid))
     if grid.ep_size > 1:
