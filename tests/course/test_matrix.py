@@ -11,7 +11,7 @@ import pytest
 
 from minidist.models.gpt import GPTConfig
 from minidist_course.matrix import format_table
-from minidist_course.matrix.covering import (DIMENSIONS, UNREACHABLE, covering_array,
+from minidist_course.matrix.covering import (DIMENSIONS, UNREACHABLE, covering_array, cp_size,
                                              feasible, pair_refused, pairs_of, refusal,
                                              strength_one, world_size)
 from minidist_course.matrix.resume import run_resume
@@ -145,20 +145,28 @@ WERE_REFUSED = {
     "sp x ulysses": _config(tp="2+sp", dp=1, loss="per_token", cp="ulysses", tie=True),
     "sp x ring/contiguous": _config(tp="2+sp", dp=1, loss="mean", cp="ring/contiguous",
                                     precision="bf16", recompute="torch"),
-    # experts left out of the buckets / sharded over their own expert-DP group
+    # experts left out of the buckets / sharded over their own expert-DP group. Field reports:
+    # expert gradients ep times too large without a divide factor (pytorch#160285, fixed in
+    # torchtitan#1551; Megatron-LM#5956), and world-size times when the expert-DP group is one
+    # rank (pytorch#167178): dp=2 x ep=2 below is that case
     "bucketed x ep2": _config(dp_mode="bucketed", moe="ep2", schedule="interleaved", tie=True),
     "zero1 x ep2/drop": _config(dp_mode="zero1", moe="ep2/drop", loss="per_token", tie=True),
     # each expert a fully_shard unit over its expert-DP group, under the stage's (torchtitan)
     "zero3 x ep2": _config(dp_mode="zero3", moe="ep2", schedule="zb-h1", recompute="minidist"),
     "zero3/keep x ep2/drop": _config(dp_mode="zero3/keep", moe="ep2/drop", schedule="interleaved"),
-    # the weight pass W gathers the unit before it and reduce-scatters after it (pytorch#134052)
+    # the weight pass W gathers the unit before it and reduce-scatters after it (pytorch#134052;
+    # a W that bypasses autograd's hooks leaves DDP's gradients unreduced: pytorch#144530)
     "zero3 x zb-h1": _config(dp_mode="zero3", schedule="zb-h1", tie=True),
     "zero3/keep x zb-v": _config(dp_mode="zero3/keep", schedule="zb-v", recompute="minidist"),
     "hsdp x dualpipe-v": _config(dp_mode="hsdp", schedule="dualpipe-v", dp=1, cp="ring/zigzag",
                                  recompute="torch"),
     # experts under SP: each TP rank routes its own positions
     "sp x ep2": _config(tp="2+sp", moe="ep2", dp=2, loss="mean", schedule="zb-h1"),
-    # ZeRO-2 under a pipeline: a reduce-scatter after every backward into the slices
+    # ZeRO-2 under a pipeline: a reduce-scatter after every backward into the slices, added to
+    # what the earlier ones left. Field reports: a ZeRO-2 that treats every backward as the
+    # boundary keeps only the last micro-batch (allenai/open-instruct#1498), or copies instead
+    # of adding after the first step (deepspeedai/DeepSpeed#6550): 4 and 6 micro-batches here,
+    # and the 4-rank ones resume after step 2
     "zero2 x zb-v x sp": _config(dp_mode="zero2", schedule="zb-v", tp="2+sp", tie=True,
                                  loss="per_token"),
     "zero2 x interleaved x ep2": _config(dp_mode="zero2", schedule="interleaved", moe="ep2",
@@ -173,7 +181,8 @@ WERE_REFUSED = {
 def test_pairs_that_were_refused_now_equal_one_process_and_resume_bitwise(tmp_path):
     """Regression for the pairs the matrix used to refuse: each equal to one process (two
     launches, 4 and 8 ranks); the 4-rank ones also stopped after step 2 and resumed bitwise."""
-    rows = run_matrix(list(WERE_REFUSED.values()), timeout=240)
+    assert WERE_REFUSED["zero3 x ep2"]["dp"] * cp_size(WERE_REFUSED["zero3 x ep2"]) == 2  # ep=2:
+    rows = run_matrix(list(WERE_REFUSED.values()), timeout=240)        # expert-DP of one rank
     assert [r["status"] for r in rows] == ["✓"] * len(rows), format_table(rows)
     four = [c for c in WERE_REFUSED.values() if world_size(c) == 4]
     resumed = run_resume(four, str(tmp_path), timeout=240)

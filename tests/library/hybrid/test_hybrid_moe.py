@@ -158,3 +158,29 @@ def test_five_axes_at_sixteen_ranks_equal_one_process():
 
 def _rank_16(rank, world):
     return _step((2, 2, 2, 2, 2), schedule="zb-v", recompute="minidist")
+
+
+def _router_after_steps(rank, world):
+    """Two SGD steps with experts under sequence parallelism; each rank's router weights."""
+    grid = ProcessGrid(2, 1, 2, ep=2)
+    model = HybridGPT(R.CFG, grid, moe=MOE, sequence_parallel=True)
+    modules = wrap_stages(model, "flat")
+    opt = make_optimizer(model, "flat", torch.optim.SGD, lr=0.1)
+    ids, targets = R.batch(B, R.CFG, 0.0)
+    for _ in range(2):
+        train_step(model, opt, modules, ids, targets, M, loss_reduction="mean")
+    routers = [layer.router.weight.detach().clone() for layer in model.moe_layers]
+    return grid.tp_rank, grid.dp_rank, routers
+
+
+@pytest.mark.timeout(120)
+def test_the_router_stays_identical_on_the_tp_ranks_under_sequence_parallelism():
+    """Field report torchtitan#2387 (fixed in #2416): with the MoE layer on sequence shards, the
+    router's gradient is partial on each TP rank; without a sum over TP the TP ranks' routers
+    drift apart. After two steps they are bitwise equal here."""
+    out = minidist.run(_router_after_steps, 4, timeout=100)
+    by_dp: dict = {}
+    for tp_rank, dp_rank, routers in out:
+        by_dp.setdefault(dp_rank, []).append(routers)
+    for copies in by_dp.values():
+        assert len(copies) == 2 and all(torch.equal(a, b) for a, b in zip(*copies))
