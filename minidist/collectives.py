@@ -160,11 +160,13 @@ def _as_chunks(big: torch.Tensor | list, small: torch.Tensor, rank: int, world: 
 
 
 def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring", group=None,
-                   debug: bool | None = None) -> torch.Tensor:
+                   debug: bool | None = None, *, sizes_agreed: bool = False) -> torch.Tensor:
     """Reduce ``input`` across ranks and leave piece ``rank`` of the result in ``output``.
 
     ``input``: a list of W tensors (piece r is ``input[r]``, numel of rank r's ``output``) or one
-    tensor of W · output.numel() elements; it is used as scratch space. Traffic (ring): (W-1)/W of it."""
+    tensor of W · output.numel() elements; it is used as scratch space. Traffic (ring): (W-1)/W of it.
+    ``sizes_agreed``: the caller knows every rank passes the same sizes (a backward whose shapes
+    the forward's collective checked): the always-on size agreement, one small all-reduce, is skipped."""
     rank, world = _setup("reduce_scatter", algorithm, output, group, "output", input=input)
     op = normalize_op(op, output.dtype, f"reduce_scatter (rank {rank})")
     pieces = _data(input)
@@ -178,7 +180,7 @@ def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring
         if debug_enabled(debug):
             check_same_across_ranks("reduce_scatter", group, sizes=[c.numel() for c in chunks],
                                     dtype=out.dtype, op=op, algorithm=algorithm)
-        else:  # always on: cheap, and a disagreement would leave a stale element (ops.py)
+        elif not sizes_agreed:  # a disagreement would leave a stale element (ops.py)
             check_sizes_agree("reduce_scatter", group, [c.numel() for c in chunks], out.device)
         chunks = [c.view(-1) for c in chunks]
         with p2p.collective(f"reduce_scatter/{algorithm}"):
@@ -189,11 +191,12 @@ def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring
 
 
 def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
-               debug: bool | None = None):
+               debug: bool | None = None, *, sizes_agreed: bool = False):
     """Gather every rank's ``input`` into ``output`` on every rank.
 
     ``output``: a list of W tensors (``output[r]`` receives rank r's input; sizes may differ) or one
-    tensor of W · input.numel() elements. Traffic per rank (ring): (W-1) · input.numel() sent."""
+    tensor of W · input.numel() elements. Traffic per rank (ring): (W-1) · input.numel() sent.
+    ``sizes_agreed``: as in :func:`reduce_scatter`."""
     rank, world = _setup("all_gather", algorithm, input, group, "input", output=output)
     result, output, mine = output, _data(output), _data(input)
     strided = isinstance(output, list) and any(not o.is_contiguous() for o in output)
@@ -206,7 +209,7 @@ def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
     if debug_enabled(debug):
         check_same_across_ranks("all_gather", group, sizes=[c.numel() for c in chunks],
                                 dtype=mine.dtype, algorithm=algorithm)
-    else:  # always on: cheap, and a disagreement would leave a stale element (ops.py)
+    elif not sizes_agreed:  # a disagreement would leave a stale element (ops.py)
         check_sizes_agree("all_gather", group, [c.numel() for c in chunks], mine.device)
     chunks = [c.view(-1) for c in chunks]
     chunks[rank].copy_(mine.reshape(-1))

@@ -290,12 +290,13 @@ def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
 
 
 def exchange(send_tensor, dst: int, recv_tensor, src: int, group=None) -> None:
-    """Send to ``dst`` and receive from ``src``, both posted before waiting for both."""
+    """Send to ``dst`` and receive from ``src``, both posted before waiting for both (the
+    receive first: gloo sends a message once its receive is posted)."""
     works = []
-    if send_tensor is not None:
-        works.append(isend(send_tensor, dst, group))
     if recv_tensor is not None:
         works.append(irecv(recv_tensor, src, group))
+    if send_tensor is not None:
+        works.append(isend(send_tensor, dst, group))
     wait_all(works)
 
 

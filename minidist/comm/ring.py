@@ -54,18 +54,18 @@ def all_reduce_simple(flat: torch.Tensor, op: str, rank: int, world: int, group=
 # --- refinement: every receive posted up front ------------------------------------------------
 
 def reduce_scatter_preposted(chunks: list[torch.Tensor], op: str, rank: int, world: int,
-                             group=None) -> None:
+                             group=None, posted=None) -> None:
     """In place: afterwards ``chunks[rank]`` holds the reduction of every rank's ``chunks[rank]``.
 
     ``reduce_scatter_simple`` with all W-1 receives posted first, each into its own slot of a
-    scratch buffer, so data lands while this rank is still reducing the previous step."""
+    scratch buffer, so data lands while this rank is still reducing the previous step (gloo sends
+    a message once its receive is posted: a send that comes first waits a round trip more).
+    ``posted``: what :func:`post_reduce_scatter` returned, when the caller posted them earlier."""
     if world == 1:
         return
-    right, left = (rank + 1) % world, (rank - 1) % world
+    right = (rank + 1) % world
     recv_idx = [(rank - step - 2) % world for step in range(world - 1)]
-    tmp = _scratch_buffer(sum(chunks[i].numel() for i in recv_idx), chunks[0])
-    slots = list(tmp.split([chunks[i].numel() for i in recv_idx]))
-    recvs = [p2p.irecv(slot, left, group) for slot in slots]
+    slots, recvs = posted or post_reduce_scatter(chunks, rank, world, group)
     sends = []
     for step in range(world - 1):
         # the chunk reduced in the previous step (at step 0: this rank's own) goes right
@@ -75,12 +75,21 @@ def reduce_scatter_preposted(chunks: list[torch.Tensor], op: str, rank: int, wor
     p2p.wait_all(sends)
 
 
-def all_gather_preposted(chunks: list[torch.Tensor], rank: int, world: int, group=None) -> None:
+def post_reduce_scatter(chunks, rank, world, group=None):
+    """Post the ring reduce-scatter's W-1 receives from the left, into scratch: (slots, works)."""
+    sizes = [chunks[(rank - step - 2) % world].numel() for step in range(world - 1)]
+    slots = list(_scratch_buffer(sum(sizes), chunks[0]).split(sizes))
+    return slots, [p2p.irecv(slot, (rank - 1) % world, group) for slot in slots]
+
+
+def all_gather_preposted(chunks: list[torch.Tensor], rank: int, world: int, group=None,
+                         posted=None) -> None:
     """In place: ``chunks[rank]`` is this rank's data; afterwards every chunk is filled on every rank.
 
-    ``all_gather_simple`` with every receive posted up front, straight into its chunk."""
-    right, left = (rank + 1) % world, (rank - 1) % world
-    recvs = [p2p.irecv(chunks[(rank - step - 1) % world], left, group) for step in range(world - 1)]
+    ``all_gather_simple`` with every receive posted up front, straight into its chunk
+    (``posted``: :func:`post_all_gather`'s works, when the caller posted them earlier)."""
+    right = (rank + 1) % world
+    recvs = posted or post_all_gather(chunks, rank, world, group)
     sends = []
     for step in range(world - 1):
         if step > 0:
@@ -89,12 +98,26 @@ def all_gather_preposted(chunks: list[torch.Tensor], rank: int, world: int, grou
     p2p.wait_all(recvs[-1:] + sends)
 
 
+def post_all_gather(chunks, rank, world, group=None):
+    """Post the ring all-gather's W-1 receives from the left, straight into their chunks."""
+    return [p2p.irecv(chunks[(rank - step - 1) % world], (rank - 1) % world, group)
+            for step in range(world - 1)]
+
+
 def all_reduce_preposted(flat: torch.Tensor, op: str, rank: int, world: int, group=None) -> None:
     """In place: afterwards ``flat`` (contiguous, 1-D) holds the reduction over the group,
-    bit-identical on every rank (``avg`` adds; the division is left to the caller)."""
+    bit-identical on every rank (``avg`` adds; the division is left to the caller).
+
+    The all-gather's receives are posted with the reduce-scatter's, before any send: a chunk's
+    reduced value reaches this rank only after the chain that reduces it has taken this rank's
+    last send of that chunk, so nothing lands on a chunk still being sent or reduced."""
+    if world == 1:
+        return
     chunks = list(flat.tensor_split(world))
-    reduce_scatter_preposted(chunks, op, rank, world, group)
-    all_gather_preposted(chunks, rank, world, group)
+    rs = post_reduce_scatter(chunks, rank, world, group)
+    ag = post_all_gather(chunks, rank, world, group)
+    reduce_scatter_preposted(chunks, op, rank, world, group, posted=rs)
+    all_gather_preposted(chunks, rank, world, group, posted=ag)
 
 
 # --- the public names: each ring with the place check in front (checks.py) ------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import collectives as C
+from ..comm import tuner
 from ..comm.p2p import group_rank_world
 from . import accounting
 
@@ -39,29 +40,42 @@ def split_along(x: torch.Tensor, dim: int, group=None, what: str = "split") -> t
     return pieces[rank].contiguous()
 
 
-def gather_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``, in rank order: ``x.shape[dim]`` grows W-fold."""
+def gather_along(x: torch.Tensor, dim: int, group=None, sizes_agreed: bool = False) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in rank order: ``x.shape[dim]`` grows W-fold.
+    ``sizes_agreed``: skip the size agreement (:func:`minidist.collectives.all_gather`)."""
     _, world = group_rank_world(group)
     if world == 1:
         return x
     x = x.contiguous()
     pieces = [torch.empty_like(x) for _ in range(world)]
-    C.all_gather(pieces, x, group=group)
+    C.all_gather(pieces, x, group=group, sizes_agreed=sizes_agreed)
     return torch.cat(pieces, dim=dim)
 
 
-def reduce_scatter_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
-    """Sum ``x`` over ranks and keep this rank's slice of ``dim`` (divisible by W: else ValueError)."""
+def reduce_scatter_along(x: torch.Tensor, dim: int, group=None,
+                         sizes_agreed: bool = False) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's slice of ``dim`` (divisible by W: else ValueError).
+    ``sizes_agreed``: skip the size agreement (:func:`minidist.collectives.reduce_scatter`)."""
     if group_rank_world(group)[1] == 1:
         return x
     rank, pieces = _chunks(x, dim, group, "reduce_scatter")
     out = torch.empty_like(pieces[rank], memory_format=torch.contiguous_format)
-    C.reduce_scatter(out, [p.contiguous() for p in pieces], op="sum", group=group)
+    C.reduce_scatter(out, [p.contiguous() for p in pieces], "sum", group=group,
+                     sizes_agreed=sizes_agreed)
     return out
 
 
 def _sum(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return C.all_reduce(x.contiguous().clone(), "sum", group=group)
+    return C.all_reduce(x.contiguous().clone(), "sum", _all_reduce_algorithm(group), group)
+
+
+def _all_reduce_algorithm(group) -> str:
+    """The fewest rounds among the all-reduces that send no more than the ring (the traffic
+    :func:`accounting.block_formula` counts): recursive doubling at W = 2 (one exchange of the
+    whole buffer, the ring's two of half), the ring above (recursive doubling sends more)."""
+    world = group_rank_world(group)[1]
+    rd, ring = (tuner.coefficients("all_reduce", a, world) for a in ("recursive_doubling", "ring"))
+    return "recursive_doubling" if rd[0] < ring[0] and rd[1] <= ring[1] else "ring"
 
 
 # name -> (function, payload bytes of the collective as a multiple of the input's bytes)
@@ -74,7 +88,14 @@ _MOVES = {
 }
 
 
-def _move(name: str, x: torch.Tensor, dim: int, group, phase: str, where: str) -> torch.Tensor:
+# The moves whose collective checks that every rank passes the same sizes. A backward after one of
+# them skips the check: the gradient has the forward output's shape, so its pieces have the sizes
+# the forward agreed on (all-gather: the input's; reduce-scatter: the output's).
+_CHECKED = ("all_gather", "reduce_scatter")
+
+
+def _move(name: str, x: torch.Tensor, dim: int, group, phase: str, where: str,
+          agreed: bool = False) -> torch.Tensor:
     fn, payload = _MOVES[name]
     _, world = group_rank_world(group)
     if world == 1 and name != "identity":
@@ -83,20 +104,21 @@ def _move(name: str, x: torch.Tensor, dim: int, group, phase: str, where: str) -
         return fn(x, dim, group)
     nbytes = x.numel() * x.element_size() * (world if payload is None else payload)
     with accounting.collective(where, name, phase, nbytes):
-        return fn(x, dim, group)
+        return fn(x, dim, group, sizes_agreed=True) if agreed else fn(x, dim, group)
 
 
 class _Region(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, fwd: str, bwd: str, dim: int, group):
-        ctx.bwd, ctx.dim, ctx.group = bwd, dim, group
+        ctx.bwd, ctx.dim, ctx.group, ctx.agreed = bwd, dim, group, fwd in _CHECKED
         ctx.where = accounting.current_scope()  # the backward's collective is filed here too
         return _move(fwd, x, dim, group, "forward", ctx.where)
 
     @staticmethod
     def backward(ctx, grad):
-        return _move(ctx.bwd, grad, ctx.dim, ctx.group, "backward", ctx.where), None, None, None, None
+        return (_move(ctx.bwd, grad, ctx.dim, ctx.group, "backward", ctx.where,
+                      ctx.agreed and ctx.bwd in _CHECKED), None, None, None, None)
 
 
 # ------------------------------------------------------------------ Megatron's names

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 from torch import nn
 
 from ..comm.p2p import group_rank_world
@@ -52,21 +53,26 @@ def _noter(ref):
 
 def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> int:
     """Sum the sequence-parallel parameters' gradients over the TP group; returns how many.
-    Every rank calls it after backward (on a tracked model: after any micro-batch)."""
+    Every rank calls it after backward (on a tracked model: after any micro-batch). The gradients
+    travel as one flat buffer per dtype (one all-reduce, not one per parameter: they are small)."""
     _, world = group_rank_world(group)
-    n = 0
+    todo = []   # (parameter, tensor to sum, tracked)
     for _, p in model.named_parameters():
         if getattr(p, "sequence_parallel", False) and p.grad is not None:
             if hasattr(p, "_sp_pending"):
                 pending, p._sp_pending = p._sp_pending, None
-                if pending is None:
-                    continue  # nothing new since the last call (the same on every TP rank)
-                if world > 1:
-                    C.all_reduce(pending, "sum", group=group)
-                # base + the new sum, so TP ranks hold bit-identical values (no g + (S - g))
-                p.grad.copy_(pending if p._sp_base is None else p._sp_base + pending)
-                p._sp_base = p.grad.clone()
-            elif world > 1:
-                C.all_reduce(p.grad, "sum", group=group)
-            n += 1
-    return n
+                if pending is not None:   # None: nothing new since the last call (on every TP rank)
+                    todo.append((p, pending, True))
+            else:
+                todo.append((p, p.grad, False))
+    if world > 1:
+        for dtype in dict.fromkeys(t.dtype for _, t, _ in todo):
+            parts = [t for _, t, _ in todo if t.dtype == dtype]
+            flat = C.all_reduce(torch.cat([t.reshape(-1) for t in parts]), "sum", C.AUTO, group)
+            for t, summed in zip(parts, flat.split([t.numel() for t in parts])):
+                t.copy_(summed.view_as(t))
+    for p, summed, tracked in todo:
+        if tracked:   # base + the new sum, so TP ranks hold bit-identical values (no g + (S - g))
+            p.grad.copy_(summed if p._sp_base is None else p._sp_base + summed)
+            p._sp_base = p.grad.clone()
+    return len(todo)

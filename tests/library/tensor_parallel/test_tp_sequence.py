@@ -63,3 +63,49 @@ def test_sequence_not_divisible_is_a_clear_error():
                                                  r"sequence length \(6\) divisible by the "
                                                  r"tensor-parallel size 4"):
         minidist.run(_bad_len_case, 4, timeout=60)
+
+
+def _size_checks(rank, world):
+    """How many always-on size agreements each region's forward and backward run."""
+    import minidist.collectives as C
+    from minidist.comm.ops import CollectiveMismatchError
+    from minidist.tensor_parallel import regions as R
+    calls = []
+    real = C.check_sizes_agree
+    C.check_sizes_agree = lambda opname, *a, **k: (calls.append(opname), real(opname, *a, **k))[1]
+    out = {}
+    try:
+        for name, fn, shape in (
+                ("gather_from_sequence_parallel_region", R.gather_from_sequence_parallel_region, (2, 3, 4)),
+                ("reduce_scatter_to_sequence_parallel_region",
+                 R.reduce_scatter_to_sequence_parallel_region, (2, 2 * world, 4)),
+                ("scatter_to_sequence_parallel_region", R.scatter_to_sequence_parallel_region,
+                 (2, 2 * world, 4))):
+            x = torch.randn(shape, requires_grad=True)
+            calls.clear()
+            y = fn(x)
+            forward = list(calls)
+            calls.clear()
+            y.backward(torch.ones_like(y))
+            out[name] = (forward, list(calls))
+        # a rank whose shard has another length is still refused in the forward, on every rank
+        try:
+            R.gather_from_sequence_parallel_region(torch.randn(2, 3 + rank, 4))
+            out["mismatch"] = None
+        except CollectiveMismatchError as e:
+            out["mismatch"] = str(e)
+    finally:
+        C.check_sizes_agree = real
+    return out
+
+
+def test_a_backward_skips_the_size_check_only_after_a_checked_forward():
+    """The backward's gradient has the forward output's shape, so after an all-gather or a
+    reduce-scatter its pieces have the sizes the forward agreed on: the backward skips the
+    agreement (one small all-reduce less per region). After a split (no collective, no check)
+    the backward's all-gather still checks."""
+    for out in minidist.run(_size_checks, 2, timeout=60):
+        assert out["gather_from_sequence_parallel_region"] == (["all_gather"], [])
+        assert out["reduce_scatter_to_sequence_parallel_region"] == (["reduce_scatter"], [])
+        assert out["scatter_to_sequence_parallel_region"] == ([], ["all_gather"])
+        assert "ranks disagree on the sizes" in out["mismatch"], out["mismatch"]
