@@ -13,7 +13,7 @@ from .schedules import Op, Schedule
 from ..trace import Event, bubble_fraction
 
 __all__ = ["simulate", "SimResult", "PipelineDeadlock", "peak_inflight", "peak_bytes",
-           "bubble_formula", "message_order_mismatches", "messages"]
+           "bubble_formula", "message_order_mismatches", "messages", "link_costs"]
 
 
 class PipelineDeadlock(RuntimeError):
@@ -78,15 +78,26 @@ def peak_bytes(schedule: Schedule, bytes_of) -> dict:
     return dict(sorted(peak.items()))
 
 
-def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0,
+def link_costs(topology, nbytes: float):
+    """``t_comm`` for :func:`simulate`: a message of ``nbytes`` from pipeline rank ``src`` to
+    ``dst`` costs its link class's ``alpha + nbytes · beta`` (a
+    :class:`minidist.comm.topology.Topology`; pipeline rank r is global rank r)."""
+    return lambda src, dst: topology.cost(topology.link(src, dst)).seconds(nbytes)
+
+
+def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm=0.0,
              t_w: float | None = None, t_gap: float = 0.0, t_sync: float = 0.0,
              t_exposed: float = 0.0, overlap_pairs: bool = False) -> SimResult:
     """Run ``schedule`` in simulated time; costs per micro-batch and rank, or {stage: seconds}.
 
-    ``t_gap``: per-op overhead; ``t_sync``: a global sync after the last op; ``t_exposed``:
-    communication inside each F/B, hidden for F-B pairs with ``overlap_pairs`` (DualPipe, §3.2.1).
-    Raises ``PipelineDeadlock`` (a circular wait) and ``ValueError`` (negative costs, ``t_w > t_b``)."""
+    ``t_comm``: seconds from the end of an op to its result on another rank: a number, or
+    ``t_comm(src_rank, dst_rank)`` per link (:func:`link_costs`: alpha + bytes · beta per link
+    class, Hockney 1994). ``t_gap``: per-op overhead; ``t_sync``: a global sync after the last op;
+    ``t_exposed``: communication inside each F/B, hidden for F-B pairs with ``overlap_pairs``
+    (DualPipe, §3.2.1). Raises ``PipelineDeadlock`` (a circular wait) and ``ValueError``
+    (negative costs, ``t_w > t_b``)."""
     P, v, n_stages = schedule.P, schedule.v, schedule.n_stages
+    comm = t_comm if callable(t_comm) else (lambda src, dst: t_comm)
 
     def per_stage(c):  # a number, or {stage: op cost} (measured, one chunk: not divided by v)
         return dict(c) if isinstance(c, dict) else {s: c / v for s in range(n_stages)}
@@ -94,7 +105,7 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
     f, b = per_stage(t_f), per_stage(t_b)
     w = {s: b[s] / 2 for s in b} if t_w is None else per_stage(t_w)
     bad = [s for s in range(n_stages) if min(f[s], b[s], w[s]) < 0 or w[s] > b[s]]
-    if t_comm < 0 or t_gap < 0 or t_sync < 0 or t_exposed < 0 or bad:
+    if (not callable(t_comm) and t_comm < 0) or t_gap < 0 or t_sync < 0 or t_exposed < 0 or bad:
         raise ValueError(f"simulate: costs must be >= 0 and t_w <= t_b (W is part of the backward), "
                          f"got t_f={t_f}, t_b={t_b}, t_w={t_w}, t_comm={t_comm}")
     splits = [schedule.split(r) for r in range(P)]
@@ -120,8 +131,8 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: flo
                 dep = _dependency(op, n_stages)
                 if dep is not None and dep not in done:
                     break
-                ready = 0.0 if dep is None else done[dep] + (
-                    t_comm if schedule.owner(dep.stage) != r else 0.0)
+                src = None if dep is None else schedule.owner(dep.stage)
+                ready = 0.0 if dep is None else done[dep] + (comm(src, r) if src != r else 0.0)
                 start = max(free[r] + (t_gap if ptr[r] else 0.0), ready)
                 kind = "Bi" if op.kind == "B" and (op.mb, op.stage) in splits[r] else op.kind
                 end = start + cost[(kind, op.stage)] + (

@@ -1,12 +1,16 @@
 """Activations forward, gradients backward: point-to-point with a small header (minidist.comm.p2p).
 
 Each message is a header ``[kind, mb, from-stage, dtype, ndim, *shape]`` then the payload, checked
-by the receiver. Sends are non-blocking and waited for at the end of the step.
+by the receiver. On gloo a payload of at most :data:`INLINE_BYTES` travels in the header's message
+(the receiver posts a buffer that large: gloo accepts a longer buffer than the message, and moves a
+message only once its receive is posted, so a second message would wait a round trip more). Sends
+are non-blocking and waited for at the end of the step.
 Design notes: docs/design/pipeline_parallel.md
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -15,9 +19,10 @@ import torch.distributed as dist
 from ..comm import p2p
 from ..trace import span
 
-__all__ = ["Transport", "HEADER_LEN", "TransportError"]
+__all__ = ["Transport", "HEADER_LEN", "INLINE_BYTES", "TransportError"]
 
 HEADER_LEN = 12
+INLINE_BYTES = 1 << 12   # gloo: a payload this small rides in the header's message
 _MAX_DIMS = HEADER_LEN - 5
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
@@ -44,6 +49,7 @@ class Transport:
         self.pending = []  # (works, tensors) until finish()
         self.mailbox = {}  # local hand-offs
         self._thread = None
+        self.inline = dist.is_initialized() and dist.get_backend(group) == "gloo"
 
     def _label(self, what: str, kind: str, mb: int, a: int, b: int) -> str:
         return f"pp/{what} {kind} mb {mb} stage {a}->{b}"
@@ -68,12 +74,17 @@ class Transport:
         header[:5] = torch.tensor([_KINDS[kind], mb, from_stage, _DTYPES.index(tensor.dtype),
                                    tensor.dim()])
         header[5:5 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        header = header.to(self.device)
         tag = _tag(kind, mb, from_stage)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.inline and nbytes <= INLINE_BYTES:   # one message: header bytes, then payload bytes
+            header = torch.cat([header.view(torch.uint8), tensor.cpu().reshape(-1).view(torch.uint8)])
+            parts = [header]
+        else:
+            header = header.to(self.device)
+            parts = [header, tensor]
         with p2p.collective(self._label("send", kind, mb, from_stage, to_stage)):
-            works = [p2p.isend(header, peer, self.group, tag=tag),
-                     p2p.isend(tensor, peer, self.group, tag=tag)]
-        self.pending.append((works, (header, tensor)))
+            works = [p2p.isend(t, peer, self.group, tag=tag) for t in parts]
+        self.pending.append((works, parts))
 
     def recv(self, peer: int, kind: str, mb: int, from_stage: int, to_stage: int) -> torch.Tensor:
         """Block until the ``kind`` message of micro-batch ``mb`` from ``from_stage`` arrives."""
@@ -97,10 +108,15 @@ class Transport:
         return self._recv_now(peer, kind, mb, from_stage, to_stage)
 
     def _recv_now(self, peer: int, kind: str, mb: int, from_stage: int, to_stage: int):
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         tag = _tag(kind, mb, from_stage)
         with p2p.collective(self._label("recv", kind, mb, from_stage, to_stage)):
-            p2p.recv(header, peer, self.group, tag=tag)
+            if self.inline:
+                message = torch.empty(8 * HEADER_LEN + INLINE_BYTES, dtype=torch.uint8)
+                p2p.recv(message, peer, self.group, tag=tag)
+                header = message[:8 * HEADER_LEN].view(torch.int64)
+            else:
+                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                p2p.recv(header, peer, self.group, tag=tag)
             h = header.cpu().tolist()
             want = [_KINDS[kind], mb, from_stage]
             if h[:3] != want:
@@ -109,8 +125,13 @@ class Transport:
                     f"pipeline recv (rank {self.rank}, stage {to_stage}): expected {kind} of "
                     f"micro-batch {mb} from stage {from_stage}, got {names.get(h[0], h[0])} of "
                     f"micro-batch {h[1]} from stage {h[2]}: the two stages' schedules disagree")
-            shape = h[5:5 + h[4]]
-            out = torch.empty(shape, dtype=_DTYPES[h[3]], device=self.device)
+            shape, dtype = h[5:5 + h[4]], _DTYPES[h[3]]
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            if self.inline and nbytes <= INLINE_BYTES:
+                start = 8 * HEADER_LEN
+                return message[start:start + nbytes].view(dtype).reshape(shape).to(self.device,
+                                                                                     copy=True)
+            out = torch.empty(shape, dtype=dtype, device=self.device)
             p2p.recv(out, peer, self.group, tag=tag)
         return out
 

@@ -37,7 +37,7 @@ import torch
 
 from .alpha_beta import _nonneg_lstsq
 
-__all__ = ["SIZES", "PING_SIZES", "fit_link", "run_two_nodes", "software_twin", "main"]
+__all__ = ["SIZES", "PING_SIZES", "fit_link", "pingpong", "run_two_nodes", "software_twin", "main"]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "two-node-links.sh"
 PING_SIZES = (1 << 14, 1 << 18, 1 << 20, 1 << 22)      # 16 KiB .. 4 MiB
@@ -65,7 +65,9 @@ def fit_link(samples: dict[int, float]) -> tuple[float, float]:
     return float(a), scale / float(b)
 
 
-def _pingpong(peer: int, nbytes: int, reps: int, lead: bool) -> float:
+def pingpong(peer: int, nbytes: int, reps: int, lead: bool) -> float:
+    """Median one-way seconds of ``reps`` round trips of ``nbytes`` with ``peer`` (torch's gloo
+    send/recv; the ``lead`` rank sends first; a first, untimed exchange sets the pair up)."""
     import torch.distributed as dist
     buf = torch.zeros(nbytes // 4)
     times = []
@@ -117,11 +119,11 @@ def _worker(rank: int, world: int, out: str, reps: int) -> None:
     for cls, (a, b) in (("intra", (0, 1)), ("inter", (0, 2))):
         result["ping"][cls] = {}
         if rank in (a, b):   # warm the pair up (gloo connects it at its first message)
-            _pingpong(b if rank == a else a, 1 << 12, 3, rank == a)
+            pingpong(b if rank == a else a, 1 << 12, 3, rank == a)
         for nbytes in PING_SIZES:
             dist.barrier()
             if rank in (a, b):
-                result["ping"][cls][nbytes] = _pingpong(b if rank == a else a, nbytes, reps,
+                result["ping"][cls][nbytes] = pingpong(b if rank == a else a, nbytes, reps,
                                                         rank == a)
     result["allreduce"] = _allreduces(rank, SIZES, reps)
     dist.barrier()

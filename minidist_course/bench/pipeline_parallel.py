@@ -150,7 +150,7 @@ def measured_costs(events, schedule) -> dict:
             if dep is None or dep <= a.end:
                 gaps.append(e.start - a.end)
     return dict(t_f=statistics.fmean(f) * v, t_b=t_b, t_w=t_w,
-                t_gap=max(0.0, statistics.median(gaps)) if gaps else 0.0,
+                t_gap=max(0.0, statistics.fmean(gaps)) if gaps else 0.0,
                 stage_t_f=by_stage("F"), stage_t_b=per_b,
                 # W is part of its backward: a mean over fewer (split) ops may exceed it by noise
                 stage_t_w={s: min(t, per_b[s]) for s, t in by_stage("W").items()} if w else None,

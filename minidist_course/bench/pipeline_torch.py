@@ -13,7 +13,14 @@ in a balanced order; a step is timed from a barrier to a barrier (the whole pipe
 
 Per schedule: the median step time of each and their ratio (median of per-step ratios), and each
 one's **measured bubble** ``1 − busy / step``, where ``busy = M·(t_f + t_b)`` is the compute every
-rank must do (its stages' sleeps), beside the simulator's bubble for the same schedule and costs.
+rank must do (its stages' sleeps), beside two predictions of the simulator for the same schedule:
+``bubble_simulated`` with the nominal costs and no communication, and ``bubble_predicted``, the
+**communication-aware** one: the op times and the per-op overhead measured on minidist's timeline
+(:func:`.pipeline_parallel.measured_costs`), and every message between ranks costing
+``alpha + bytes · beta`` of the link it crosses (:func:`~minidist.pipeline_parallel.simulator.link_costs`),
+alpha and beta fitted to a ping-pong in the same run (:func:`.kernel_links.fit_link`; one link
+class on one machine). ``idle_ratio_*``: an engine's idle time over the predicted idle time
+(goal: ≤ 1.10, the other benchmarks' goal).
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ def _build(name, rank, world, M, t_f, t_b, width):
     def ours():
         for m in ours_mods.values():
             m.zero_grad()
-        pipeline_step(schedule, ours_mods, x, y, nn.functional.mse_loss)
+        return pipeline_step(schedule, ours_mods, x, y, nn.functional.mse_loss)
 
     theirs_model = make_model(schedule.n_stages, width, t_f / schedule.v, t_b / schedule.v)
     stages = [pipelining.PipelineStage(list(theirs_model)[s], s, schedule.n_stages,
@@ -68,26 +75,38 @@ def _build(name, rank, world, M, t_f, t_b, width):
     return ours, theirs, schedule
 
 
+PING_BYTES = (1 << 8, 1 << 14, 1 << 18)   # the ping-pong's message sizes (the alpha-beta fit)
+
+
 def _rank(rank, world, names, M, t_f, t_b, steps, warmup, width):
     import torch.distributed as dist
 
     from .collectives import balanced_order
+    from .kernel_links import pingpong
     torch.set_num_threads(1)
     rows = []
     for name in names:
         ours, theirs, schedule = _build(name, rank, world, M, t_f, t_b, width)
         runs = {"minidist": ours, "torch": theirs}
         times: dict = {k: [] for k in runs}
+        timelines = []   # minidist's (events, t0) per timed step: the measured costs
         for i in range(warmup + steps):
             for k in balanced_order(list(runs), i):
                 dist.barrier()
                 t0 = time.perf_counter()
-                runs[k]()
+                res = runs[k]()
                 dist.barrier()
                 if i >= warmup:
                     times[k].append(time.perf_counter() - t0)
-        rows.append((name, schedule, times))
-    return rows
+                    if k == "minidist":
+                        timelines.append((res.events, res.t0))
+        rows.append((name, schedule, times, timelines))
+    ping = {}   # rank 0 <-> 1, one-way seconds per size: this run's alpha and beta
+    for nbytes in PING_BYTES:
+        dist.barrier()
+        if rank < 2:
+            ping[nbytes] = pingpong(1 - rank, nbytes, 20, rank == 0)
+    return rows, ping
 
 
 def bench_pp_torch(P: int = 4, M: int = 8, schedules=tuple(TORCH_SCHEDULES), t_f: float = 0.02,
@@ -95,29 +114,60 @@ def bench_pp_torch(P: int = 4, M: int = 8, schedules=tuple(TORCH_SCHEDULES), t_f
                    timeout: float = 600, quiet: bool = False) -> list[dict]:
     """Run on ``P`` ranks; print (unless ``quiet``) and return one row per schedule: ``schedule``,
     ``minidist_ms``, ``torch_ms`` (medians), ``ratio`` (median of per-step ratios minidist/torch),
-    ``bubble_minidist``, ``bubble_torch`` (measured), ``bubble_simulated``."""
+    ``bubble_minidist``, ``bubble_torch`` (measured), ``bubble_simulated`` (nominal costs, no
+    communication), ``bubble_predicted`` (communication-aware), ``idle_ratio_minidist`` and
+    ``idle_ratio_torch`` (measured idle / predicted idle), ``alpha_s``, ``beta_s_per_byte``,
+    ``message_bytes`` and ``t_gap_s`` (what the prediction used)."""
+    from minidist.comm.topology import Link, Topology
     from minidist.launch import run
-    from minidist.pipeline_parallel.simulator import simulate
-    out = run(_rank, P, tuple(schedules), M, t_f, t_b, steps, warmup, width, timeout=timeout)[0]
+    from minidist.pipeline_parallel.simulator import link_costs, simulate
+    from minidist.trace import align
+
+    from .kernel_links import fit_link
+    from .pipeline_parallel import measured_costs
+    per_rank = run(_rank, P, tuple(schedules), M, t_f, t_b, steps, warmup, width, timeout=timeout)
+    alpha, bandwidth = fit_link(per_rank[0][1])
+    links = Topology(1, P, intra=Link(alpha, bandwidth))   # one machine: one link class
+    message = 4 * width * 4   # a micro-batch's activation (or gradient): 4 rows of width fp32
     busy = M * (t_f + t_b)
     rows = []
-    for name, schedule, times in out:
+    for i, (name, schedule, times, _) in enumerate(per_rank[0][0]):
         med = {k: statistics.median(v) for k, v in times.items()}
         sim = simulate(schedule, t_f / schedule.v, t_b / schedule.v)
+        spans = []   # the predicted step of each timed step, from that step's measured costs
+        for step in range(len(times["minidist"])):
+            c = measured_costs(align([per_rank[r][0][i][3][step][0] for r in range(P)],
+                                     [per_rank[r][0][i][3][step][1] for r in range(P)]), schedule)
+            spans.append(simulate(schedule, c["stage_t_f"], c["stage_t_b"],
+                                  link_costs(links, message), c["stage_t_w"], c["t_gap"]).makespan)
+            gaps = c["t_gap"]
+        predicted = statistics.median(spans)
         rows.append({"schedule": name, "minidist_ms": 1e3 * med["minidist"],
                      "torch_ms": 1e3 * med["torch"],
                      "ratio": statistics.median(a / b for a, b in zip(times["minidist"], times["torch"])),
                      "bubble_minidist": 1 - busy / med["minidist"],
-                     "bubble_torch": 1 - busy / med["torch"], "bubble_simulated": sim.bubble})
+                     "bubble_torch": 1 - busy / med["torch"], "bubble_simulated": sim.bubble,
+                     "bubble_predicted": 1 - busy / predicted,
+                     "idle_ratio_minidist": (med["minidist"] - busy) / (predicted - busy),
+                     "idle_ratio_torch": (med["torch"] - busy) / (predicted - busy),
+                     "alpha_s": alpha, "beta_s_per_byte": 1 / bandwidth, "message_bytes": message,
+                     "t_gap_s": gaps})
     if not quiet:
         print(f"minidist bench pp-torch: P={P}, M={M}, t_f={t_f * 1e3:g} ms, t_b={t_b * 1e3:g} ms "
               f"(W half of it), median of {steps} steps, barrier to barrier")
         print(f"  {'schedule':12s} {'minidist ms':>11s} {'torch ms':>9s} {'ratio':>6s} "
-              f"{'bubble ours':>11s} {'torch':>6s} {'simulated':>9s}")
+              f"{'bubble ours':>11s} {'torch':>6s} {'predicted':>9s} {'no comm':>7s} "
+              f"{'idle/predicted ours':>19s} {'torch':>6s}")
         for r in rows:
             print(f"  {r['schedule']:12s} {r['minidist_ms']:11.1f} {r['torch_ms']:9.1f} "
                   f"{r['ratio']:6.2f} {r['bubble_minidist']:11.3f} {r['bubble_torch']:6.3f} "
-                  f"{r['bubble_simulated']:9.3f}")
+                  f"{r['bubble_predicted']:9.3f} {r['bubble_simulated']:7.3f} "
+                  f"{r['idle_ratio_minidist']:19.2f} {r['idle_ratio_torch']:6.2f}")
+        r = rows[0]
+        print(f"  predicted: the simulator with minidist's measured op times and per-op overhead "
+              f"({r['t_gap_s'] * 1e3:.2f} ms), each message {r['message_bytes']} B at alpha "
+              f"{r['alpha_s'] * 1e6:.0f} us + beta {r['beta_s_per_byte'] * 1e9:.2f} ns/B (a "
+              f"ping-pong in this run); idle/predicted goal <= 1.10")
     return rows
 
 

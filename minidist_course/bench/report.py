@@ -3,7 +3,8 @@
 Rows: bucketed DDP against torch's DDP (:func:`.data_parallel.bench_ddp`), ZeRO-3 against FSDP2
 (:func:`.sharding.bench_zero`), tensor parallelism with and without sequence parallelism against
 ``parallelize_module`` (:func:`.tensor_parallel.bench_tp`, W = 2 and 4), and every pipeline
-schedule both have against torch.distributed.pipelining (:func:`.pipeline_torch.bench_pp_torch`).
+schedule both have against torch.distributed.pipelining (:func:`.pipeline_torch.bench_pp_torch`),
+with each engine's pipeline idle time over the communication-aware simulator's (goal ≤ 1.10 too).
 Each row: minidist's and torch's median step time, the ratio (median of per-step ratios), the
 **control** — torch against itself in the same run, where the benchmark has one — and the goal:
 ratio ≤ 1.10. The verdict is ✓ or ✗ when the control's distance from 1 is small beside the
@@ -44,9 +45,9 @@ def run_report(steps: int = 6, quick: bool = False) -> list[dict]:
     from .tensor_parallel import bench_tp
     rows = []
 
-    def add(dimension, ours_ms, torch_ms, ratio, control):
+    def add(dimension, ours_ms, torch_ms, ratio, control, **extra):
         rows.append({"dimension": dimension, "minidist_ms": ours_ms, "torch_ms": torch_ms,
-                     "ratio": ratio, "control": control, "verdict": verdict(ratio, control)})
+                     "ratio": ratio, "control": control, "verdict": verdict(ratio, control), **extra})
 
     with contextlib.redirect_stdout(io.StringIO()):
         d = bench_ddp(2, steps=steps, model="mlp", batch_size=4 if quick else 16, warmup=1,
@@ -70,8 +71,9 @@ def run_report(steps: int = 6, quick: bool = False) -> list[dict]:
                             warmup=1, quiet=True, **(dict(t_f=0.002, t_b=0.004) if quick else {}))
         for r in pp:
             add(f"PP {r['schedule']} (bubble {r['bubble_minidist']:.2f} vs torch "
-                f"{r['bubble_torch']:.2f}, sim {r['bubble_simulated']:.2f})",
-                r["minidist_ms"], r["torch_ms"], r["ratio"], None)
+                f"{r['bubble_torch']:.2f}, predicted {r['bubble_predicted']:.2f})",
+                r["minidist_ms"], r["torch_ms"], r["ratio"], None,
+                idle_ratio_minidist=r["idle_ratio_minidist"], idle_ratio_torch=r["idle_ratio_torch"])
     return rows
 
 
@@ -86,6 +88,14 @@ def format_report(rows: list[dict]) -> str:
                      f"{r['ratio']:6.2f} {control:>8}  {r['verdict']}")
     lines.append("(control: torch against itself in the same run; 'noise': it strays as far as the "
                  "ratio from the goal, so this run cannot tell; '—': no control in that benchmark)")
+    pp = [r for r in rows if "idle_ratio_minidist" in r]
+    if pp:
+        lines.append(f"pipeline idle time / the communication-aware simulator's (goal <= {GOAL:.2f}): "
+                     "measured op times and overhead, alpha + bytes·beta per message")
+        for r in pp:
+            a, b = r["idle_ratio_minidist"], r["idle_ratio_torch"]
+            lines.append(f"  {r['dimension'].split(' (')[0]:<22} minidist {a:5.2f} "
+                         f"{'✓' if a <= GOAL else '✗'}   torch {b:5.2f} {'✓' if b <= GOAL else '✗'}")
     return "\n".join(lines)
 
 

@@ -30,4 +30,7 @@ def test_the_report_runs_every_benchmark_at_its_smallest_size():
     assert all(r["control"] is not None for r in rows[:4])   # each has its torch-again row
     assert sum(d.startswith("PP ") for d in dims) == 6
     assert all(r["ratio"] > 0 and r["verdict"] in ("✓", "✗", "noise", "—") for r in rows)
-    assert "load average" in R.format_report(rows)
+    text = R.format_report(rows)
+    assert "load average" in text
+    assert "pipeline idle time / the communication-aware simulator's" in text
+    assert all("idle_ratio_minidist" in r for r in rows if r["dimension"].startswith("PP "))

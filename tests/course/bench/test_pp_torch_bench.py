@@ -1,8 +1,11 @@
 """`minidist bench pp-torch`: every schedule both engines share runs on the same split in one
-launch; rows carry both step times, their ratio and the measured and simulated bubbles (no timing
-asserts: performance lives in the report)."""
+launch; rows carry both step times, their ratio, the measured bubbles, the simulator's with nominal
+costs and the communication-aware prediction both engines are held to (no timing asserts:
+performance lives in the report)."""
 
 from __future__ import annotations
+
+import pytest
 
 from minidist.pipeline_parallel.catalog import make_schedule
 from minidist.pipeline_parallel.simulator import simulate
@@ -16,4 +19,13 @@ def test_every_shared_schedule_runs_beside_torchs(capsys):
         assert r["minidist_ms"] > 0 and r["torch_ms"] > 0 and r["ratio"] > 0
         sched = make_schedule(r["schedule"], 2, 4, 2)
         assert r["bubble_simulated"] == simulate(sched, 0.002 / sched.v, 0.004 / sched.v).bubble
+        # measured op times are at least the sleeps, messages and overhead cost >= 0: the
+        # communication-aware makespan cannot be shorter than the nominal one (max-plus is monotone)
+        assert r["bubble_simulated"] - 1e-9 <= r["bubble_predicted"] < 1
+        assert r["alpha_s"] >= 0 and r["beta_s_per_byte"] > 0 and r["t_gap_s"] >= 0
+        busy = 4 * (0.002 + 0.004)
+        predicted = busy / (1 - r["bubble_predicted"])
+        for engine in ("minidist", "torch"):
+            assert r[f"idle_ratio_{engine}"] == pytest.approx(
+                (r[f"{engine}_ms"] / 1e3 - busy) / (predicted - busy))
     assert "minidist bench pp-torch: P=2, M=4" in capsys.readouterr().out

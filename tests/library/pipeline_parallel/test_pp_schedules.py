@@ -97,3 +97,24 @@ def test_message_order_mismatch_is_reported():
     simulate(s)
     assert message_order_mismatches(s) == [
         (0, 1, [("act", 1, 0), ("act", 0, 0)], [("act", 0, 0), ("act", 1, 0)])]
+
+
+def test_message_costs_per_link_class():
+    """``t_comm`` as a number or per link: alpha + bytes·beta of the class a message crosses."""
+    from minidist.comm.topology import Link, Topology
+    from minidist.pipeline_parallel.simulator import link_costs
+    sched = make_schedule("1f1b", 4, 8)
+    same = Topology(1, 4, intra=Link(0.01, 1e6))
+    assert link_costs(same, 1000)(0, 1) == pytest.approx(0.011)
+    # one link class: the per-link callable is the number
+    assert simulate(sched, 1.0, 2.0, link_costs(same, 1000)).makespan == \
+        pytest.approx(simulate(sched, 1.0, 2.0, 0.011).makespan)
+    # two nodes of two ranks: only the message between ranks 1 and 2 crosses the slow link
+    two = Topology(2, 2, intra=Link(0.01, 1e6), inter=Link(0.5, 1e6))
+    assert link_costs(two, 1000)(1, 2) == pytest.approx(0.501)
+    slow = simulate(sched, 1.0, 2.0, link_costs(two, 1000))
+    assert simulate(sched, 1.0, 2.0, 0.011).makespan < slow.makespan < \
+        simulate(sched, 1.0, 2.0, 0.501).makespan
+    # forward chain: rank 2's first forward waits one intra and one inter message (plus rank 0's, 1's F)
+    first = min(e.start for e in slow.events if e.rank == 2 and e.kind == "F")
+    assert first == pytest.approx(2 * 1.0 / 1 + 0.011 + 0.501)

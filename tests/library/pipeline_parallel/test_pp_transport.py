@@ -7,11 +7,15 @@ from torch import nn
 import minidist
 from minidist.pipeline_parallel import make_schedule
 from minidist.pipeline_parallel.engine import local_stages, pipeline_step
-from minidist.pipeline_parallel.transport import Transport
+from minidist.pipeline_parallel.transport import INLINE_BYTES, Transport
 
 TENSORS = [torch.arange(6.0).view(2, 3), torch.arange(24, dtype=torch.int64).view(2, 3, 4),
            torch.zeros(0, 5, dtype=torch.float64), torch.tensor(3.5), torch.ones(7, dtype=torch.bfloat16),
-           torch.tensor([True, False])]
+           torch.tensor([True, False]),
+           # at the inline limit (one message on gloo), one element past it (header, then payload)
+           torch.arange(INLINE_BYTES // 4, dtype=torch.float32).view(-1, 4),
+           torch.arange(INLINE_BYTES // 4 + 1, dtype=torch.float32), torch.randn(3, 2, dtype=torch.complex64),
+           torch.randn(64, 32)[:, ::2]]   # a strided view: sent as its contiguous copy
 
 
 def _roundtrip(rank, world, prefetch):
@@ -31,6 +35,8 @@ def _roundtrip(rank, world, prefetch):
 
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_header_carries_shape_and_dtype(prefetch):
+    """Inline (a payload of at most INLINE_BYTES in the header's message) and two-message sends
+    alike; a receiver's buffer for an inline message is INLINE_BYTES long, never shorter than one."""
     # without prefetch the receiver asks in the reverse order: tags match them anyway (gloo)
     got = minidist.run(_roundtrip, 2, prefetch, timeout=30)[1]
     for g, want in zip(got, TENSORS):
