@@ -67,3 +67,15 @@ def test_snippet_runs_and_ranks_agree(name):
         assert 0 < results[0][1] < results[0][0]     # the aux part is a part of the loss
     else:                                            # ddp, three_d, ep, hsdp: identical on every rank
         assert all(r == results[0] for r in results), results
+
+
+def test_every_docs_page_the_code_points_to_exists():
+    """A docstring's "Design notes: docs/design/x.md" (or any docs/ path in the package's code)
+    names a page that is in the repository: a learner who follows it finds it."""
+    missing = {}
+    for pkg in ("minidist", "minidist_course"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for ref in re.findall(r"\bdocs/[\w/.-]+\.md\b", path.read_text()):
+                if not (ROOT / ref).is_file():
+                    missing.setdefault(ref, []).append(str(path.relative_to(ROOT)))
+    assert not missing, missing

@@ -1,7 +1,7 @@
 """The GPT's causal self-attention on a context-parallel group (used by :mod:`minidist.hybrid`).
 
 ParallelSelfAttention's layout, with ring or Ulysses attention over the CP group: ``[b, S/cp, h]``
-in and out. Attention-probability dropout is not supported under CP (``ValueError``).
+in and out (with sequence parallelism ``[b, S/(cp·tp), h]``). Attention-probability dropout is not supported under CP (``ValueError``).
 Design notes: docs/design/context_parallel.md
 """
 

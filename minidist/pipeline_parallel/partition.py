@@ -29,7 +29,7 @@ def balanced_bounds(costs: list[float], n_stages: int) -> list[tuple[int, int]]:
         prefix.append(prefix[-1] + c)
     INF = (float("inf"), float("inf"))
     # best[k][i]: (largest stage sum, sum of squared stage sums) of the best split of the first i
-    # layers into k stages; the second entry breaks ties toward even splits (10 -> 3,3,2,2)
+    # layers into k stages; the second entry breaks ties toward even splits (10 -> 2,2,3,3)
     best = [[INF] * (n + 1) for _ in range(n_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
     best[0][0] = (0.0, 0.0)

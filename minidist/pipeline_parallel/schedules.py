@@ -1,6 +1,7 @@
 """Pipeline schedules as data: for every rank, the ordered list of (op, micro-batch, stage).
 
-``P`` ranks, ``M`` micro-batches, ``v`` chunks per rank; stage ``s`` lives on rank ``s % P``.
+``P`` ranks, ``M`` micro-batches, ``v`` chunks per rank; stage ``s`` lives on rank ``s % P``
+(placement ``"v"``, ZB-V and DualPipe-V: stage ``s >= P`` on rank ``2P-1-s``).
 GPipe (Huang et al. 2019), 1F1B and interleaved 1F1B (Narayanan et al. 2021).
 Design notes: docs/design/pipeline_parallel.md
 """

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..backward import weak_hook
 from ..communicator import CommThread, Communicator, Handle
 from .hsdp import release, thread_copy
 from .mixed_precision import MixedPrecisionPolicy, cast_floating
@@ -103,7 +104,7 @@ class ShardUnit:
         self.compute_dtype = mp.param_dtype or self.layout.dtype
         self.full = torch.zeros(self.layout.padded, dtype=self.compute_dtype,
                                 device=self.layout.device).requires_grad_()
-        self.full.register_post_accumulate_grad_hook(lambda t: self._on_grad())
+        self.full.register_post_accumulate_grad_hook(weak_hook(self._on_full_grad))
         with torch.no_grad():
             self.layout.bind(self)
         self._free()
@@ -214,6 +215,9 @@ class ShardUnit:
             with torch.enable_grad():  # the gathered parameters, as the first forward did
                 self.layout.bind(self)
 
+    def _on_full_grad(self, full: torch.Tensor) -> None:
+        self._on_grad()
+
     def _on_grad(self) -> None:
         grad = self.full.grad
         self.full.grad = None
@@ -265,8 +269,10 @@ class ShardUnit:
 
     def _mark(self, i: int):
         """A hook for parameter ``i``'s view: record that it got a gradient in this backward."""
+        got = self._got_grad   # the set, not the unit: a tensor's hook must not hold its owner
+
         def hook(grad):
-            self._got_grad.add(i)
+            got.add(i)
         return hook
 
     def start_backward(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backward import weak_hook
 from ..communicator import CommThread, Communicator
 from ..data_parallel.buckets import check_bucket_cap
 from ..data_parallel.usage import gradient_users
@@ -102,7 +103,8 @@ class ShardedOptimizer(_Stage2Backward, _ConsolidatedState):
         return new
 
     def _hook(self, params: list) -> None:
-        self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        hook = weak_hook(self._on_grad)   # the parameters must not keep the optimizer alive
+        self._handles += [p.register_post_accumulate_grad_hook(hook) for p in params]
 
     def _take_in_thawed(self) -> list[_Bucket]:
         """Buckets (fresh state, stage-2 hooks) for parameters that were frozen and train now."""

@@ -1,7 +1,8 @@
 """The tiny GPT of :mod:`minidist.models.gpt`, tensor-parallel (Megatron-LM, Shoeybi et al. 2019).
 
 :class:`GPTStage` is a pipeline stage of it; ``TPGPT`` is the one stage holding everything, with
-the single-process model's parameter names and (after the same seed) its full weights.
+the single-process model's parameter names and (after the same seed) its full weights; a tied
+head (``tie_embeddings=True``) is refused (``ValueError``).
 Design notes: docs/design/tensor_parallel.md
 """
 
@@ -116,6 +117,11 @@ class TPGPT(GPTStage):
     With ``sequence_parallel=True`` (``s`` divisible by W) call :meth:`finish_grads` after backward."""
 
     def __init__(self, cfg: GPTConfig, group=None, sequence_parallel: bool = False):
+        if cfg.tie_embeddings:   # an untied head would silently differ from GPT(cfg)
+            raise ValueError(f"TPGPT (rank {group_rank_world(group)[0]}): tie_embeddings=True is "
+                             "not supported: its head is a ColumnParallelLinear of its own; "
+                             "minidist.hybrid.HybridGPT ties the two (its embedding group sums "
+                             "their gradients)")
         # same construction order as GPT (embeddings, blocks, ln_f, head): the same RNG calls
         super().__init__(cfg, 0, 1, range(cfg.n_layer), group, sequence_parallel)
         self.padded_vocab = pad_to_multiple(cfg.vocab_size, self.tp_size)

@@ -23,12 +23,11 @@ import torch
 import minidist
 from minidist.hybrid import make_optimizer, train_step, wrap_stages
 from minidist.hybrid.checkpoint import load_hybrid_checkpoint, save_hybrid_checkpoint
-from minidist.sharding import close_units
 from minidist.tensor_parallel.random import grid_seed
 
 from ..references import hybrid as ref_hybrid
 from .covering import refusal, world_size
-from .run import BATCH, _autocast_dtype, _cfg, _ignore, build
+from .run import BATCH, _autocast_dtype, _cfg, _ignore, build, release
 
 __all__ = ["STEPS", "SAVE_AT", "run_resume", "Batches"]
 
@@ -79,14 +78,7 @@ def _one(config: dict, folder: str, resume: bool) -> list[torch.Tensor]:
                    autocast_dtype=_autocast_dtype(config))
         if step + 1 == SAVE_AT and not resume:
             save_hybrid_checkpoint(folder, model, opt, step=SAVE_AT, states={"data": data})
-    for m in modules.values():
-        if hasattr(m, "close"):
-            m.close()
-        elif isinstance(m, torch.nn.Module):
-            close_units(m)     # ZeRO-3 / HSDP stages: their comm thread's groups
-    if hasattr(opt, "close"):
-        opt.close()            # ZeRO-1/2: the sharded optimizer's comm thread
-    model.grid.close()   # frees the groups' gloo threads before the next configuration
+    release(model, modules, opt)   # frees the groups' gloo threads before the next configuration
     return [p.detach().clone() for p in model.parameters()]
 
 

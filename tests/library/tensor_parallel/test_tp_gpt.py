@@ -112,3 +112,11 @@ def _block_case(rank, world, which):
 def test_parallel_attention_and_mlp_blocks_match_single_process(world, which):
     for err in minidist.run(_block_case, world, which, timeout=60):
         assert err < TOL, err
+
+
+def test_a_tied_head_is_refused_not_silently_untied():
+    """TPGPT's head is a ColumnParallelLinear of its own: tie_embeddings=True would give another
+    model than GPT(cfg) without a word, so it is refused, pointing at HybridGPT (which ties)."""
+    import dataclasses
+    with pytest.raises(ValueError, match=r"TPGPT \(rank 0\): tie_embeddings=True is not supported.*HybridGPT"):
+        TPGPT(dataclasses.replace(CFG, tie_embeddings=True))
