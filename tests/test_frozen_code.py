@@ -33,7 +33,8 @@ DISPLAYED: dict[str, list[str]] = {
         "minidist.comm.naive:reduce", "minidist.comm.naive:broadcast",
         "minidist.comm.ring:reduce_scatter_simple", "minidist.comm.ring:all_gather_simple",
         "minidist.comm.ring:all_reduce_simple", "minidist.comm.ring:reduce_scatter_preposted",
-        "minidist.comm.ring:all_gather_preposted", "minidist.comm.recursive_doubling:all_reduce",
+        "minidist.comm.ring:all_gather_preposted", "minidist.comm.ring:all_reduce_preposted",
+        "minidist.comm.recursive_doubling:all_reduce",
         "minidist.comm.tuner:Table.choose", "minidist.comm.tuner:Table.predict"],
     "course/04_data_parallel.ipynb": [
         "minidist.data_parallel.naive:NaiveDDP.sync_gradients",

@@ -75,7 +75,9 @@ def _build(name, rank, world, M, t_f, t_b, width):
     return ours, theirs, schedule
 
 
-PING_BYTES = (1 << 8, 1 << 14, 1 << 18)   # the ping-pong's message sizes (the alpha-beta fit)
+# the ping-pong's message sizes (the alpha-beta fit): up to 4 MiB, whose time grows with its size
+# well beyond the noise of the small ones (256 B and 16 KiB alone can come out in either order)
+PING_BYTES = (1 << 8, 1 << 14, 1 << 20, 1 << 22)
 
 
 def _rank(rank, world, names, M, t_f, t_b, steps, warmup, width):
