@@ -7,6 +7,8 @@ Design notes: docs/design/tensor_parallel.md
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import collectives as C
@@ -79,7 +81,7 @@ def _all_reduce_algorithm(group) -> str:
 
 
 # name -> (function, payload bytes of the collective as a multiple of the input's bytes)
-_MOVES = {
+_MOVES: dict[str, tuple[Callable[..., torch.Tensor], int | None]] = {
     "identity": (lambda x, dim, group: x.view_as(x), 0),
     "split": (lambda x, dim, group: split_along(x, dim, group, "split to region"), 0),
     "all_reduce": (_sum, 1),

@@ -8,6 +8,7 @@ Design notes: docs/design/tensor_parallel.md
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,7 +57,7 @@ def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> int:
     Every rank calls it after backward (on a tracked model: after any micro-batch). The gradients
     travel as one flat buffer per dtype (one all-reduce, not one per parameter: they are small)."""
     _, world = group_rank_world(group)
-    todo = []   # (parameter, tensor to sum, tracked)
+    todo: list[tuple[Any, torch.Tensor, bool]] = []   # (parameter, tensor to sum, tracked)
     for _, p in model.named_parameters():
         if getattr(p, "sequence_parallel", False) and p.grad is not None:
             if hasattr(p, "_sp_pending"):

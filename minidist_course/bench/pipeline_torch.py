@@ -32,7 +32,7 @@ import time
 import torch
 from torch import nn
 
-__all__ = ["TORCH_SCHEDULES", "bench_pp_torch", "main"]
+__all__ = ["TORCH_SCHEDULES", "bench_pp_torch", "link_fit", "main"]
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
                    "interleaved": "ScheduleInterleaved1F1B",
@@ -111,6 +111,17 @@ def _rank(rank, world, names, M, t_f, t_b, steps, warmup, width):
     return rows, ping
 
 
+def link_fit(ping: dict) -> tuple[float, float]:
+    """``(alpha s, bandwidth B/s)`` of a ping-pong ``{bytes: one-way s}``
+    (:func:`.kernel_links.fit_link`); on a machine so loaded that the times do not grow with the
+    size, alpha is the fastest time and the bandwidth unlimited (beta 0)."""
+    from .kernel_links import fit_link
+    try:
+        return fit_link(ping)
+    except ValueError:
+        return min(ping.values()), float("inf")
+
+
 def bench_pp_torch(P: int = 4, M: int = 8, schedules=tuple(TORCH_SCHEDULES), t_f: float = 0.02,
                    t_b: float = 0.04, steps: int = 5, warmup: int = 1, width: int = 16,
                    timeout: float = 600, quiet: bool = False) -> list[dict]:
@@ -119,16 +130,16 @@ def bench_pp_torch(P: int = 4, M: int = 8, schedules=tuple(TORCH_SCHEDULES), t_f
     ``bubble_minidist``, ``bubble_torch`` (measured), ``bubble_simulated`` (nominal costs, no
     communication), ``bubble_predicted`` (communication-aware), ``idle_ratio_minidist`` and
     ``idle_ratio_torch`` (measured idle / predicted idle), ``alpha_s``, ``beta_s_per_byte``,
-    ``message_bytes`` and ``t_gap_s`` (what the prediction used)."""
+    ``message_bytes`` and ``t_gap_s`` (what the prediction used; on a machine so loaded that the
+    ping-pong's times do not grow with the size, alpha is its fastest time and beta 0)."""
     from minidist.comm.topology import Link, Topology
     from minidist.launch import run
     from minidist.pipeline_parallel.simulator import link_costs, simulate
     from minidist.trace import align
 
-    from .kernel_links import fit_link
     from .pipeline_parallel import measured_costs
     per_rank = run(_rank, P, tuple(schedules), M, t_f, t_b, steps, warmup, width, timeout=timeout)
-    alpha, bandwidth = fit_link(per_rank[0][1])
+    alpha, bandwidth = link_fit(per_rank[0][1])
     links = Topology(1, P, intra=Link(alpha, bandwidth))   # one machine: one link class
     message = 4 * width * 4   # a micro-batch's activation (or gradient): 4 rows of width fp32
     busy = M * (t_f + t_b)
