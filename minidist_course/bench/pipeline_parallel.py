@@ -106,7 +106,9 @@ def measured_costs(events, schedule) -> dict:
     ``t_w`` the W part, else ``t_w`` is None), the same per stage for one op (``stage_t_f``,
     ``stage_t_b``, ``stage_t_w``: the simulator's per-stage costs) and ``t_comm``, the median delay from the end of
     an op to the start of the op that needed its output, on another rank that was already waiting
-    for it (so the delay is message latency, not queueing)."""
+    for it (so the delay is message latency, not queueing); ``t_gap``, the mean idle between two
+    ops of a rank whose input was already there (a mean, not a median: a chain's time is a sum,
+    and its expectation counts the few long stalls a median hides)."""
     compute = [e for e in events if e.kind in ("F", "B", "W")]
     end = {(e.kind, e.mb, e.stage): e.end for e in compute}
     recvs = sorted((e for e in events if e.kind == "recv"), key=lambda e: e.start)

@@ -147,13 +147,13 @@ def bench_pp_torch(P: int = 4, M: int = 8, schedules=tuple(TORCH_SCHEDULES), t_f
     for i, (name, schedule, times, _) in enumerate(per_rank[0][0]):
         med = {k: statistics.median(v) for k, v in times.items()}
         sim = simulate(schedule, t_f / schedule.v, t_b / schedule.v)
-        spans = []   # the predicted step of each timed step, from that step's measured costs
+        spans, gaps = [], []   # each timed step's predicted span and per-op overhead
         for step in range(len(times["minidist"])):
             c = measured_costs(align([per_rank[r][0][i][3][step][0] for r in range(P)],
                                      [per_rank[r][0][i][3][step][1] for r in range(P)]), schedule)
             spans.append(simulate(schedule, c["stage_t_f"], c["stage_t_b"],
                                   link_costs(links, message), c["stage_t_w"], c["t_gap"]).makespan)
-            gaps = c["t_gap"]
+            gaps.append(c["t_gap"])
         predicted = statistics.median(spans)
         rows.append({"schedule": name, "minidist_ms": 1e3 * med["minidist"],
                      "torch_ms": 1e3 * med["torch"],
@@ -164,7 +164,7 @@ def bench_pp_torch(P: int = 4, M: int = 8, schedules=tuple(TORCH_SCHEDULES), t_f
                      "idle_ratio_minidist": (med["minidist"] - busy) / (predicted - busy),
                      "idle_ratio_torch": (med["torch"] - busy) / (predicted - busy),
                      "alpha_s": alpha, "beta_s_per_byte": 1 / bandwidth, "message_bytes": message,
-                     "t_gap_s": gaps})
+                     "t_gap_s": statistics.median(gaps)})
     if not quiet:
         print(f"minidist bench pp-torch: P={P}, M={M}, t_f={t_f * 1e3:g} ms, t_b={t_b * 1e3:g} ms "
               f"(W half of it), median of {steps} steps, barrier to barrier")
