@@ -61,6 +61,7 @@ class _State:
     seq: int = 0
     scopes: _Scopes = field(default_factory=_Scopes)
     traffic: dict = field(default_factory=lambda: defaultdict(Traffic))
+    total: Traffic = field(default_factory=Traffic)   # the rows summed: count_traffic's snapshot
     # The counters are shared by the threads of a rank (a DDP comm thread sends while the main
     # thread's TP regions snapshot them): every read and write of the dict holds this lock.
     lock: Any = field(default_factory=threading.Lock)
@@ -123,13 +124,13 @@ def _record(kind: str, tensor: torch.Tensor, peer: int) -> None:
     scope = _scope_name()
     sending = kind in ("send", "isend")
     with _state.lock:
-        t = _state.traffic[scope]
-        if sending:
-            t.bytes_sent += nbytes
-            t.msgs_sent += 1
-        else:
-            t.bytes_recv += nbytes
-            t.msgs_recv += 1
+        for t in (_state.traffic[scope], _state.total):
+            if sending:
+                t.bytes_sent += nbytes
+                t.msgs_sent += 1
+            else:
+                t.bytes_recv += nbytes
+                t.msgs_recv += 1
     arrow = "to" if sending else "from"
     publish(f"{scope}: {kind} {arrow} rank {peer}, {nbytes} bytes, seq {_state.seq}")
 
@@ -256,8 +257,8 @@ def _shape(tensor: torch.Tensor, dst: int, group) -> None:
     kind = _topology.pace(nbytes, dst, group)
     if kind is not None:
         with _state.lock:
-            t = _state.traffic[_scope_name()]
-            setattr(t, f"bytes_sent_{kind}", getattr(t, f"bytes_sent_{kind}") + nbytes)
+            for t in (_state.traffic[_scope_name()], _state.total):
+                setattr(t, f"bytes_sent_{kind}", getattr(t, f"bytes_sent_{kind}") + nbytes)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, _kind: str = "irecv"):
@@ -311,14 +312,19 @@ def traffic(name: str | None = None) -> dict | Traffic:
 def reset_traffic() -> None:
     with _state.lock:
         _state.traffic.clear()
+        _state.total = Traffic()
+
+
+def _total() -> Traffic:
+    with _state.lock:
+        return Traffic(**vars(_state.total))
 
 
 @contextlib.contextmanager
 def count_traffic():
-    """Count the traffic of the block: ``with count_traffic() as t: ...`` then ``t.bytes_sent``."""
-    before = traffic()
+    """Count the traffic of the block: ``with count_traffic() as t: ...`` then ``t.bytes_sent``
+    (every thread's sends and receives while the block runs, as :func:`traffic`)."""
+    before = _total()
     total = Traffic()
     yield total
-    after = traffic()
-    for k, v in after.items():
-        total += v - before.get(k, Traffic())
+    total += _total() - before
