@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from minidist.models.gpt import GPTConfig
-from minidist_course.matrix import format_table
+from minidist_course.matrix import format_table, strength_three
 from minidist_course.matrix.covering import (DIMENSIONS, UNREACHABLE, covering_array, cp_size,
                                              feasible, pair_refused, pairs_of, refusal,
                                              strength_one, world_size)
@@ -107,15 +107,20 @@ def test_every_value_once_runs_as_expected():
 
 @pytest.mark.exhaustive
 @pytest.mark.serial        # launches of up to 8 ranks: beside other process trees, theirs starve
-@pytest.mark.timeout(1500)
-def test_every_pair_runs_as_expected():
-    rows = run_matrix(covering_array(0), timeout=600)
+@pytest.mark.timeout(1800)
+def test_every_triple_runs_as_expected():
+    """The 3-wise array (every triple of values that holds no refused pair: every runnable pair
+    too) and the pairwise array's refused configurations: ``minidist matrix --strength 3``."""
+    configs = strength_three(0)
+    assert len(configs) > 250
+    rows = run_matrix(configs, timeout=900)
     table = format_table(rows)
     print(table)
     assert not [r for r in rows if r["status"] == "✗"], table
     all_row = next(line for line in table.splitlines() if line.startswith("all "))
     # no ✗; not run: at most the pairs no configuration within the limits can hold
     assert all_row.split()[-2] == "0" and int(all_row.split()[-1]) <= len(UNREACHABLE), all_row
+    assert {r["status"] for r in rows} == {"✓", "refused"}
 
 
 @pytest.mark.timeout(300)
