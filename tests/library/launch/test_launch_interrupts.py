@@ -19,6 +19,15 @@ SCRIPT = textwrap.dedent("""
     import faulthandler, os, signal, sys, time
     # if the launcher is still here after a minute, its stack goes into what the test reports
     faulthandler.dump_traceback_later(60, exit=False)
+    # Ctrl-C as a terminal delivers it. A process inherits its parent's ignored signals and its
+    # signal mask: started while the test's worker ignored or blocked SIGINT, it would never see
+    # one (CI once saw both Ctrl-Cs lost, the launcher still in its loop at 60 s). Say so, undo it.
+    inherited = signal.getsignal(signal.SIGINT)
+    if inherited is not signal.default_int_handler:
+        print("SIGINT handler inherited:", inherited, flush=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}):
+        print("SIGINT was blocked when the script started", flush=True)
     import minidist
 
     def stubborn(rank, world, folder):
