@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from .covering import DIMENSIONS, covering_array, covering_array_3, refusal, strength_one
+from .covering import DIMENSIONS, covering_array, strength_one, strength_three
 from .resume import STEPS, SAVE_AT, run_resume
 from .run import run_matrix, summarise
 
@@ -47,12 +47,6 @@ def format_table(rows: list[dict]) -> str:
     for r in s["failed"]:
         lines.append(f"\n✗ {_config(r)} (W={r['world']}): {r['detail']}")
     return "\n".join(lines)
-
-
-def strength_three(seed: int = 0) -> list[dict]:
-    """Every triple of values that holds no refused pair (:func:`.covering.covering_array_3`),
-    and the pairwise array's refused configurations: each refused pair checked as well."""
-    return covering_array_3(seed)[0] + [c for c in covering_array(seed) if refusal(c) is not None]
 
 
 def _config(r: dict) -> str:
