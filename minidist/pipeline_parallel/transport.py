@@ -11,6 +11,7 @@ Design notes: docs/design/pipeline_parallel.md
 from __future__ import annotations
 
 import math
+import struct
 import threading
 
 import torch
@@ -27,6 +28,8 @@ _MAX_DIMS = HEADER_LEN - 5
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
 _KINDS = {"act": 0, "grad": 1}
+_ITEMSIZE = [torch.empty(0, dtype=d).element_size() for d in _DTYPES]
+_HEADER = struct.Struct(f"<{HEADER_LEN}q")   # packed in Python: a message costs few tensor ops
 
 
 class TransportError(RuntimeError):
@@ -69,19 +72,17 @@ class Transport:
             raise TransportError(f"pipeline send (rank {self.rank}, stage {from_stage}->{to_stage}): "
                                  f"cannot send a {tensor.dim()}-d {tensor.dtype} tensor (at most "
                                  f"{_MAX_DIMS} dims, dtypes {_DTYPES})")
-        tensor = tensor.contiguous()
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        header[:5] = torch.tensor([_KINDS[kind], mb, from_stage, _DTYPES.index(tensor.dtype),
-                                   tensor.dim()])
-        header[5:5 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        fields = (_KINDS[kind], mb, from_stage, _DTYPES.index(tensor.dtype), tensor.dim(),
+                  *tensor.shape)
+        header = _HEADER.pack(*fields, *(0,) * (HEADER_LEN - len(fields)))
         tag = _tag(kind, mb, from_stage)
         nbytes = tensor.numel() * tensor.element_size()
         if self.inline and nbytes <= INLINE_BYTES:   # one message: header bytes, then payload bytes
-            header = torch.cat([header.view(torch.uint8), tensor.cpu().reshape(-1).view(torch.uint8)])
-            parts = [header]
+            payload = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            parts = [torch.frombuffer(bytearray(header + payload), dtype=torch.uint8)]
         else:
-            header = header.to(self.device)
-            parts = [header, tensor]
+            parts = [torch.frombuffer(bytearray(header), dtype=torch.int64).to(self.device),
+                     tensor.contiguous()]
         with p2p.collective(self._label("send", kind, mb, from_stage, to_stage)):
             works = [p2p.isend(t, peer, self.group, tag=tag) for t in parts]
         self.pending.append((works, parts))
@@ -117,16 +118,16 @@ class Transport:
             else:
                 header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                 p2p.recv(header, peer, self.group, tag=tag)
-            h = header.cpu().tolist()
+            h = _HEADER.unpack(header.cpu().numpy().tobytes())
             want = [_KINDS[kind], mb, from_stage]
-            if h[:3] != want:
+            if list(h[:3]) != want:
                 names = {v: k for k, v in _KINDS.items()}
                 raise TransportError(
                     f"pipeline recv (rank {self.rank}, stage {to_stage}): expected {kind} of "
                     f"micro-batch {mb} from stage {from_stage}, got {names.get(h[0], h[0])} of "
                     f"micro-batch {h[1]} from stage {h[2]}: the two stages' schedules disagree")
             shape, dtype = h[5:5 + h[4]], _DTYPES[h[3]]
-            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            nbytes = math.prod(shape) * _ITEMSIZE[h[3]]
             if self.inline and nbytes <= INLINE_BYTES:
                 start = 8 * HEADER_LEN
                 return message[start:start + nbytes].view(dtype).reshape(shape).to(self.device,
