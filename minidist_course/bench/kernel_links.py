@@ -45,11 +45,14 @@ SIZES = (1 << 16, 1 << 20, 1 << 22)                    # all-reduce: 64 KiB, 1 M
 NODE_ADDR = ("10.78.0.11", "10.78.0.12")
 
 
-def fit_link(samples: dict[int, float]) -> tuple[float, float]:
+def fit_link(samples: dict[int, float], relative: bool = False) -> tuple[float, float]:
     """``(alpha seconds, bandwidth bytes/s)`` of ``t = alpha + n / bandwidth`` fitted to
     ``{bytes: one-way seconds}`` by least squares with alpha, beta >= 0 (the alpha-beta bench's
-    solver, :mod:`.alpha_beta`, unweighted: where alpha would be negative, beta is refitted
-    through the origin rather than kept from the unconstrained fit).
+    solver, :mod:`.alpha_beta`: where alpha would be negative, beta is refitted through the origin
+    rather than kept from the unconstrained fit). Unweighted, the large sizes decide the fit;
+    ``relative``: each time's residual divided by the time, so that every size counts alike and
+    alpha follows the small messages (whose time is alpha; an unweighted fit's intercept moves by
+    the large sizes' noise, tens of times alpha on a shared machine).
 
     Raises:
         ValueError: fewer than two sizes, or times that do not grow with size.
@@ -59,28 +62,46 @@ def fit_link(samples: dict[int, float]) -> tuple[float, float]:
     n = torch.tensor([float(k) for k in samples], dtype=torch.float64)
     t = torch.tensor([float(v) for v in samples.values()], dtype=torch.float64)[None, :]
     scale = float(n.max())          # solve for beta·scale: both columns O(1)
-    a, b, _, _ = _nonneg_lstsq(torch.ones_like(n), n / scale, t, torch.ones_like(t))
+    a, b, _, _ = _nonneg_lstsq(torch.ones_like(n), n / scale, t,
+                               1 / t if relative else torch.ones_like(t))
     if not float(b) > 0:
         raise ValueError(f"fit_link: times do not grow with size: {samples}")
     return float(a), scale / float(b)
 
 
-def pingpong(peer: int, nbytes: int, reps: int, lead: bool) -> float:
-    """Median one-way seconds of ``reps`` round trips of ``nbytes`` with ``peer`` (torch's gloo
-    send/recv; the ``lead`` rank sends first; a first, untimed exchange sets the pair up)."""
+def pingpong(peer: int, nbytes: int, reps: int, lead: bool, pause: float = 0.0) -> float:
+    """Median one-way seconds of ``reps`` round trips of ``nbytes`` (at least 4) with ``peer``
+    (torch's gloo send/recv; the ``lead`` rank sends first; a first, untimed exchange sets the pair
+    up). ``pause``: seconds each side sleeps before it sends (the lead before each round trip, the
+    other between its receive and its reply), as a pipeline stage computes between messages: a
+    message that wakes a sleeping process costs more than one between two that spin (on 2 shared
+    cores, 352 B: ~60 us without a pause, ~210 us after 10 ms). The reply carries how long the
+    other side held the message, and the lead takes it off the round trip."""
     import torch.distributed as dist
+    if nbytes < 4:
+        raise ValueError(f"pingpong: needs 4 bytes at least (the reply carries the hold time), "
+                         f"got {nbytes}")
     buf = torch.zeros(nbytes // 4)
     times = []
     for i in range(reps + 1):
-        t0 = time.perf_counter()
         if lead:
+            if pause:
+                time.sleep(pause)
+            t0 = time.perf_counter()
             dist.send(buf, peer)
             dist.recv(buf, peer)
+            one_way = (time.perf_counter() - t0 - float(buf[0])) / 2
         else:
+            t0 = time.perf_counter()
             dist.recv(buf, peer)
+            held = time.perf_counter()
+            if pause:
+                time.sleep(pause)
+            buf[0] = time.perf_counter() - held
             dist.send(buf, peer)
+            one_way = (time.perf_counter() - t0) / 2
         if i:   # the first exchange sets the pair up
-            times.append((time.perf_counter() - t0) / 2)
+            times.append(one_way)
     return statistics.median(times)
 
 

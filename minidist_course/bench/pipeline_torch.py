@@ -18,14 +18,19 @@ rank must do (its stages' sleeps), beside two predictions of the simulator for t
 **communication-aware** one: the op times and the per-op overhead measured on minidist's timeline
 (:func:`.pipeline_parallel.measured_costs`), and every message between ranks costing
 ``alpha + bytes · beta`` of the link it crosses (:func:`~minidist.pipeline_parallel.simulator.link_costs`),
-alpha and beta fitted to a ping-pong in the same run (:func:`.kernel_links.fit_link`; one link
-class on one machine). ``idle_ratio_*``: an engine's idle time over the predicted idle time
-(goal: ≤ 1.10, the other benchmarks' goal).
+alpha and beta fitted to a ping-pong in the same run (:func:`.kernel_links.fit_link`, relative
+errors; one link class on one machine) whose sides pause as long as a forward chunk before each
+send (a message that wakes an idle process costs more than one between two that spin: on 2 shared
+cores 352 B took ~60 us without a pause and 300-450 us with 10 ms), and the barrier that ends the
+step, gloo's dissemination barrier: ``ceil(log2 P)`` rounds of alpha. ``idle_ratio_*``: an
+engine's idle time over the predicted idle time, each timed step against the prediction from its
+own op times, the median (goal: ≤ 1.10, the other benchmarks' goal).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -75,9 +80,17 @@ def _build(name, rank, world, M, t_f, t_b, width):
     return ours, theirs, schedule
 
 
-# the ping-pong's message sizes (the alpha-beta fit): up to 4 MiB, whose time grows with its size
-# well beyond the noise of the small ones (256 B and 16 KiB alone can come out in either order)
-PING_BYTES = (1 << 8, 1 << 14, 1 << 20, 1 << 22)
+# the ping-pong's sizes beside the pipeline message's own (the alpha-beta fit): up to 4 MiB, whose
+# time grows with its size well beyond the noise of the small ones; the fit weighs each size's
+# relative error, so alpha is what a message as small as the pipeline's costs
+PING_BYTES = (1 << 14, 1 << 20, 1 << 22)
+
+
+def wire_bytes(width: int) -> int:
+    """Bytes of one pipeline message of the benchmark: a micro-batch's activation (or gradient),
+    4 rows of ``width`` fp32, inline behind the transport's header (gloo)."""
+    from minidist.pipeline_parallel.transport import HEADER_LEN
+    return 8 * HEADER_LEN + 4 * width * 4
 
 
 def _rank(rank, world, names, M, t_f, t_b, steps, warmup, width):
@@ -104,20 +117,21 @@ def _rank(rank, world, names, M, t_f, t_b, steps, warmup, width):
                         timelines.append((res.events, res.t0))
         rows.append((name, schedule, times, timelines))
     ping = {}   # rank 0 <-> 1, one-way seconds per size: this run's alpha and beta
-    for nbytes in PING_BYTES:
+    for nbytes in (wire_bytes(width), *PING_BYTES):
         dist.barrier()
-        if rank < 2:
-            ping[nbytes] = pingpong(1 - rank, nbytes, 20, rank == 0)
+        if rank < 2:   # paused as long as a forward chunk, as a stage's messages are
+            ping[nbytes] = pingpong(1 - rank, nbytes, 20, rank == 0, pause=t_f / 2)
     return rows, ping
 
 
 def link_fit(ping: dict) -> tuple[float, float]:
     """``(alpha s, bandwidth B/s)`` of a ping-pong ``{bytes: one-way s}``
-    (:func:`.kernel_links.fit_link`); on a machine so loaded that the times do not grow with the
-    size, alpha is the fastest time and the bandwidth unlimited (beta 0)."""
+    (:func:`.kernel_links.fit_link`, relative errors: alpha follows the small messages); on a
+    machine so loaded that the times do not grow with the size, alpha is the fastest time and the
+    bandwidth unlimited (beta 0)."""
     from .kernel_links import fit_link
     try:
-        return fit_link(ping)
+        return fit_link(ping, relative=True)
     except ValueError:
         return min(ping.values()), float("inf")
 
@@ -141,8 +155,11 @@ def bench_pp_torch(P: int = 4, M: int = 8, schedules=tuple(TORCH_SCHEDULES), t_f
     per_rank = run(_rank, P, tuple(schedules), M, t_f, t_b, steps, warmup, width, timeout=timeout)
     alpha, bandwidth = link_fit(per_rank[0][1])
     links = Topology(1, P, intra=Link(alpha, bandwidth))   # one machine: one link class
-    message = 4 * width * 4   # a micro-batch's activation (or gradient): 4 rows of width fp32
+    message = wire_bytes(width)
     busy = M * (t_f + t_b)
+    # the step ends at a barrier: gloo's is a dissemination barrier, ceil(log2 P) rounds of empty
+    # messages (Hensgen, Finkel and Manber 1988; gloo/barrier.cc)
+    barrier = math.ceil(math.log2(P)) * alpha
     rows = []
     for i, (name, schedule, times, _) in enumerate(per_rank[0][0]):
         med = {k: statistics.median(v) for k, v in times.items()}
@@ -152,7 +169,8 @@ def bench_pp_torch(P: int = 4, M: int = 8, schedules=tuple(TORCH_SCHEDULES), t_f
             c = measured_costs(align([per_rank[r][0][i][3][step][0] for r in range(P)],
                                      [per_rank[r][0][i][3][step][1] for r in range(P)]), schedule)
             spans.append(simulate(schedule, c["stage_t_f"], c["stage_t_b"],
-                                  link_costs(links, message), c["stage_t_w"], c["t_gap"]).makespan)
+                                  link_costs(links, message), c["stage_t_w"], c["t_gap"],
+                                  t_sync=barrier).makespan)
             gaps.append(c["t_gap"])
         predicted = statistics.median(spans)
         rows.append({"schedule": name, "minidist_ms": 1e3 * med["minidist"],
@@ -161,9 +179,12 @@ def bench_pp_torch(P: int = 4, M: int = 8, schedules=tuple(TORCH_SCHEDULES), t_f
                      "bubble_minidist": 1 - busy / med["minidist"],
                      "bubble_torch": 1 - busy / med["torch"], "bubble_simulated": sim.bubble,
                      "bubble_predicted": 1 - busy / predicted,
-                     "idle_ratio_minidist": (med["minidist"] - busy) / (predicted - busy),
-                     "idle_ratio_torch": (med["torch"] - busy) / (predicted - busy),
+                     # each step against its own prediction (that step's op times), then the median
+                     **{f"idle_ratio_{k}": statistics.median(
+                         (t - busy) / (span - busy) for t, span in zip(times[k], spans))
+                        for k in ("minidist", "torch")},
                      "alpha_s": alpha, "beta_s_per_byte": 1 / bandwidth, "message_bytes": message,
+                     "barrier_s": barrier,
                      "t_gap_s": statistics.median(gaps)})
     if not quiet:
         print(f"minidist bench pp-torch: P={P}, M={M}, t_f={t_f * 1e3:g} ms, t_b={t_b * 1e3:g} ms "
@@ -180,7 +201,9 @@ def bench_pp_torch(P: int = 4, M: int = 8, schedules=tuple(TORCH_SCHEDULES), t_f
         print(f"  predicted: the simulator with minidist's measured op times and per-op overhead "
               f"({r['t_gap_s'] * 1e3:.2f} ms), each message {r['message_bytes']} B at alpha "
               f"{r['alpha_s'] * 1e6:.0f} us + beta {r['beta_s_per_byte'] * 1e9:.2f} ns/B (a "
-              f"ping-pong in this run); idle/predicted goal <= 1.10")
+              f"ping-pong in this run, each side pausing {t_f / 2 * 1e3:g} ms before it sends), "
+              f"the closing barrier {r['barrier_s'] * 1e3:.2f} ms; idle/predicted (each step "
+              f"against its own prediction, median) goal <= 1.10")
     return rows
 
 
