@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm import (hierarchical, naive, p2p, recursive_doubling, ring, topology, tree, tuner,
+from .comm import (agreed, hierarchical, naive, p2p, recursive_doubling, ring, topology, tree, tuner,
                    tuner_topology)
 from .comm.ops import (check_exchange_sizes, check_group, check_same_across_ranks, check_sizes_agree,
-                       contiguous, debug_enabled, finish_avg_, normalize_op)
+                       combine_, contiguous, debug_enabled, finish_avg_, normalize_op)
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
            "ALGORITHMS", "TOPOLOGY_ALGORITHMS", "AUTO", "resolve_algorithm"]
@@ -159,14 +159,44 @@ def _as_chunks(big: torch.Tensor | list, small: torch.Tensor, rank: int, world: 
     return list(big.view(-1).split(small.numel())) if small.numel() else [big.view(-1)] * world
 
 
+def _agree(opname, chunks, rank, world, algorithm, group, debug, sizes_agreed, agree_at,
+           **fields) -> bool:
+    """Agree the per-rank sizes before data moves (a disagreement would leave a stale element or
+    abort gloo, ops.py); True when the data moved with the agreement (:mod:`.comm.agreed`: at
+    W = 2 on gloo the ring is one exchange, and a call site ``agree_at`` that agreed these sizes
+    before sends them beside the data)."""
+    sizes = [c.numel() for c in chunks]
+    if debug_enabled(debug):
+        check_same_across_ranks(opname, group, sizes=sizes, algorithm=algorithm, **fields)
+        return False
+    if sizes_agreed:
+        return False
+    if (agree_at is None or world != 2 or algorithm != "ring" or chunks[rank].device.type != "cpu"
+            or dist.get_backend(group) != "gloo"):
+        check_sizes_agree(opname, group, sizes, chunks[rank].device)
+        return False
+    peer = 1 - rank
+    if opname == "all_gather":
+        return agreed.exchange_agreed(opname, group, agree_at, sizes, chunks[rank], chunks[peer])
+    incoming = torch.empty_like(chunks[rank])
+    if not agreed.exchange_agreed(opname, group, agree_at, sizes, chunks[peer], incoming):
+        return False
+    combine_(chunks[rank], incoming, fields["op"])   # as the ring's one step does
+    return True
+
+
 def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring", group=None,
-                   debug: bool | None = None, *, sizes_agreed: bool = False) -> torch.Tensor:
+                   debug: bool | None = None, *, sizes_agreed: bool = False,
+                   agree_at=None) -> torch.Tensor:
     """Reduce ``input`` across ranks and leave piece ``rank`` of the result in ``output``.
 
     ``input``: a list of W tensors (piece r is ``input[r]``, numel of rank r's ``output``) or one
     tensor of W · output.numel() elements; it is used as scratch space. Traffic (ring): (W-1)/W of it.
     ``sizes_agreed``: the caller knows every rank passes the same sizes (a backward whose shapes
-    the forward's collective checked): the always-on size agreement, one small all-reduce, is skipped."""
+    the forward's collective checked): the always-on size agreement, one small all-reduce, is skipped.
+    ``agree_at``: a name for this call site, the same on every rank (tensor parallelism's module
+    scope): at W = 2 on gloo, once the site agreed these sizes, they travel beside the data instead
+    of a round trip before it (:mod:`minidist.comm.agreed`)."""
     rank, world = _setup("reduce_scatter", algorithm, output, group, "output", input=input)
     op = normalize_op(op, output.dtype, f"reduce_scatter (rank {rank})")
     pieces = _data(input)
@@ -177,26 +207,23 @@ def reduce_scatter(output: torch.Tensor, input, op="sum", algorithm: str = "ring
         algorithm = resolve_algorithm("reduce_scatter", algorithm,
                                       sum(c.numel() for c in chunks) * out.element_size(),
                                       out.element_size(), world, group, debug)
-        if debug_enabled(debug):
-            check_same_across_ranks("reduce_scatter", group, sizes=[c.numel() for c in chunks],
-                                    dtype=out.dtype, op=op, algorithm=algorithm)
-        elif not sizes_agreed:  # a disagreement would leave a stale element (ops.py)
-            check_sizes_agree("reduce_scatter", group, [c.numel() for c in chunks], out.device)
         chunks = [c.view(-1) for c in chunks]
         with p2p.collective(f"reduce_scatter/{algorithm}"):
-            _algorithm("reduce_scatter", algorithm)(chunks, op, rank, world, group)
+            if not _agree("reduce_scatter", chunks, rank, world, algorithm, group, debug,
+                          sizes_agreed, agree_at, dtype=out.dtype, op=op):
+                _algorithm("reduce_scatter", algorithm)(chunks, op, rank, world, group)
         out.view(-1).copy_(chunks[rank])
         finish_avg_(out, op, world)
     return output
 
 
 def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
-               debug: bool | None = None, *, sizes_agreed: bool = False):
+               debug: bool | None = None, *, sizes_agreed: bool = False, agree_at=None):
     """Gather every rank's ``input`` into ``output`` on every rank.
 
     ``output``: a list of W tensors (``output[r]`` receives rank r's input; sizes may differ) or one
     tensor of W · input.numel() elements. Traffic per rank (ring): (W-1) · input.numel() sent.
-    ``sizes_agreed``: as in :func:`reduce_scatter`."""
+    ``sizes_agreed``, ``agree_at``: as in :func:`reduce_scatter`."""
     rank, world = _setup("all_gather", algorithm, input, group, "input", output=output)
     result, output, mine = output, _data(output), _data(input)
     strided = isinstance(output, list) and any(not o.is_contiguous() for o in output)
@@ -206,15 +233,12 @@ def all_gather(output, input: torch.Tensor, algorithm: str = "ring", group=None,
     algorithm = resolve_algorithm("all_gather", algorithm,
                                   sum(c.numel() for c in chunks) * mine.element_size(),
                                   mine.element_size(), world, group, debug)
-    if debug_enabled(debug):
-        check_same_across_ranks("all_gather", group, sizes=[c.numel() for c in chunks],
-                                dtype=mine.dtype, algorithm=algorithm)
-    elif not sizes_agreed:  # a disagreement would leave a stale element (ops.py)
-        check_sizes_agree("all_gather", group, [c.numel() for c in chunks], mine.device)
     chunks = [c.view(-1) for c in chunks]
     chunks[rank].copy_(mine.reshape(-1))
     with p2p.collective(f"all_gather/{algorithm}"):
-        _algorithm("all_gather", algorithm)(chunks, rank, world, group)
+        if not _agree("all_gather", chunks, rank, world, algorithm, group, debug, sizes_agreed,
+                      agree_at, dtype=mine.dtype):
+            _algorithm("all_gather", algorithm)(chunks, rank, world, group)
     if strided:
         for target, work in zip(targets, output):
             target.copy_(work)

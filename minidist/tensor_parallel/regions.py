@@ -42,28 +42,31 @@ def split_along(x: torch.Tensor, dim: int, group=None, what: str = "split") -> t
     return pieces[rank].contiguous()
 
 
-def gather_along(x: torch.Tensor, dim: int, group=None, sizes_agreed: bool = False) -> torch.Tensor:
+def gather_along(x: torch.Tensor, dim: int, group=None, sizes_agreed: bool = False,
+                 agree_at=None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order: ``x.shape[dim]`` grows W-fold.
-    ``sizes_agreed``: skip the size agreement (:func:`minidist.collectives.all_gather`)."""
+    ``sizes_agreed``: skip the size agreement; ``agree_at``: the call site, whose agreement can
+    travel with the data (both: :func:`minidist.collectives.all_gather`)."""
     _, world = group_rank_world(group)
     if world == 1:
         return x
     x = x.contiguous()
     pieces = [torch.empty_like(x) for _ in range(world)]
-    C.all_gather(pieces, x, group=group, sizes_agreed=sizes_agreed)
+    C.all_gather(pieces, x, group=group, sizes_agreed=sizes_agreed, agree_at=agree_at)
     return torch.cat(pieces, dim=dim)
 
 
-def reduce_scatter_along(x: torch.Tensor, dim: int, group=None,
-                         sizes_agreed: bool = False) -> torch.Tensor:
+def reduce_scatter_along(x: torch.Tensor, dim: int, group=None, sizes_agreed: bool = False,
+                         agree_at=None) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's slice of ``dim`` (divisible by W: else ValueError).
-    ``sizes_agreed``: skip the size agreement (:func:`minidist.collectives.reduce_scatter`)."""
+    ``sizes_agreed``, ``agree_at``: as in :func:`gather_along`
+    (:func:`minidist.collectives.reduce_scatter`)."""
     if group_rank_world(group)[1] == 1:
         return x
     rank, pieces = _chunks(x, dim, group, "reduce_scatter")
     out = torch.empty_like(pieces[rank], memory_format=torch.contiguous_format)
     C.reduce_scatter(out, [p.contiguous() for p in pieces], "sum", group=group,
-                     sizes_agreed=sizes_agreed)
+                     sizes_agreed=sizes_agreed, agree_at=agree_at)
     return out
 
 
@@ -106,7 +109,11 @@ def _move(name: str, x: torch.Tensor, dim: int, group, phase: str, where: str,
         return fn(x, dim, group)
     nbytes = x.numel() * x.element_size() * (world if payload is None else payload)
     with accounting.collective(where, name, phase, nbytes):
-        return fn(x, dim, group, sizes_agreed=True) if agreed else fn(x, dim, group)
+        if agreed:
+            return fn(x, dim, group, sizes_agreed=True)
+        if name in _CHECKED:   # the scope names the call site alike on every rank
+            return fn(x, dim, group, agree_at=(where, phase, dim))
+        return fn(x, dim, group)
 
 
 class _Region(torch.autograd.Function):

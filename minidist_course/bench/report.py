@@ -67,7 +67,7 @@ def run_report(steps: int = 6, quick: bool = False) -> list[dict]:
                 t["torch-again"]["ratio"])
             add(f"TP + SP, W={w}", t["minidist+sp"]["step_ms"], t["torch+sp"]["step_ms"],
                 t["minidist+sp"]["ratio"], t["torch-again"]["ratio"])
-        pp = bench_pp_torch(2 if quick else 4, 4 if quick else 8, steps=max(2, steps // 2),
+        pp = bench_pp_torch(2 if quick else 4, 4 if quick else 8, steps=max(2, steps - 1),
                             warmup=1, quiet=True, **(dict(t_f=0.002, t_b=0.004) if quick else {}))
         for r in pp:
             add(f"PP {r['schedule']} (bubble {r['bubble_minidist']:.2f} vs torch "
@@ -79,19 +79,21 @@ def run_report(steps: int = 6, quick: bool = False) -> list[dict]:
 
 def format_report(rows: list[dict]) -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    width = max([len("dimension")] + [len(r["dimension"]) for r in rows])
     lines = [f"minidist bench report: minidist against torch in one run (goal: ratio <= {GOAL:.2f}); "
              f"load average {load:.2f} on {os.cpu_count()} cores",
-             f"{'dimension':<52} {'minidist ms':>11} {'torch ms':>9} {'ratio':>6} {'control':>8}  "]
+             f"{'dimension':<{width}} {'minidist ms':>11} {'torch ms':>9} {'ratio':>6} {'control':>8}  "]
     for r in rows:
         control = f"{r['control']:.2f}" if r["control"] is not None else "—"
-        lines.append(f"{r['dimension']:<52} {r['minidist_ms']:11.1f} {r['torch_ms']:9.1f} "
+        lines.append(f"{r['dimension']:<{width}} {r['minidist_ms']:11.1f} {r['torch_ms']:9.1f} "
                      f"{r['ratio']:6.2f} {control:>8}  {r['verdict']}")
     lines.append("(control: torch against itself in the same run; 'noise': it strays as far as the "
                  "ratio from the goal, so this run cannot tell; '—': no control in that benchmark)")
     pp = [r for r in rows if "idle_ratio_minidist" in r]
     if pp:
         lines.append(f"pipeline idle time / the communication-aware simulator's (goal <= {GOAL:.2f}): "
-                     "measured op times and overhead, alpha + bytes·beta per message")
+                     "measured op times and overhead, alpha + bytes·beta per message, the closing "
+                     "barrier; each step against its own prediction, the median")
         for r in pp:
             a, b = r["idle_ratio_minidist"], r["idle_ratio_torch"]
             lines.append(f"  {r['dimension'].split(' (')[0]:<22} minidist {a:5.2f} "

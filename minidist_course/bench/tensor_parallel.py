@@ -90,13 +90,13 @@ def _gloo_collectives(on: bool):
         dist.all_reduce(y, group=group)
         return y
 
-    def all_gather(x, dim, group, sizes_agreed=False):
+    def all_gather(x, dim, group, sizes_agreed=False, agree_at=None):
         parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
                  for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim)
 
-    def reduce_scatter(x, dim, group, sizes_agreed=False):
+    def reduce_scatter(x, dim, group, sizes_agreed=False, agree_at=None):
         pieces = [p.contiguous() for p in x.chunk(dist.get_world_size(group), dim)]
         out = torch.empty_like(pieces[0])
         dist.reduce_scatter(out, pieces, group=group)

@@ -17,7 +17,15 @@ from minidist import collectives as C
 STALE = -7.0  # what an output holds before the call: it must never survive one
 
 
-def _disagree_rank(rank, world, op, algorithm, case):
+def _disagree_rank(rank, world, op, algorithm, case, warm=False):
+    site = "here" if warm else None   # a named call site: at W = 2 its next call carries the
+    if warm:                          # agreement beside the data (comm/agreed.py)
+        if op == "all_gather":
+            C.all_gather(torch.empty(3 * world), torch.ones(3), algorithm=algorithm, debug=False,
+                         agree_at=site)
+        else:
+            C.reduce_scatter(torch.empty(3), torch.ones(3 * world), algorithm=algorithm,
+                             debug=False, agree_at=site)
     if op == "all_gather":
         if case == "receiver-larger":  # rank 0 expects more from the last rank than it sends
             sizes = [3] * world
@@ -30,18 +38,20 @@ def _disagree_rank(rank, world, op, algorithm, case):
         else:  # "tensor-form": each rank's own input size differs
             n = 3 if rank == 0 else 4
             out = torch.full((n * world,), STALE)
-            C.all_gather(out, torch.full((n,), float(rank)), algorithm=algorithm, debug=False)
+            C.all_gather(out, torch.full((n,), float(rank)), algorithm=algorithm, debug=False,
+                         agree_at=site)
             return out.tolist()
         outs = [torch.full((s,), STALE) for s in sizes]
         C.all_gather(outs, torch.full((sizes[rank],), float(rank)), algorithm=algorithm,
-                     debug=False)
+                     debug=False, agree_at=site)
         return [o.tolist() for o in outs]
     if op == "reduce_scatter":
         sizes = [3] * world
         if rank == 0:
             sizes[-1] = 5 if case == "receiver-larger" else 2
         out = torch.full((sizes[rank],), STALE)
-        C.reduce_scatter(out, [torch.ones(s) for s in sizes], algorithm=algorithm, debug=False)
+        C.reduce_scatter(out, [torch.ones(s) for s in sizes], algorithm=algorithm, debug=False,
+                         agree_at=site)
         return out.tolist()
     if op == "broadcast":
         n = {"receiver-larger": (4 if rank == 0 else 6), "receiver-smaller": (6 if rank == 0 else 4),
@@ -69,10 +79,16 @@ CASES = [(op, alg, case, world)
          for alg in algs for case in cases]
 
 
-@pytest.mark.parametrize("op,algorithm,case,world", CASES)
-def test_size_disagreement_is_an_error_naming_the_ranks(op, algorithm, case, world):
+WARM = [(op, "ring", case, 2, True) for op, alg, case, world in CASES
+        if op in ("all_gather", "reduce_scatter") and alg == "ring" and world == 2]
+
+
+@pytest.mark.parametrize("op,algorithm,case,world,warm",
+                         [(*c, False) for c in CASES] + WARM)
+def test_size_disagreement_is_an_error_naming_the_ranks(op, algorithm, case, world, warm):
+    """``warm``: after an agreed call, where the agreement travels beside the data (W = 2)."""
     with pytest.raises(minidist.RankError) as info:
-        got = minidist.run(_disagree_rank, world, op, algorithm, case, timeout=60)
+        got = minidist.run(_disagree_rank, world, op, algorithm, case, warm, timeout=60)
         pytest.fail(f"no error; results by rank: {got}")  # a silent (possibly stale) answer
     msg = str(info.value)
     assert "ranks disagree on the sizes" in msg, msg[-2000:]
@@ -103,3 +119,35 @@ def _agree_rank(rank, world, algorithm):
 @pytest.mark.parametrize("algorithm", ["naive", "ring"])
 def test_per_rank_sizes_that_agree_still_work(world, algorithm):
     assert minidist.run(_agree_rank, world, algorithm, timeout=60) == [True] * world
+
+
+def _shapes_rank(rank, world):
+    """One named call site after another with the shapes of a loop that changes its sequence
+    length: every result right, nothing stale; a call whose sizes the site agreed before sends its
+    data alone (the header goes by torch.distributed, as the all-reduce it replaces) and runs no
+    separate agreement; a new shape sends old-length data first, then the data again."""
+    from minidist.comm import agreed, p2p
+    checks = []
+    real = agreed.check_sizes_agree
+    agreed.check_sizes_agree = lambda *a, **k: (checks.append(a[0]), real(*a, **k))[1]
+    steady = []
+    for sizes in ([3, 3], [3, 3], [1, 2], [1, 2], [0, 4], [0, 4], [5, 5], [3, 3], [3, 3]):
+        before = (len(checks), p2p.traffic("all_gather/ring").msgs_sent)
+        outs = [torch.full((s,), STALE) for s in sizes]
+        C.all_gather(outs, torch.full((sizes[rank],), float(rank + 1)), debug=False,
+                     agree_at="loop")
+        assert all(torch.equal(o, torch.full_like(o, float(r + 1))) for r, o in enumerate(outs)), outs
+        steady.append((len(checks) - before[0], p2p.traffic("all_gather/ring").msgs_sent - before[1]))
+        out = torch.full((sizes[rank],), STALE)
+        C.reduce_scatter(out, [torch.full((s,), float(rank + 1)) for s in sizes], debug=False,
+                         agree_at="loop")
+        assert torch.equal(out, torch.full_like(out, 3.0)), out
+    return steady
+
+
+def test_the_agreement_travels_beside_the_data_at_two_ranks_and_follows_new_shapes():
+    for steady in minidist.run(_shapes_rank, 2, timeout=60):
+        # (separate agreements, data messages sent) per all-gather: the first call agrees apart
+        assert steady[0] == (1, 1) and steady[1] == (0, 1), steady
+        assert steady[2] == (0, 2) and steady[3] == (0, 1), steady
+        assert steady[7] == (0, 2) and steady[8] == (0, 1), steady

@@ -70,9 +70,12 @@ def _size_checks(rank, world):
     import minidist.collectives as C
     from minidist.comm.ops import CollectiveMismatchError
     from minidist.tensor_parallel import regions as R
+    from minidist.comm import agreed
     calls = []
     real = C.check_sizes_agree
-    C.check_sizes_agree = lambda opname, *a, **k: (calls.append(opname), real(opname, *a, **k))[1]
+    # a call site's first call agrees apart (agreed.py); later ones carry it beside the data
+    C.check_sizes_agree = agreed.check_sizes_agree = \
+        lambda opname, *a, **k: (calls.append(opname), real(opname, *a, **k))[1]
     out = {}
     try:
         for name, fn, shape in (
@@ -95,7 +98,7 @@ def _size_checks(rank, world):
         except CollectiveMismatchError as e:
             out["mismatch"] = str(e)
     finally:
-        C.check_sizes_agree = real
+        C.check_sizes_agree = agreed.check_sizes_agree = real
     return out
 
 
