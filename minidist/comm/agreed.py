@@ -30,19 +30,15 @@ import torch.distributed as dist
 from . import p2p
 from .ops import CollectiveMismatchError, check_sizes_agree
 
-__all__ = ["exchange_agreed", "forget"]
+__all__ = ["exchange_agreed"]
 
-_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # group -> {op: sizes}
+# group -> {(op, call site): the sizes its ranks agreed last}
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HEADER_TAG = 1 << 30   # the header's own tag: never matched with a payload
 
 
 def _table(group) -> dict:
     return _AGREED.setdefault(group if group is not None else dist.group.WORLD, {})
-
-
-def forget(group=None) -> None:
-    """Drop what ``group``'s ranks agreed (every rank of the group must call it)."""
-    _table(group).clear()
 
 
 def exchange_agreed(opname: str, group, key, sizes: list[int], send: torch.Tensor,
@@ -76,7 +72,8 @@ def exchange_agreed(opname: str, group, key, sizes: list[int], send: torch.Tenso
     data = [p2p.irecv(into, peer, group), p2p.isend(out, peer, group)]
     p2p.wait_all(data)
     for work in header:
-        work.wait()
+        if work is not None:   # torch types a non-member's call as None; both are members here
+            work.wait()
     theirs_list = theirs.tolist()
     if theirs_list == list(sizes) == agreed:
         return True
@@ -84,8 +81,8 @@ def exchange_agreed(opname: str, group, key, sizes: list[int], send: torch.Tenso
         rows = "\n".join(f"  rank {r}: {e}" for r, e in
                          enumerate([list(sizes), theirs_list] if rank == 0 else [theirs_list, list(sizes)]))
         raise CollectiveMismatchError(
-            f"{opname}: ranks disagree on the sizes (elements per piece); nothing was gathered or "
-            f"reduced (rank {rank} reporting):\n{rows}\nEvery rank must pass the same sizes to "
+            f"{opname}: ranks disagree on the sizes (elements per piece), so the output is no "
+            f"result (rank {rank} reporting):\n{rows}\nEvery rank must pass the same sizes to "
             f"{opname}: piece r has rank r's size on every rank.")
     _table(group)[site] = list(sizes)   # the next shape: both ranks agree, exchange again
     p2p.exchange(send, peer, recv, peer, group)

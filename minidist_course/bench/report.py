@@ -96,8 +96,8 @@ def format_report(rows: list[dict]) -> str:
                      "barrier; each step against its own prediction, the median")
         for r in pp:
             a, b = r["idle_ratio_minidist"], r["idle_ratio_torch"]
-            lines.append(f"  {r['dimension'].split(' (')[0]:<22} minidist {a:5.2f} "
-                         f"{'✓' if a <= GOAL else '✗'}   torch {b:5.2f} {'✓' if b <= GOAL else '✗'}")
+            lines.append(f"  {r['dimension'].split(' (')[0]:<22} minidist {a:5.3f} "
+                         f"{'✓' if a <= GOAL else '✗'}   torch {b:5.3f} {'✓' if b <= GOAL else '✗'}")
     return "\n".join(lines)
 
 
