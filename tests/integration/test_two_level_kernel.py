@@ -37,7 +37,9 @@ def runs():
     why = _can()
     if why:
         pytest.skip(why)
-    kernel = K.run_two_nodes(200, reps=7)
+    # medians of 15: a run late in CI's serial half once had 64 KiB's hierarchical median at
+    # 9.9 ms against the ring's 3.7 (2.66x, outside the tie band) and passed four times alone
+    kernel = K.run_two_nodes(200, reps=15)
     return kernel, K.software_twin(*kernel["fit"]["inter"], reps=5)
 
 
