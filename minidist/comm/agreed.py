@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import p2p
-from .ops import CollectiveMismatchError, check_sizes_agree
+from .ops import check_sizes_agree, sizes_mismatch
 
 __all__ = ["exchange_agreed"]
 
@@ -51,7 +51,8 @@ def exchange_agreed(opname: str, group, key, sizes: list[int], send: torch.Tenso
     algorithm).
 
     Raises:
-        CollectiveMismatchError: on both ranks, when they passed different ``sizes``.
+        CollectiveMismatchError: on both ranks, when they passed different ``sizes`` (the
+            message of :func:`.ops.check_sizes_agree`).
     """
     site = (opname, key)
     agreed = _table(group).get(site)
@@ -78,12 +79,8 @@ def exchange_agreed(opname: str, group, key, sizes: list[int], send: torch.Tenso
     if theirs_list == list(sizes) == agreed:
         return True
     if theirs_list != list(sizes):
-        rows = "\n".join(f"  rank {r}: {e}" for r, e in
-                         enumerate([list(sizes), theirs_list] if rank == 0 else [theirs_list, list(sizes)]))
-        raise CollectiveMismatchError(
-            f"{opname}: ranks disagree on the sizes (elements per piece), so the output is no "
-            f"result (rank {rank} reporting):\n{rows}\nEvery rank must pass the same sizes to "
-            f"{opname}: piece r has rank r's size on every rank.")
+        everyone = [list(sizes), theirs_list] if rank == 0 else [theirs_list, list(sizes)]
+        raise sizes_mismatch(opname, rank, everyone, when="(the output is no result)")
     _table(group)[site] = list(sizes)   # the next shape: both ranks agree, exchange again
     p2p.exchange(send, peer, recv, peer, group)
     return True

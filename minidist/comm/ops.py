@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["check_group", "normalize_op", "combine_", "finish_avg_", "contiguous", "check_same_across_ranks",
-           "CollectiveMismatchError", "debug_enabled", "check_sizes_agree",
+           "CollectiveMismatchError", "debug_enabled", "check_sizes_agree", "sizes_mismatch",
            "check_exchange_sizes", "scratch_buffer"]
 
 OPS = ("sum", "avg", "max", "min")
@@ -139,17 +139,24 @@ def check_sizes_agree(opname: str, group, sizes, device=None, root: int | None =
         return
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
+    raise sizes_mismatch(opname, dist.get_rank(group), everyone, root)
+
+
+def sizes_mismatch(opname: str, rank: int, everyone: list, root: int | None = None,
+                   when: str = "before any data moved") -> CollectiveMismatchError:
+    """The error of :func:`check_sizes_agree` (and of :mod:`.agreed`): ``everyone[r]`` is rank r's
+    size list; ``rank`` the group rank reporting; ``when`` what had happened by then."""
     rows = "\n".join(f"  rank {r}: {e}" for r, e in enumerate(everyone))
     diffs = []
-    for j in range(n):
+    for j in range(len(everyone[0])):
         owner = root if root is not None else j  # piece j belongs to rank j
         for r, e in enumerate(everyone):
             if e[j] != everyone[owner][j]:
                 diffs.append(f"rank {r} has {e[j]} elements for piece {j} where rank {owner} has "
                              f"{everyone[owner][j]}")
-    raise CollectiveMismatchError(
-        f"{opname}: ranks disagree on the sizes (elements per piece) before any data moved "
-        f"(rank {dist.get_rank(group)} reporting):\n{rows}\n" + "; ".join(diffs[:8]) +
+    return CollectiveMismatchError(
+        f"{opname}: ranks disagree on the sizes (elements per piece) {when} "
+        f"(rank {rank} reporting):\n{rows}\n" + "; ".join(diffs[:8]) +
         ".\nEvery rank must pass the same sizes to " + opname + (
             f": rank {root}'s size." if root is not None else ": piece r has rank r's size on every rank."))
 
