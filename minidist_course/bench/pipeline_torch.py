@@ -144,7 +144,7 @@ def bench_pp_torch(P: int = 4, M: int = 8, schedules=tuple(TORCH_SCHEDULES), t_f
     ``bubble_minidist``, ``bubble_torch`` (measured), ``bubble_simulated`` (nominal costs, no
     communication), ``bubble_predicted`` (communication-aware), ``idle_ratio_minidist`` and
     ``idle_ratio_torch`` (measured idle / predicted idle), ``alpha_s``, ``beta_s_per_byte``,
-    ``message_bytes`` and ``t_gap_s`` (what the prediction used; on a machine so loaded that the
+    ``message_bytes``, ``t_gap_s`` and ``barrier_s`` (what the prediction used; on a machine so loaded that the
     ping-pong's times do not grow with the size, alpha is its fastest time and beta 0)."""
     from minidist.comm.topology import Link, Topology
     from minidist.launch import run
